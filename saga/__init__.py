@@ -1,0 +1,57 @@
+"""saga-orchestrator: declared sagas on PostgreSQL that survive crashes and compensate."""
+
+from saga.context import StepContext
+from saga.definition import Compensation, Saga, Step
+from saga.errors import (
+    DatabaseUnavailable,
+    IdempotencyConflict,
+    LeaseLost,
+    NotRegistered,
+    PermanentError,
+    SagaDefinitionError,
+    SagaError,
+    SagaNotFound,
+    StepStateError,
+    TransientError,
+)
+from saga.orchestrator import Orchestrator
+from saga.outcomes import Absent, Found, Inconclusive
+from saga.retry import RetryPolicy
+from saga.state import (
+    HistoryEvent,
+    OperationState,
+    OperationStatus,
+    SagaHandle,
+    SagaState,
+    SagaStatus,
+)
+from saga.worker import Worker
+
+__all__ = [
+    "Absent",
+    "Compensation",
+    "DatabaseUnavailable",
+    "Found",
+    "HistoryEvent",
+    "IdempotencyConflict",
+    "Inconclusive",
+    "LeaseLost",
+    "NotRegistered",
+    "OperationState",
+    "OperationStatus",
+    "Orchestrator",
+    "PermanentError",
+    "RetryPolicy",
+    "Saga",
+    "SagaDefinitionError",
+    "SagaError",
+    "SagaHandle",
+    "SagaNotFound",
+    "SagaState",
+    "SagaStatus",
+    "Step",
+    "StepContext",
+    "StepStateError",
+    "TransientError",
+    "Worker",
+]

@@ -1,0 +1,36 @@
+"""The context handed to step, compensation and reconcile functions."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+
+@dataclass(frozen=True, slots=True)
+class StepContext:
+    """What an operation knows about itself while it runs.
+
+    Attributes:
+        saga_id: Id of the saga instance.
+        tenant_id: Tenant the saga belongs to.
+        step: Name of the step (a compensation carries its step's name).
+        kind: `"action"` or `"compensation"`.
+        idempotency_key: Stable key of this operation; pass it to the provider.
+        attempt: Attempt number, from 1; for a reconcile, the attempt being asked about.
+        fence: Fencing token of the lease under which this attempt runs.
+        results: Results of the saga's succeeded steps, by step name.
+        log: A structlog logger bound with saga id, step, attempt and key.
+    """
+
+    saga_id: str
+    tenant_id: str
+    step: str
+    kind: str
+    idempotency_key: str
+    attempt: int
+    fence: int
+    results: Mapping[str, Any]
+    log: structlog.typing.FilteringBoundLogger

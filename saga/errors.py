@@ -1,0 +1,60 @@
+"""Exceptions raised by saga-orchestrator and by step code to steer retries."""
+
+from __future__ import annotations
+
+
+class SagaError(Exception):
+    """Base class of every error the orchestrator raises."""
+
+
+class SagaDefinitionError(SagaError):
+    """The saga declaration is invalid (duplicate step, second compensation, bad option)."""
+
+
+class IdempotencyConflict(SagaError):
+    """The same idempotency key was used with a different request."""
+
+    def __init__(self, message: str, *, saga: str, key: str) -> None:
+        super().__init__(message)
+        self.saga = saga
+        self.key = key
+
+
+class SagaNotFound(SagaError, LookupError):
+    """No saga exists with this id."""
+
+    def __init__(self, saga_id: str) -> None:
+        super().__init__(f"no saga with id {saga_id!r}")
+        self.saga_id = saga_id
+
+
+class NotRegistered(SagaError, LookupError):
+    """The saga's (name, version) is not registered with this orchestrator."""
+
+    def __init__(self, name: str, version: int) -> None:
+        super().__init__(
+            f"saga {name!r} version {version} is not registered with this orchestrator; "
+            f"register it with Orchestrator.register() or Orchestrator(sagas=[...])"
+        )
+        self.name = name
+        self.version = version
+
+
+class DatabaseUnavailable(SagaError, ConnectionError):
+    """PostgreSQL could not be reached; the message names host and port, never the password."""
+
+
+class StepStateError(SagaError, ValueError):
+    """An operator request does not fit the saga's current state (e.g. resolving a settled step)."""
+
+
+class LeaseLost(SagaError):
+    """This worker's lease was taken over; its writes are refused by the fencing token."""
+
+
+class PermanentError(Exception):
+    """Raised by step code: the operation failed and must not be retried."""
+
+
+class TransientError(Exception):
+    """Raised by step code: the operation failed but may succeed if retried with the same key."""

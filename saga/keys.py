@@ -1,0 +1,73 @@
+"""Stable identities: canonical JSON, request fingerprints and idempotency keys."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+JsonValue = Any  # None | bool | int | float | str | list[JsonValue] | dict[str, JsonValue]
+
+
+def check_json(value: object, *, where: str) -> None:
+    """Raise `TypeError` unless `value` is plain JSON that round-trips unchanged.
+
+    Plain JSON means None, bool, int, finite float, str, list and dict with str keys.
+    Tuples, sets, non-str keys, NaN and Infinity are refused because a replay from
+    storage would not see the same value as the first run.
+    """
+    stack: list[tuple[object, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if item is None or isinstance(item, bool | int | str):
+            continue
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                raise TypeError(f"{where}: {item!r} at {path or '<root>'} is not valid JSON")
+            continue
+        if isinstance(item, list):
+            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(item))
+            continue
+        if isinstance(item, dict):
+            for k, child in item.items():
+                if not isinstance(k, str):
+                    raise TypeError(
+                        f"{where}: key {k!r} at {path or '<root>'} is not a string; "
+                        "JSON objects only have string keys"
+                    )
+                stack.append((child, f"{path}.{k}"))
+            continue
+        raise TypeError(
+            f"{where}: {type(item).__name__} at {path or '<root>'} is not JSON "
+            "(return JSON values or a pydantic model)"
+        )
+
+
+def canonical_json(value: JsonValue) -> str:
+    """Serialize JSON with sorted keys and no insignificant whitespace."""
+    check_json(value, where="canonical JSON")
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def request_hash(fields: Mapping[str, JsonValue]) -> str:
+    """Hex SHA-256 of the canonical JSON of a request's business fields."""
+    return hashlib.sha256(canonical_json(dict(fields)).encode("utf-8")).hexdigest()
+
+
+def _escape(part: str) -> str:
+    # ':' separates the key's parts; escaping it (and the escape character) keeps
+    # tenant "a:b" + key "c" distinct from tenant "a" + key "b:c".
+    return part.replace("%", "%25").replace(":", "%3A")
+
+
+def saga_key_prefix(saga: str, version: int, tenant: str, key: str) -> str:
+    """`{saga}:v{version}:{tenant}:{key}`, the prefix shared by a saga's operation keys."""
+    return ":".join((_escape(saga), f"v{version}", _escape(tenant), _escape(key)))
+
+
+def operation_key(saga: str, version: int, tenant: str, key: str, step: str, kind: str) -> str:
+    """Idempotency key of one operation; compensations end in `:compensate`."""
+    base = f"{saga_key_prefix(saga, version, tenant, key)}:{_escape(step)}"
+    return f"{base}:compensate" if kind == "compensation" else base

@@ -1,0 +1,86 @@
+"""Apply the SQL migrations in order, once, under an advisory lock."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import structlog
+from psycopg import sql
+
+_log = structlog.get_logger("saga.migrate")
+
+# Arbitrary constant shared by every migrator of this project: two processes migrating
+# the same database at once serialize on it instead of racing on CREATE TABLE.
+_ADVISORY_LOCK_ID = 0x5A6A_0001
+_SCHEMA = sql.Identifier("saga")
+_FILE_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    """One migration file: `NNNN_description.sql`."""
+
+    version: int
+    name: str
+    sql_text: str
+
+
+def migrations_dir() -> Path:
+    """Where the migration files are: inside the installed package, else the source tree."""
+    packaged = resources.files("saga") / "migrations"
+    if packaged.is_dir():
+        return Path(str(packaged))
+    source = Path(__file__).resolve().parent.parent / "migrations"
+    if source.is_dir():
+        return source
+    raise FileNotFoundError("saga migrations are missing from this installation")
+
+
+def load_migrations(directory: Path | None = None) -> list[Migration]:
+    """All migrations, ordered by version; a malformed file name is an error."""
+    found: list[Migration] = []
+    for path in sorted((directory or migrations_dir()).glob("*.sql")):
+        match = _FILE_NAME.match(path.name)
+        if match is None:
+            raise ValueError(f"migration file {path.name!r} is not named NNNN_description.sql")
+        found.append(Migration(int(match[1]), match[2], path.read_text(encoding="utf-8")))
+    versions = [m.version for m in found]
+    if len(set(versions)) != len(versions):
+        raise ValueError(f"two migration files share a version: {versions}")
+    return found
+
+
+def apply_migrations(conn: psycopg.Connection[Any]) -> list[int]:
+    """Apply pending migrations in one transaction; returns the versions applied."""
+    applied: list[int] = []
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_ADVISORY_LOCK_ID,))
+        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(_SCHEMA))
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {}.schema_migrations ("
+                " version integer PRIMARY KEY,"
+                " name text NOT NULL,"
+                " applied_at timestamptz NOT NULL DEFAULT now())"
+            ).format(_SCHEMA)
+        )
+        cursor = conn.execute(sql.SQL("SELECT version FROM {}.schema_migrations").format(_SCHEMA))
+        done = {int(row[0]) for row in cursor.fetchall()}
+        for migration in load_migrations():
+            if migration.version in done:
+                continue
+            conn.execute(migration.sql_text.encode("utf-8"))
+            conn.execute(
+                sql.SQL("INSERT INTO {}.schema_migrations (version, name) VALUES (%s, %s)").format(
+                    _SCHEMA
+                ),
+                (migration.version, migration.name),
+            )
+            applied.append(migration.version)
+            _log.info("migration_applied", version=migration.version, name=migration.name)
+    return applied

@@ -1,0 +1,368 @@
+"""The Orchestrator: start, run, inspect, compensate and resolve sagas on PostgreSQL."""
+
+from __future__ import annotations
+
+import builtins
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Iterable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal
+
+import psycopg
+import structlog
+from psycopg_pool import ConnectionPool
+from pydantic import BaseModel
+
+from saga.database import check_connection, resolve_database_url, unavailable
+from saga.definition import Saga
+from saga.errors import (
+    IdempotencyConflict,
+    NotRegistered,
+    SagaDefinitionError,
+    SagaNotFound,
+    StepStateError,
+)
+from saga.migrate import apply_migrations
+from saga.protocol import Event, Planner, SagaRow, new_action_rows
+from saga.runner import Runner
+from saga.state import HistoryEvent, SagaHandle, SagaState, SagaStatus
+from saga.store import Store, parse_id
+
+if TYPE_CHECKING:
+    from saga.worker import Worker
+
+_log: structlog.typing.FilteringBoundLogger = structlog.get_logger("saga")
+
+
+class Orchestrator:
+    """Runs registered sagas against one PostgreSQL database.
+
+    Args:
+        database_url: PostgreSQL URL; else `SAGA_DATABASE_URL`; else an embedded
+            PostgreSQL started in a local data directory.
+        sagas: Sagas to register (the registry is per orchestrator).
+        lease_seconds: How long a claim on a saga lasts without renewal; a crashed
+            owner's sagas are taken over after it expires.
+        auto_migrate: Apply pending migrations on first use.
+        owner: Name of this lease owner in the database (defaults to host:pid:random).
+        pool_size: Most database connections this orchestrator holds at once.
+    """
+
+    def __init__(
+        self,
+        database_url: str | None = None,
+        *,
+        sagas: Iterable[Saga[Any]] = (),
+        lease_seconds: float = 30.0,
+        auto_migrate: bool = True,
+        owner: str | None = None,
+        pool_size: int = 10,
+    ) -> None:
+        if not lease_seconds > 0:
+            raise ValueError(f"lease_seconds must be positive, got {lease_seconds!r}")
+        if pool_size < 2:
+            raise ValueError(f"pool_size must be at least 2, got {pool_size!r}")
+        self._explicit_url = database_url
+        self._url: str | None = None
+        self.lease_seconds = float(lease_seconds)
+        self.auto_migrate = auto_migrate
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._pool_size = pool_size
+        self._registry: dict[tuple[str, int], Saga[Any]] = {}
+        self._lock = threading.Lock()
+        self._pool: ConnectionPool[Any] | None = None
+        self._store: Store | None = None
+        for saga in sagas:
+            self.register(saga)
+
+    # ----- set-up ------------------------------------------------------------------------
+
+    @property
+    def database_url(self) -> str:
+        """The resolved database URL (starts the embedded server when that is the source)."""
+        if self._url is None:
+            self._url = resolve_database_url(self._explicit_url)
+        return self._url
+
+    def register(self, saga: Saga[Any]) -> None:
+        """Make `saga` runnable by this orchestrator and its workers."""
+        if not isinstance(saga, Saga):
+            raise SagaDefinitionError(f"register() takes a Saga, got {saga!r}")
+        if not saga.steps:
+            raise SagaDefinitionError(f"saga {saga.name!r} has no steps")
+        ident = (saga.name, saga.version)
+        existing = self._registry.get(ident)
+        if existing is not None and existing is not saga:
+            raise SagaDefinitionError(
+                f"another saga named {saga.name!r} version {saga.version} is already registered"
+            )
+        self._registry[ident] = saga
+
+    def registered(self) -> list[Saga[Any]]:
+        """The sagas registered with this orchestrator."""
+        return list(self._registry.values())
+
+    def definition(self, name: str, version: int) -> Saga[Any]:
+        """The registered saga (name, version); `NotRegistered` otherwise."""
+        saga = self._registry.get((name, version))
+        if saga is None:
+            raise NotRegistered(name, version)
+        return saga
+
+    @property
+    def store(self) -> Store:
+        """The storage layer, connected (and migrated) on first use."""
+        if self._store is None:
+            with self._lock:
+                if self._store is None:
+                    self._store = self._connect()
+        return self._store
+
+    def _connect(self) -> Store:
+        url = self.database_url
+        check_connection(url)
+        if self.auto_migrate:
+            try:
+                with psycopg.connect(url, autocommit=True) as conn:
+                    apply_migrations(conn)
+            except psycopg.OperationalError as exc:
+                raise unavailable(url, exc) from None
+        pool: ConnectionPool[Any] = ConnectionPool(
+            url,
+            min_size=1,
+            max_size=self._pool_size,
+            kwargs={"autocommit": True},
+            open=False,
+            name=f"saga-{self.owner}",
+        )
+        try:
+            pool.open(wait=True, timeout=10.0)
+        except Exception as exc:
+            pool.close()
+            raise unavailable(url, exc) from None
+        self._pool = pool
+        return Store(pool)
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+            self._store = None
+
+    def __enter__(self) -> Orchestrator:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ----- starting ----------------------------------------------------------------------
+
+    def start(self, saga: Saga[Any], data: BaseModel | dict[str, Any]) -> SagaHandle:
+        """Create a saga instance, idempotently on (tenant, saga name, key).
+
+        The same call twice returns the same saga. The same key with a different
+        request (business fields) raises `IdempotencyConflict` and stores nothing.
+        Invalid input raises pydantic's `ValidationError` before anything is written.
+        """
+        if (saga.name, saga.version) not in self._registry:
+            self.register(saga)
+        model = saga.validate_input(data)
+        tenant, key = saga.identity(model)
+        business = saga.business_fields(model)
+        row = SagaRow(
+            id=str(uuid.uuid4()),
+            name=saga.name,
+            version=saga.version,
+            tenant_id=tenant,
+            key=key,
+            input=model.model_dump(mode="json"),
+            input_hash=saga.input_hash(model),
+            status=SagaStatus.PENDING,
+            error=None,
+            direction="forward",
+            fence=0,
+            run_after=None,
+        )
+        store = self.store
+        with store.transaction() as conn:
+            created = store.insert_saga_txn(conn, row, new_action_rows(saga, tenant, key, business))
+            if created:
+                store.append_events_txn(
+                    conn, row.id, [Event("saga_started", detail={"input_hash": row.input_hash})]
+                )
+                saga_id = row.id
+            else:
+                found = store.find_by_identity_txn(conn, tenant_id=tenant, name=saga.name, key=key)
+                assert found is not None  # the insert conflicted on this identity
+                if found["version"] != saga.version or found["input_hash"] != row.input_hash:
+                    raise IdempotencyConflict(
+                        f"saga {saga.name!r} with key {key!r} (tenant {tenant!r}) already exists "
+                        f"as {found['id']} with a different request "
+                        f"(version {found['version']}, hash {found['input_hash'][:12]}…); "
+                        "use a new key for a new request",
+                        saga=saga.name,
+                        key=key,
+                    )
+                saga_id = found["id"]
+        _log.info(
+            "saga_started" if created else "saga_start_deduplicated",
+            saga_id=saga_id,
+            saga=saga.name,
+            tenant_id=tenant,
+            key=key,
+        )
+        return SagaHandle(
+            id=saga_id,
+            saga=saga.name,
+            version=saga.version,
+            tenant_id=tenant,
+            key=key,
+            created=created,
+        )
+
+    # ----- driving -----------------------------------------------------------------------
+
+    def run(self, saga_id: str) -> SagaState:
+        """Drive a saga here until it is completed, compensated or parked.
+
+        A terminal saga is returned as is, calling nothing; a saga whose lease another
+        live owner holds is returned at once in its current state.
+        """
+        state = self.get(saga_id)
+        definition = self.definition(state.saga, state.version)
+        if state.status.is_runnable:
+            self._runner().claim_and_drive(definition, state.id)
+            return self.get(state.id)
+        return state
+
+    def compensate(
+        self, saga_id: str, *, include_unknown: bool = False, actor: str | None = None
+    ) -> SagaState:
+        """Compensation-only recovery: undo what succeeded, in reverse, running no further step.
+
+        A step whose outcome is still unknown stops the compensation there (the saga
+        stays in needs_review saying so) unless `include_unknown=True`, in which case
+        its compensation runs with `result=None`.
+        """
+        state = self.get(saga_id)
+        definition = self.definition(state.saga, state.version)
+        if state.status == SagaStatus.COMPENSATED:
+            return state
+        self._operator_change(
+            definition,
+            state.id,
+            lambda p: p.request_compensation(include_unknown=include_unknown, actor=actor),
+        )
+        return self.run(state.id)
+
+    def resolve(
+        self,
+        saga_id: str,
+        step: str,
+        *,
+        outcome: Literal["succeeded", "failed"],
+        result: Any = None,
+        actor: str,
+        reason: str | None = None,
+        kind: Literal["action", "compensation"] | None = None,
+    ) -> SagaState:
+        """Settle an operation a human has checked, and make the saga runnable again.
+
+        `outcome="succeeded"` records `result` (validated like a step's return value);
+        `outcome="failed"` records the failure, so the next run compensates. The saga
+        is not driven here: call `run` or leave it to a worker.
+        """
+        if outcome not in ("succeeded", "failed"):
+            raise ValueError(f"outcome must be 'succeeded' or 'failed', got {outcome!r}")
+        if not actor:
+            raise ValueError("resolve() needs an actor naming who settled the step")
+        state = self.get(saga_id)
+        definition = self.definition(state.saga, state.version)
+        target = definition.step_named(step)
+        if target is None:
+            raise StepStateError(f"saga {state.saga!r} has no step {step!r}")
+        stored = None
+        if outcome == "succeeded":
+            codec = target.codec
+            if kind == "compensation" and target.compensation_op is not None:
+                codec = target.compensation_op.codec
+            stored = codec.encode(codec.decode(result))
+        self._operator_change(
+            definition,
+            state.id,
+            lambda p: p.resolve(
+                step, kind=kind, outcome=outcome, result=stored, actor=actor, reason=reason
+            ),
+        )
+        return self.get(state.id)
+
+    def _operator_change(self, definition: Saga[Any], saga_id: str, change: Any) -> None:
+        store = self.store
+        with store.transaction() as conn:
+            locked = store.lock_saga_txn(conn, saga_id)
+            if locked is None:
+                raise SagaNotFound(saga_id)
+            row, live = locked
+            if live:
+                raise StepStateError(
+                    f"saga {saga_id} is leased by {row.lease_owner} until {row.lease_expires_at}; "
+                    "wait for it to stop or for the lease to expire"
+                )
+            planner = Planner(definition, row, store.operations_txn(conn, saga_id))
+            change(planner)
+            events = planner.take_events()
+            store.save_txn(conn, planner.saga, planner.ops, events, release=True)
+        for event in events:
+            _log.info(
+                event.event, saga_id=saga_id, step=event.step, kind=event.kind, **event.detail
+            )
+
+    def _runner(self) -> Runner:
+        return Runner(self.store, owner=self.owner, lease_seconds=self.lease_seconds)
+
+    # ----- reading -----------------------------------------------------------------------
+
+    def get(self, saga_id: str) -> SagaState:
+        """The saga and its operations; `SagaNotFound` when there is none."""
+        if parse_id(saga_id) is None:
+            raise SagaNotFound(saga_id)
+        state = self.store.get_state(str(saga_id))
+        if state is None:
+            raise SagaNotFound(saga_id)
+        return state
+
+    def list(
+        self,
+        status: str | None = None,
+        saga: str | None = None,
+        tenant: str | None = None,
+        limit: int = 100,
+    ) -> builtins.list[SagaState]:
+        """Sagas filtered by status, saga name and tenant, newest first."""
+        if status is not None:
+            status = SagaStatus(status).value
+        if limit < 1:
+            raise ValueError(f"limit must be positive, got {limit}")
+        return self.store.list_states(status=status, name=saga, tenant_id=tenant, limit=limit)
+
+    def history(self, saga_id: str) -> builtins.list[HistoryEvent]:
+        """The audit trail of a saga, oldest first."""
+        self.get(saga_id)
+        return self.store.history(saga_id)
+
+    # ----- workers -----------------------------------------------------------------------
+
+    def worker(self, concurrency: int = 4, *, poll_seconds: float = 0.5) -> Worker:
+        """A worker that claims and drives this orchestrator's registered sagas."""
+        from saga.worker import Worker
+
+        return Worker(self, concurrency=concurrency, poll_seconds=poll_seconds)

@@ -1,0 +1,515 @@
+"""The step protocol's decisions, free of I/O: what to write and what to call next.
+
+The planner works on an in-memory snapshot of one saga (its row and its operation
+rows). Each method mutates the snapshot, marks what changed and records audit
+events; the runner persists those changes in one transaction and carries out the
+returned `Next` (call a step, ask a reconcile hook, sleep, or stop). Keeping the
+decisions here lets a sync and an async runner share one protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+from saga.definition import Compensation, Saga, Step
+from saga.errors import StepStateError
+from saga.keys import operation_key, request_hash
+from saga.state import OperationStatus, SagaStatus
+
+Direction = Literal["forward", "backward"]
+Kind = Literal["action", "compensation"]
+
+
+@dataclass(slots=True)
+class OpRow:
+    """In-memory mirror of one row of saga.operations."""
+
+    step: str
+    kind: Kind
+    position: int
+    idempotency_key: str
+    request_hash: str
+    status: OperationStatus
+    attempts: int
+    max_attempts: int
+    next_attempt_at: datetime | None = None
+    result: Any = None
+    provider_reference: str | None = None
+    error: str | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    new: bool = False
+    dirty: bool = False
+
+
+@dataclass(slots=True)
+class SagaRow:
+    """In-memory mirror of one row of saga.sagas."""
+
+    id: str
+    name: str
+    version: int
+    tenant_id: str
+    key: str
+    input: dict[str, Any]
+    input_hash: str
+    status: SagaStatus
+    error: str | None
+    direction: Direction
+    fence: int
+    run_after: datetime | None
+    lease_owner: str | None = None
+    lease_expires_at: datetime | None = None
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """An audit event produced by a decision, persisted in the same transaction."""
+
+    event: str
+    step: str | None = None
+    kind: Kind | None = None
+    attempt: int | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Invoke:
+    """Call the operation's function; its attempt is already recorded as running."""
+
+    op: OpRow
+
+
+@dataclass(frozen=True, slots=True)
+class AskReconcile:
+    """Ask the operation's reconcile hook whether its unknown attempt happened."""
+
+    op: OpRow
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Nothing can run before `until` (retry backoff)."""
+
+    until: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """The saga is terminal or parked: give the lease back."""
+
+    status: SagaStatus
+
+
+Next = Invoke | AskReconcile | Sleep | Stop
+
+
+def action_request_hash(step: str, business: dict[str, Any]) -> str:
+    """Request hash of a step: its name and the saga input's business fields."""
+    return request_hash({"kind": "action", "step": step, "input": business})
+
+
+def compensation_request_hash(step: str, business: dict[str, Any], result: Any) -> str:
+    """Request hash of a compensation: its step, the business input and the step's result."""
+    return request_hash({"kind": "compensation", "step": step, "input": business, "result": result})
+
+
+def new_action_rows(
+    saga: Saga[Any], tenant: str, key: str, business: dict[str, Any]
+) -> list[OpRow]:
+    """The pending action rows created with a saga instance, one per step."""
+    return [
+        OpRow(
+            step=step.name,
+            kind="action",
+            position=step.index,
+            idempotency_key=operation_key(
+                saga.name, saga.version, tenant, key, step.name, "action"
+            ),
+            request_hash=action_request_hash(step.name, business),
+            status=OperationStatus.PENDING,
+            attempts=0,
+            max_attempts=step.retry.max_attempts,
+            new=True,
+        )
+        for step in saga.steps
+    ]
+
+
+class Planner:
+    """Decides the next move of one saga and records every transition as an event."""
+
+    def __init__(self, definition: Saga[Any], saga: SagaRow, ops: list[OpRow]) -> None:
+        self.definition = definition
+        self.saga = saga
+        self.ops = ops
+        self.events: list[Event] = []
+        self.now = datetime.now().astimezone()
+
+    # ----- reading the snapshot -------------------------------------------------------
+
+    @property
+    def actions(self) -> list[OpRow]:
+        """Action rows in step order."""
+        return sorted((o for o in self.ops if o.kind == "action"), key=lambda o: o.position)
+
+    def find(self, step: str, kind: Kind) -> OpRow | None:
+        """The row of (step, kind), or None."""
+        return next((o for o in self.ops if o.step == step and o.kind == kind), None)
+
+    def step_of(self, op: OpRow) -> Step:
+        """The declared step an operation row belongs to."""
+        step = self.definition.step_named(op.step)
+        if step is None:
+            raise StepStateError(
+                f"saga {self.saga.name!r} v{self.saga.version} has no step {op.step!r}; "
+                "was the definition changed without bumping its version?"
+            )
+        return step
+
+    def compensation_of(self, op: OpRow) -> Compensation | None:
+        """The declared compensation of an operation's step, or None."""
+        return self.step_of(op).compensation_op
+
+    def is_idempotent(self, op: OpRow) -> bool:
+        """Whether the operation was declared safe to retry with the same key."""
+        if op.kind == "action":
+            return self.step_of(op).idempotent
+        comp = self.compensation_of(op)
+        return comp is not None and comp.idempotent
+
+    def reconcile_fn(self, op: OpRow) -> Any:
+        """The reconcile hook of an operation, or None."""
+        if op.kind == "action":
+            return self.step_of(op).reconcile_fn
+        comp = self.compensation_of(op)
+        return comp.reconcile_fn if comp is not None else None
+
+    def results(self) -> dict[str, Any]:
+        """Stored results of succeeded steps by name (still JSON)."""
+        return {o.step: o.result for o in self.actions if o.status == OperationStatus.SUCCEEDED}
+
+    # ----- the decision loop ----------------------------------------------------------
+
+    def advance(self, now: datetime | None = None) -> Next:
+        """Apply every transition that needs no call, then say what to do next."""
+        self.now = now or datetime.now().astimezone()
+        for op in self.ops:
+            if op.status == OperationStatus.RUNNING:
+                # Only a previous owner's attempt can still be running when we decide.
+                self._mark_unknown(op, f"attempt {op.attempts} was running when its lease expired")
+        while True:
+            status = self.saga.status
+            if status in (SagaStatus.COMPLETED, SagaStatus.COMPENSATED, SagaStatus.NEEDS_REVIEW):
+                return Stop(status)
+            if status == SagaStatus.PENDING:
+                self._set_status(SagaStatus.RUNNING)
+            nxt = self._forward() if self.saga.direction == "forward" else self._backward()
+            if nxt is not None:
+                return nxt
+
+    def _forward(self) -> Next | None:
+        for op in self.actions:
+            if op.status == OperationStatus.SUCCEEDED:
+                continue
+            if op.status == OperationStatus.UNKNOWN:
+                return self._settle_unknown(op)
+            if op.status == OperationStatus.FAILED:
+                pivot = self._succeeded_pivot_before(op)
+                if pivot is not None:
+                    self.park(
+                        f"step {op.step!r} failed after pivot step {pivot!r} succeeded; "
+                        f"not compensating: {op.error}"
+                    )
+                else:
+                    self._begin_compensation(f"step {op.step!r} failed: {op.error}")
+                return None
+            return self._start_or_wait(op)
+        self._finish(SagaStatus.COMPLETED)
+        return None
+
+    def _backward(self) -> Next | None:
+        for act in reversed(self.actions):
+            comp_def = self.compensation_of(act)
+            comp = self.find(act.step, "compensation")
+            undo = act.status == OperationStatus.SUCCEEDED or (
+                act.status == OperationStatus.UNKNOWN and comp is not None
+            )
+            if undo:
+                if comp_def is None:
+                    continue
+                if comp is None:
+                    comp = self._add_compensation(act)
+                if comp.status == OperationStatus.SUCCEEDED:
+                    continue
+                if comp.status == OperationStatus.UNKNOWN:
+                    return self._settle_unknown(comp)
+                if comp.status == OperationStatus.FAILED:
+                    self.park(f"compensation of step {act.step!r} failed: {comp.error}")
+                    return None
+                return self._start_or_wait(comp)
+            if act.status == OperationStatus.UNKNOWN:
+                self.park(
+                    f"cannot compensate past step {act.step!r}: its outcome is unknown; "
+                    "resolve it first, or compensate with include_unknown=True"
+                )
+                return None
+            # pending or failed: the step had no effect, there is nothing to undo.
+        self._finish(SagaStatus.COMPENSATED)
+        return None
+
+    def _start_or_wait(self, op: OpRow) -> Next | None:
+        if op.attempts >= op.max_attempts:
+            self._touch(op, status=OperationStatus.FAILED)
+            op.error = f"ceiling of {op.max_attempts} attempts reached; {op.error or ''}".rstrip(
+                "; "
+            )
+            return None
+        if op.next_attempt_at is not None and op.next_attempt_at > self.now:
+            return Sleep(op.next_attempt_at)
+        op.attempts += 1
+        self._touch(op, status=OperationStatus.RUNNING)
+        op.next_attempt_at = None
+        op.started_at = self.now
+        op.finished_at = None
+        self._event("attempt_started", op)
+        return Invoke(op)
+
+    def _settle_unknown(self, op: OpRow) -> Next | None:
+        if self.reconcile_fn(op) is not None:
+            return AskReconcile(op)
+        if not self.is_idempotent(op):
+            self.park(
+                f"outcome of {_describe(op)} attempt {op.attempts} is unknown and it is neither "
+                "idempotent nor has a reconcile hook; resolve it"
+            )
+            return None
+        if op.attempts >= op.max_attempts:
+            self.park(
+                f"outcome of {_describe(op)} attempt {op.attempts} is unknown and its ceiling of "
+                f"{op.max_attempts} attempts is reached; resolve it"
+            )
+            return None
+        self._touch(op, status=OperationStatus.PENDING)
+        self._event("unknown_retried", op, reason="idempotent: retrying with the same key")
+        return None
+
+    def _succeeded_pivot_before(self, failed: OpRow) -> str | None:
+        for op in self.actions:
+            if op.position >= failed.position:
+                return None
+            if op.status == OperationStatus.SUCCEEDED and self.step_of(op).pivot:
+                return op.step
+        return None
+
+    # ----- outcomes reported by the runner --------------------------------------------
+
+    def record_success(
+        self, op: OpRow, result: Any, *, provider_reference: str | None = None
+    ) -> None:
+        """The attempt returned `result` (already encoded as JSON)."""
+        self._touch(op, status=OperationStatus.SUCCEEDED)
+        op.result = result
+        op.error = None
+        op.provider_reference = provider_reference
+        op.finished_at = self.now
+        self._event("attempt_succeeded", op)
+
+    def record_failure(self, op: OpRow, error: str, *, retryable: bool, delay: float) -> None:
+        """The attempt raised; retry after `delay` seconds if allowed, else fail the operation."""
+        op.error = error
+        op.finished_at = self.now
+        if retryable and op.attempts < op.max_attempts:
+            self._touch(op, status=OperationStatus.PENDING)
+            op.next_attempt_at = self.now + timedelta(seconds=delay)
+            self._event(
+                "attempt_failed", op, error=error, retryable=True, retry_in_seconds=round(delay, 3)
+            )
+            return
+        self._touch(op, status=OperationStatus.FAILED)
+        if retryable:
+            op.error = f"ceiling of {op.max_attempts} attempts reached; last error: {error}"
+        self._event(
+            "attempt_failed", op, error=op.error, retryable=retryable, retry_in_seconds=None
+        )
+
+    def record_unknown(self, op: OpRow, reason: str, *, park: bool) -> None:
+        """The attempt's outcome cannot be known (or stored); park the saga if asked."""
+        self._mark_unknown(op, reason)
+        if park:
+            self.park(reason)
+
+    def record_found(self, op: OpRow, result: Any, provider_reference: str | None) -> None:
+        """Reconcile: the provider performed the effect."""
+        self._event("reconcile_found", op, provider_reference=provider_reference)
+        self._touch(op, status=OperationStatus.SUCCEEDED)
+        op.result = result
+        op.error = None
+        op.provider_reference = provider_reference
+        op.finished_at = self.now
+
+    def record_absent(self, op: OpRow) -> None:
+        """Reconcile: nothing happened under this key, so a retry with it is safe."""
+        self._event("reconcile_absent", op)
+        if op.attempts < op.max_attempts:
+            self._touch(op, status=OperationStatus.PENDING)
+            op.next_attempt_at = None
+            return
+        self._touch(op, status=OperationStatus.FAILED)
+        op.error = (
+            f"ceiling of {op.max_attempts} attempts reached; the provider confirmed the last "
+            "attempt had no effect"
+        )
+
+    def record_inconclusive(self, op: OpRow, reason: str) -> None:
+        """Reconcile could not tell: a human decides."""
+        self._event("reconcile_inconclusive", op, reason=reason)
+        self.park(f"outcome of {_describe(op)} attempt {op.attempts} is unknown: {reason}")
+
+    # ----- operator requests ----------------------------------------------------------
+
+    def request_compensation(self, *, include_unknown: bool, actor: str | None) -> None:
+        """Switch to compensating what succeeded, in reverse, running no further step."""
+        if self.saga.status == SagaStatus.COMPENSATED:
+            return
+        self.saga.direction = "backward"
+        self._set_status(SagaStatus.COMPENSATING)
+        self.saga.error = None
+        self.saga.run_after = self.now
+        self.events.append(
+            Event(
+                "compensation_requested",
+                detail={"actor": actor, "include_unknown": include_unknown},
+            )
+        )
+        if include_unknown:
+            for act in self.actions:
+                if act.status in (OperationStatus.UNKNOWN, OperationStatus.RUNNING):
+                    self._mark_unknown(act, act.error or "outcome unknown")
+                    if self.compensation_of(act) and self.find(act.step, "compensation") is None:
+                        self._add_compensation(act)
+
+    def resolve(
+        self,
+        step: str,
+        *,
+        kind: Kind | None,
+        outcome: Literal["succeeded", "failed"],
+        result: Any,
+        actor: str,
+        reason: str | None,
+    ) -> OpRow:
+        """An operator settles an operation; the saga becomes runnable again."""
+        op = self._resolution_target(step, kind)
+        if op.status == OperationStatus.SUCCEEDED:
+            raise StepStateError(f"{_describe(op)} already succeeded; there is nothing to resolve")
+        if op.status == OperationStatus.PENDING and op.attempts == 0:
+            raise StepStateError(
+                f"{_describe(op)} has not been attempted; there is nothing to resolve"
+            )
+        if outcome == "succeeded":
+            self._touch(op, status=OperationStatus.SUCCEEDED)
+            op.result = result
+            op.error = None
+        else:
+            self._touch(op, status=OperationStatus.FAILED)
+            op.error = f"resolved as failed by {actor}" + (f": {reason}" if reason else "")
+        op.next_attempt_at = None
+        op.finished_at = self.now
+        self._event("operation_resolved", op, outcome=outcome, actor=actor, reason=reason)
+        if self.saga.status not in (SagaStatus.COMPLETED, SagaStatus.COMPENSATED):
+            back = self.saga.direction == "backward"
+            self._set_status(SagaStatus.COMPENSATING if back else SagaStatus.RUNNING)
+            self.saga.error = None
+            self.saga.run_after = self.now
+        return op
+
+    def _resolution_target(self, step: str, kind: Kind | None) -> OpRow:
+        if self.definition.step_named(step) is None:
+            raise StepStateError(f"saga {self.saga.name!r} has no step {step!r}")
+        if kind is not None:
+            op = self.find(step, kind)
+            if op is None:
+                raise StepStateError(f"step {step!r} has no {kind} operation yet")
+            return op
+        comp = self.find(step, "compensation")
+        if comp is not None and comp.status != OperationStatus.SUCCEEDED:
+            return comp
+        action = self.find(step, "action")
+        assert action is not None  # every declared step has its action row
+        return action
+
+    # ----- transitions ----------------------------------------------------------------
+
+    def park(self, reason: str) -> None:
+        """Stop in needs_review with the reason recorded; a human decides what comes next."""
+        self._set_status(SagaStatus.NEEDS_REVIEW)
+        self.saga.error = reason
+        self.events.append(Event("saga_parked", detail={"reason": reason}))
+
+    def _begin_compensation(self, reason: str) -> None:
+        self.saga.direction = "backward"
+        self._set_status(SagaStatus.COMPENSATING)
+        self.saga.error = reason
+        self.events.append(Event("compensation_started", detail={"reason": reason}))
+
+    def _finish(self, status: SagaStatus) -> None:
+        self._set_status(status)
+        if status == SagaStatus.COMPLETED:
+            self.saga.error = None
+        self.events.append(Event(f"saga_{status.value}"))
+
+    def _mark_unknown(self, op: OpRow, reason: str) -> None:
+        if op.status == OperationStatus.UNKNOWN:
+            return
+        self._touch(op, status=OperationStatus.UNKNOWN)
+        op.error = reason
+        self._event("outcome_unknown", op, reason=reason)
+
+    def _add_compensation(self, act: OpRow) -> OpRow:
+        comp_def = self.compensation_of(act)
+        assert comp_def is not None
+        business = {k: v for k, v in self.saga.input.items() if k not in self.definition.volatile}
+        comp = OpRow(
+            step=act.step,
+            kind="compensation",
+            position=act.position,
+            idempotency_key=operation_key(
+                self.saga.name,
+                self.saga.version,
+                self.saga.tenant_id,
+                self.saga.key,
+                act.step,
+                "compensation",
+            ),
+            request_hash=compensation_request_hash(act.step, business, act.result),
+            status=OperationStatus.PENDING,
+            attempts=0,
+            max_attempts=comp_def.retry.max_attempts,
+            new=True,
+        )
+        self.ops.append(comp)
+        return comp
+
+    def _set_status(self, status: SagaStatus) -> None:
+        self.saga.status = status
+
+    def _touch(self, op: OpRow, *, status: OperationStatus) -> None:
+        op.status = status
+        op.dirty = True
+
+    def _event(self, name: str, op: OpRow, **detail: Any) -> None:
+        self.events.append(Event(name, op.step, op.kind, op.attempts or None, detail))
+
+    def take_events(self) -> list[Event]:
+        """Events produced since the last call (the runner persists and logs them)."""
+        events, self.events = self.events, []
+        return events
+
+
+def _describe(op: OpRow) -> str:
+    return f"step {op.step!r}" if op.kind == "action" else f"compensation of step {op.step!r}"

@@ -1,0 +1,79 @@
+"""Retry policy of an operation: ceiling, exponential backoff with jitter, retryable errors."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import tenacity
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from saga.errors import PermanentError, TransientError
+
+_DEFAULT_RETRY_ON: tuple[type[BaseException], ...] = (TransientError, ConnectionError, TimeoutError)
+
+
+class RetryPolicy(BaseModel):
+    """How often and how soon an operation is retried after a transient failure.
+
+    Args:
+        max_attempts: Ceiling on attempts, the first included (persisted with the operation).
+        initial_delay: Seconds before the second attempt.
+        max_delay: Upper bound, in seconds, of any delay.
+        multiplier: Growth factor of the delay between consecutive attempts.
+        jitter: Fraction of the delay randomly added or removed (0.1 means +/-10%).
+        retry_on: Exception types that are retried; `PermanentError` and anything
+            not listed fail the operation at once.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    max_attempts: int = Field(default=3, ge=1)
+    initial_delay: float = Field(default=0.25, ge=0.0, allow_inf_nan=False)
+    max_delay: float = Field(default=30.0, ge=0.0, allow_inf_nan=False)
+    multiplier: float = Field(default=2.0, ge=1.0, allow_inf_nan=False)
+    jitter: float = Field(default=0.1, ge=0.0, le=1.0, allow_inf_nan=False)
+    retry_on: tuple[type[BaseException], ...] = _DEFAULT_RETRY_ON
+
+    @field_validator("retry_on", mode="before")
+    @classmethod
+    def _check_retry_on(cls, value: Any) -> tuple[type[BaseException], ...]:
+        if isinstance(value, type):
+            value = (value,)
+        items = tuple(value)
+        for item in items:
+            if not (isinstance(item, type) and issubclass(item, BaseException)):
+                raise ValueError(f"retry_on must hold exception classes, got {item!r}")
+        return items
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> RetryPolicy:
+        if self.initial_delay > self.max_delay:
+            raise ValueError(
+                f"initial_delay ({self.initial_delay}) must not exceed max_delay ({self.max_delay})"
+            )
+        return self
+
+    def is_retryable(self, error: BaseException) -> bool:
+        """True when `error` is transient under this policy (never for `PermanentError`)."""
+        if isinstance(error, PermanentError):
+            return False
+        return isinstance(error, self.retry_on)
+
+    def delay_after(self, attempt: int, *, rng: random.Random | None = None) -> float:
+        """Seconds to wait after failed attempt number `attempt` (from 1), jitter included."""
+        if attempt < 1:
+            raise ValueError(f"attempt numbers start at 1, got {attempt}")
+        wait = tenacity.wait_exponential(
+            multiplier=self.initial_delay, exp_base=self.multiplier, max=self.max_delay
+        )
+        base = float(wait(_retry_state(attempt)))
+        spread = base * self.jitter
+        jittered = base + (rng or random).uniform(-spread, spread)
+        return max(0.0, min(jittered, self.max_delay))
+
+
+def _retry_state(attempt: int) -> tenacity.RetryCallState:
+    state = tenacity.RetryCallState(retry_object=tenacity.Retrying(), fn=None, args=(), kwargs={})
+    state.attempt_number = attempt
+    return state

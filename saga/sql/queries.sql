@@ -1,0 +1,172 @@
+-- insert_saga --
+-- Create a saga instance; nothing happens when (tenant, name, key) already exists.
+INSERT INTO saga.sagas (id, name, version, tenant_id, key, input, input_hash, status)
+VALUES (%(id)s, %(name)s, %(version)s, %(tenant_id)s, %(key)s, %(input)s, %(input_hash)s, 'pending')
+ON CONFLICT ON CONSTRAINT sagas_identity DO NOTHING
+RETURNING id::text
+
+-- find_saga_by_identity --
+-- The saga with this (tenant, name, key), with its version and input hash.
+SELECT id::text, name, version, input_hash
+FROM saga.sagas
+WHERE tenant_id = %(tenant_id)s AND name = %(name)s AND key = %(key)s
+
+-- insert_operation --
+-- Create one operation row (a step or a compensation).
+INSERT INTO saga.operations (saga_id, step, kind, position, idempotency_key, request_hash,
+                             status, attempts, max_attempts)
+VALUES (%(saga_id)s, %(step)s, %(kind)s, %(position)s, %(idempotency_key)s, %(request_hash)s,
+        %(status)s, %(attempts)s, %(max_attempts)s)
+
+-- insert_event --
+-- Append one entry to the audit trail.
+INSERT INTO saga.events (saga_id, event, step, kind, attempt, detail)
+VALUES (%(saga_id)s, %(event)s, %(step)s, %(kind)s, %(attempt)s, %(detail)s)
+
+-- get_saga --
+-- One saga row.
+SELECT id::text, name, version, tenant_id, key, input, input_hash, status, error, direction,
+       lease_owner, lease_expires_at, fence, run_after, created_at, updated_at
+FROM saga.sagas
+WHERE id = %(saga_id)s
+
+-- lock_saga --
+-- One saga row, locked for an operator's change; live_lease tells whether a worker holds it.
+SELECT id::text, name, version, tenant_id, key, input, input_hash, status, error, direction,
+       lease_owner, lease_expires_at, fence, run_after, created_at, updated_at,
+       (lease_owner IS NOT NULL AND lease_expires_at > now()) AS live_lease
+FROM saga.sagas
+WHERE id = %(saga_id)s
+FOR UPDATE
+
+-- get_operations --
+-- Every operation of a saga: actions in step order, then compensations.
+SELECT step, kind, position, idempotency_key, request_hash, status, attempts, max_attempts,
+       next_attempt_at, result, provider_reference, error, started_at, finished_at
+FROM saga.operations
+WHERE saga_id = %(saga_id)s
+ORDER BY kind = 'compensation', CASE WHEN kind = 'action' THEN position ELSE -position END
+
+-- get_operations_many --
+-- Operations of several sagas, for list().
+SELECT saga_id::text, step, kind, position, idempotency_key, request_hash, status, attempts,
+       max_attempts, next_attempt_at, result, provider_reference, error, started_at, finished_at
+FROM saga.operations
+WHERE saga_id = ANY(%(saga_ids)s::uuid[])
+ORDER BY saga_id, kind = 'compensation',
+         CASE WHEN kind = 'action' THEN position ELSE -position END
+
+-- list_sagas --
+-- Sagas filtered by status, name and tenant (each optional), newest first.
+SELECT id::text, name, version, tenant_id, key, input, input_hash, status, error, direction,
+       lease_owner, lease_expires_at, fence, run_after, created_at, updated_at
+FROM saga.sagas
+WHERE (%(status)s::text IS NULL OR status = %(status)s)
+  AND (%(name)s::text IS NULL OR name = %(name)s)
+  AND (%(tenant_id)s::text IS NULL OR tenant_id = %(tenant_id)s)
+ORDER BY created_at DESC, id DESC
+LIMIT %(limit)s
+
+-- get_history --
+-- The audit trail of a saga, oldest first.
+SELECT at, event, step, kind, attempt, detail
+FROM saga.events
+WHERE saga_id = %(saga_id)s
+ORDER BY id
+
+-- claim_saga --
+-- Take the lease of one runnable saga unless another owner's lease is still live;
+-- the fence grows so the previous owner's writes are refused from now on.
+UPDATE saga.sagas
+SET lease_owner = %(owner)s,
+    lease_expires_at = now() + make_interval(secs => %(lease_seconds)s),
+    fence = fence + 1,
+    updated_at = now()
+WHERE id = %(saga_id)s
+  AND status IN ('pending', 'running', 'compensating')
+  AND (lease_owner IS NULL OR lease_expires_at <= now())
+RETURNING id::text, name, version, tenant_id, key, input, input_hash, status, error, direction,
+          lease_owner, lease_expires_at, fence, run_after, created_at, updated_at
+
+-- claim_next_saga --
+-- Take the lease of the runnable saga that has waited longest, among the given
+-- (name:version) pairs; SKIP LOCKED lets many workers claim without blocking each other.
+UPDATE saga.sagas AS s
+SET lease_owner = %(owner)s,
+    lease_expires_at = now() + make_interval(secs => %(lease_seconds)s),
+    fence = s.fence + 1,
+    updated_at = now()
+FROM (
+    SELECT id
+    FROM saga.sagas
+    WHERE status IN ('pending', 'running', 'compensating')
+      AND run_after <= now()
+      AND (lease_owner IS NULL OR lease_expires_at <= now())
+      AND name || ':' || version = ANY(%(kinds)s::text[])
+    ORDER BY run_after
+    LIMIT 1
+    FOR UPDATE SKIP LOCKED
+) AS c
+WHERE s.id = c.id
+RETURNING s.id::text, s.name, s.version, s.tenant_id, s.key, s.input, s.input_hash, s.status,
+          s.error, s.direction, s.lease_owner, s.lease_expires_at, s.fence, s.run_after,
+          s.created_at, s.updated_at
+
+-- count_open_sagas --
+-- Sagas among the given (name:version) pairs that are not yet terminal or parked.
+SELECT count(*)
+FROM saga.sagas
+WHERE status IN ('pending', 'running', 'compensating')
+  AND name || ':' || version = ANY(%(kinds)s::text[])
+
+-- check_fence --
+-- Every write of a lease holder starts here: it renews the lease, and finds no row
+-- (so the write is refused) once another owner has claimed the saga.
+UPDATE saga.sagas
+SET lease_expires_at = GREATEST(lease_expires_at, now() + make_interval(secs => %(lease_seconds)s))
+WHERE id = %(saga_id)s AND fence = %(fence)s AND lease_owner = %(owner)s
+RETURNING fence
+
+-- update_saga --
+-- Persist a saga's status, direction, error and next run time; optionally end the lease.
+UPDATE saga.sagas
+SET status = %(status)s,
+    direction = %(direction)s,
+    error = %(error)s,
+    run_after = COALESCE(%(run_after)s, run_after),
+    lease_owner = CASE WHEN %(release)s THEN NULL ELSE lease_owner END,
+    lease_expires_at = CASE
+        WHEN %(release)s THEN NULL
+        WHEN %(lease_until)s::timestamptz IS NULL THEN lease_expires_at
+        ELSE GREATEST(lease_expires_at, %(lease_until)s::timestamptz)
+    END,
+    updated_at = now()
+WHERE id = %(saga_id)s
+
+-- update_operation --
+-- Persist an operation's mutable columns.
+UPDATE saga.operations
+SET status = %(status)s,
+    attempts = %(attempts)s,
+    max_attempts = %(max_attempts)s,
+    next_attempt_at = %(next_attempt_at)s,
+    result = %(result)s,
+    provider_reference = %(provider_reference)s,
+    error = %(error)s,
+    started_at = %(started_at)s,
+    finished_at = %(finished_at)s,
+    updated_at = now()
+WHERE saga_id = %(saga_id)s AND kind = %(kind)s AND step = %(step)s
+
+-- renew_lease --
+-- Heartbeat while a step runs: extend the lease if this owner still holds it.
+UPDATE saga.sagas
+SET lease_expires_at = now() + make_interval(secs => %(lease_seconds)s)
+WHERE id = %(saga_id)s AND fence = %(fence)s AND lease_owner = %(owner)s
+RETURNING fence
+
+-- release_lease --
+-- Give the lease back (on error paths), if still ours.
+UPDATE saga.sagas
+SET lease_owner = NULL, lease_expires_at = NULL
+WHERE id = %(saga_id)s AND fence = %(fence)s AND lease_owner = %(owner)s

@@ -1,0 +1,118 @@
+"""Statuses and the read models returned to users: SagaState, OperationState, events."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class SagaStatus(StrEnum):
+    """Lifecycle of a saga instance (mirrors the CHECK constraint in the schema)."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    COMPENSATING = "compensating"
+    COMPLETED = "completed"
+    COMPENSATED = "compensated"
+    NEEDS_REVIEW = "needs_review"
+
+    @property
+    def is_terminal(self) -> bool:
+        """Completed or compensated: nothing will ever run again."""
+        return self in (SagaStatus.COMPLETED, SagaStatus.COMPENSATED)
+
+    @property
+    def is_runnable(self) -> bool:
+        """A worker or `run()` may drive a saga in this status."""
+        return self in (SagaStatus.PENDING, SagaStatus.RUNNING, SagaStatus.COMPENSATING)
+
+
+class OperationStatus(StrEnum):
+    """Lifecycle of one operation (a step or a compensation)."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    UNKNOWN = "unknown"
+
+
+OperationKind = Literal["action", "compensation"]
+
+
+class OperationState(BaseModel):
+    """One step or compensation of a saga, as stored."""
+
+    model_config = ConfigDict(frozen=True)
+
+    step: str
+    kind: OperationKind
+    status: OperationStatus
+    attempts: int
+    max_attempts: int
+    idempotency_key: str
+    request_hash: str
+    result: Any = None
+    error: str | None = None
+    provider_reference: str | None = None
+    next_attempt_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+
+class SagaState(BaseModel):
+    """A saga instance and its operations, as stored."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    saga: str
+    version: int
+    tenant_id: str
+    key: str
+    status: SagaStatus
+    error: str | None = None
+    input: dict[str, Any]
+    created_at: datetime
+    updated_at: datetime
+    run_after: datetime | None = None
+    lease_owner: str | None = None
+    lease_expires_at: datetime | None = None
+    fence: int = 0
+    operations: list[OperationState] = []
+
+    def operation(self, step: str, kind: OperationKind = "action") -> OperationState:
+        """The operation of `step` of the given kind; `KeyError` when there is none."""
+        for op in self.operations:
+            if op.step == step and op.kind == kind:
+                return op
+        raise KeyError(f"saga {self.id} has no {kind} operation for step {step!r}")
+
+
+class SagaHandle(BaseModel):
+    """What `Orchestrator.start` returns: the saga's id and whether this call created it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    saga: str
+    version: int
+    tenant_id: str
+    key: str
+    created: bool
+
+
+class HistoryEvent(BaseModel):
+    """One entry of a saga's append-only audit trail."""
+
+    model_config = ConfigDict(frozen=True)
+
+    at: datetime
+    event: str
+    step: str | None = None
+    kind: OperationKind | None = None
+    attempt: int | None = None
+    detail: dict[str, Any] = {}

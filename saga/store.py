@@ -1,0 +1,359 @@
+"""All SQL of the orchestrator: named queries from sql/queries.sql run over a connection pool."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from importlib import resources
+from typing import Any, LiteralString, cast
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+from psycopg_pool import ConnectionPool
+
+from saga.errors import LeaseLost
+from saga.protocol import Event, OpRow, SagaRow
+from saga.state import HistoryEvent, OperationState, OperationStatus, SagaState, SagaStatus
+
+Conn = psycopg.Connection[dict[str, Any]]
+_HEADER = re.compile(r"^-- ([a-z_]+) --$", re.MULTILINE)
+
+
+def load_queries() -> dict[str, LiteralString]:
+    """Named queries: each `-- name --` header, a description comment, then the SQL."""
+    text = (resources.files("saga") / "sql" / "queries.sql").read_text(encoding="utf-8")
+    parts = _HEADER.split(text)
+    queries: dict[str, LiteralString] = {}
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
+        # The file is part of the package, never user input: it is a literal in spirit.
+        queries[name] = cast(LiteralString, body.strip())
+    return queries
+
+
+QUERIES = load_queries()
+
+
+def _q(name: str) -> LiteralString:
+    return QUERIES[name]
+
+
+def parse_id(saga_id: str) -> uuid.UUID | None:
+    """The UUID of a saga id string, or None when it is malformed."""
+    try:
+        return uuid.UUID(str(saga_id))
+    except ValueError:
+        return None
+
+
+class Store:
+    """Reads and writes sagas, operations and events; the only place that speaks SQL."""
+
+    def __init__(self, pool: ConnectionPool[Any]) -> None:
+        self.pool = pool
+
+    @contextmanager
+    def transaction(self) -> Iterator[Conn]:
+        """A connection inside one transaction, committed when the block exits cleanly."""
+        with self.pool.connection() as conn, conn.transaction():
+            conn.row_factory = dict_row
+            yield cast(Conn, conn)
+
+    # ----- creating --------------------------------------------------------------------
+
+    def insert_saga_txn(self, conn: Conn, saga: SagaRow, ops: Sequence[OpRow]) -> bool:
+        """Insert a saga and its operations; False when (tenant, name, key) already exists."""
+        row = conn.execute(
+            _q("insert_saga"),
+            {
+                "id": saga.id,
+                "name": saga.name,
+                "version": saga.version,
+                "tenant_id": saga.tenant_id,
+                "key": saga.key,
+                "input": Jsonb(saga.input),
+                "input_hash": saga.input_hash,
+            },
+        ).fetchone()
+        if row is None:
+            return False
+        self.insert_operations_txn(conn, saga.id, ops)
+        return True
+
+    def insert_operations_txn(self, conn: Conn, saga_id: str, ops: Sequence[OpRow]) -> None:
+        """Insert new operation rows."""
+        with conn.cursor() as cur:
+            cur.executemany(
+                _q("insert_operation"),
+                [
+                    {
+                        "saga_id": saga_id,
+                        "step": op.step,
+                        "kind": op.kind,
+                        "position": op.position,
+                        "idempotency_key": op.idempotency_key,
+                        "request_hash": op.request_hash,
+                        "status": op.status.value,
+                        "attempts": op.attempts,
+                        "max_attempts": op.max_attempts,
+                    }
+                    for op in ops
+                ],
+            )
+        for op in ops:
+            op.new = False
+
+    def find_by_identity_txn(
+        self, conn: Conn, *, tenant_id: str, name: str, key: str
+    ) -> dict[str, Any] | None:
+        """id, name, version and input_hash of the saga with this identity, or None."""
+        return conn.execute(
+            _q("find_saga_by_identity"), {"tenant_id": tenant_id, "name": name, "key": key}
+        ).fetchone()
+
+    def append_events_txn(self, conn: Conn, saga_id: str, events: Sequence[Event]) -> None:
+        """Append audit events."""
+        if not events:
+            return
+        with conn.cursor() as cur:
+            cur.executemany(
+                _q("insert_event"),
+                [
+                    {
+                        "saga_id": saga_id,
+                        "event": e.event,
+                        "step": e.step,
+                        "kind": e.kind,
+                        "attempt": e.attempt,
+                        "detail": Jsonb(e.detail),
+                    }
+                    for e in events
+                ],
+            )
+
+    # ----- leases ----------------------------------------------------------------------
+
+    def claim_txn(
+        self, conn: Conn, saga_id: str, *, owner: str, lease_seconds: float
+    ) -> SagaRow | None:
+        """Take the lease of a runnable saga no live owner holds; None otherwise."""
+        row = conn.execute(
+            _q("claim_saga"),
+            {"saga_id": saga_id, "owner": owner, "lease_seconds": lease_seconds},
+        ).fetchone()
+        return _saga_row(row) if row else None
+
+    def claim_next_txn(
+        self, conn: Conn, *, kinds: Sequence[str], owner: str, lease_seconds: float
+    ) -> SagaRow | None:
+        """Take the lease of the longest-waiting runnable saga of the given name:version kinds."""
+        row = conn.execute(
+            _q("claim_next_saga"),
+            {"kinds": list(kinds), "owner": owner, "lease_seconds": lease_seconds},
+        ).fetchone()
+        return _saga_row(row) if row else None
+
+    def check_fence_txn(
+        self, conn: Conn, saga_id: str, *, owner: str, fence: int, lease_seconds: float
+    ) -> None:
+        """Lock the saga row and renew the lease; `LeaseLost` when another owner claimed it."""
+        row = conn.execute(
+            _q("check_fence"),
+            {"saga_id": saga_id, "owner": owner, "fence": fence, "lease_seconds": lease_seconds},
+        ).fetchone()
+        if row is None:
+            raise LeaseLost(f"lease of saga {saga_id} (fence {fence}) was taken over")
+
+    def renew_lease(self, saga_id: str, *, owner: str, fence: int, lease_seconds: float) -> bool:
+        """Heartbeat; False when the lease is no longer ours."""
+        with self.transaction() as conn:
+            row = conn.execute(
+                _q("renew_lease"),
+                {
+                    "saga_id": saga_id,
+                    "owner": owner,
+                    "fence": fence,
+                    "lease_seconds": lease_seconds,
+                },
+            ).fetchone()
+        return row is not None
+
+    def release_lease(self, saga_id: str, *, owner: str, fence: int) -> None:
+        """Give the lease back if still ours (error paths)."""
+        with self.transaction() as conn:
+            conn.execute(_q("release_lease"), {"saga_id": saga_id, "owner": owner, "fence": fence})
+
+    def lock_saga_txn(self, conn: Conn, saga_id: str) -> tuple[SagaRow, bool] | None:
+        """The saga row locked for an operator change, and whether a live lease holds it."""
+        row = conn.execute(_q("lock_saga"), {"saga_id": saga_id}).fetchone()
+        if row is None:
+            return None
+        return _saga_row(row), bool(row["live_lease"])
+
+    # ----- persisting decisions ---------------------------------------------------------
+
+    def save_txn(
+        self,
+        conn: Conn,
+        saga: SagaRow,
+        ops: Sequence[OpRow],
+        events: Sequence[Event],
+        *,
+        release: bool = False,
+        lease_until: datetime | None = None,
+    ) -> None:
+        """Persist a planner's changes: new and changed operations, the saga row, events."""
+        new = [op for op in ops if op.new]
+        if new:
+            self.insert_operations_txn(conn, saga.id, new)
+        changed = [op for op in ops if op.dirty]
+        if changed:
+            with conn.cursor() as cur:
+                cur.executemany(_q("update_operation"), [_op_params(saga.id, op) for op in changed])
+            for op in changed:
+                op.dirty = False
+        conn.execute(
+            _q("update_saga"),
+            {
+                "saga_id": saga.id,
+                "status": saga.status.value,
+                "direction": saga.direction,
+                "error": saga.error,
+                "run_after": saga.run_after,
+                "release": release,
+                "lease_until": lease_until,
+            },
+        )
+        self.append_events_txn(conn, saga.id, events)
+
+    # ----- reading ---------------------------------------------------------------------
+
+    def load_txn(self, conn: Conn, saga_id: str) -> tuple[SagaRow, list[OpRow]] | None:
+        """The saga row and its operations."""
+        row = conn.execute(_q("get_saga"), {"saga_id": saga_id}).fetchone()
+        if row is None:
+            return None
+        return _saga_row(row), self.operations_txn(conn, saga_id)
+
+    def operations_txn(self, conn: Conn, saga_id: str) -> list[OpRow]:
+        """The operation rows of a saga."""
+        rows = conn.execute(_q("get_operations"), {"saga_id": saga_id}).fetchall()
+        return [_op_row(r) for r in rows]
+
+    def get_state(self, saga_id: str) -> SagaState | None:
+        """The user-facing state of one saga, or None."""
+        with self.transaction() as conn:
+            row = conn.execute(_q("get_saga"), {"saga_id": saga_id}).fetchone()
+            if row is None:
+                return None
+            ops = conn.execute(_q("get_operations"), {"saga_id": saga_id}).fetchall()
+        return _state(row, ops)
+
+    def list_states(
+        self, *, status: str | None, name: str | None, tenant_id: str | None, limit: int
+    ) -> list[SagaState]:
+        """Sagas matching the filters, newest first, with their operations."""
+        with self.transaction() as conn:
+            rows = conn.execute(
+                _q("list_sagas"),
+                {"status": status, "name": name, "tenant_id": tenant_id, "limit": limit},
+            ).fetchall()
+            ops = conn.execute(
+                _q("get_operations_many"), {"saga_ids": [r["id"] for r in rows]}
+            ).fetchall()
+        by_saga: dict[str, list[dict[str, Any]]] = {}
+        for op in ops:
+            by_saga.setdefault(op["saga_id"], []).append(op)
+        return [_state(r, by_saga.get(r["id"], [])) for r in rows]
+
+    def history(self, saga_id: str) -> list[HistoryEvent]:
+        """The audit trail of a saga, oldest first."""
+        with self.transaction() as conn:
+            rows = conn.execute(_q("get_history"), {"saga_id": saga_id}).fetchall()
+        return [HistoryEvent.model_validate(r) for r in rows]
+
+    def count_open(self, kinds: Sequence[str]) -> int:
+        """How many sagas of these name:version kinds are pending, running or compensating."""
+        with self.transaction() as conn:
+            row = conn.execute(_q("count_open_sagas"), {"kinds": list(kinds)}).fetchone()
+        return int(row["count"]) if row else 0
+
+
+def _saga_row(row: dict[str, Any]) -> SagaRow:
+    return SagaRow(
+        id=row["id"],
+        name=row["name"],
+        version=row["version"],
+        tenant_id=row["tenant_id"],
+        key=row["key"],
+        input=row["input"],
+        input_hash=row["input_hash"],
+        status=SagaStatus(row["status"]),
+        error=row["error"],
+        direction=row["direction"],
+        fence=row["fence"],
+        run_after=row["run_after"],
+        lease_owner=row["lease_owner"],
+        lease_expires_at=row["lease_expires_at"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+    )
+
+
+def _op_row(row: dict[str, Any]) -> OpRow:
+    return OpRow(
+        step=row["step"],
+        kind=row["kind"],
+        position=row["position"],
+        idempotency_key=row["idempotency_key"],
+        request_hash=row["request_hash"],
+        status=OperationStatus(row["status"]),
+        attempts=row["attempts"],
+        max_attempts=row["max_attempts"],
+        next_attempt_at=row["next_attempt_at"],
+        result=row["result"],
+        provider_reference=row["provider_reference"],
+        error=row["error"],
+        started_at=row["started_at"],
+        finished_at=row["finished_at"],
+    )
+
+
+def _op_params(saga_id: str, op: OpRow) -> dict[str, Any]:
+    return {
+        "saga_id": saga_id,
+        "step": op.step,
+        "kind": op.kind,
+        "status": op.status.value,
+        "attempts": op.attempts,
+        "max_attempts": op.max_attempts,
+        "next_attempt_at": op.next_attempt_at,
+        "result": None if op.result is None else Jsonb(op.result),
+        "provider_reference": op.provider_reference,
+        "error": op.error,
+        "started_at": op.started_at,
+        "finished_at": op.finished_at,
+    }
+
+
+def _state(row: dict[str, Any], ops: Sequence[dict[str, Any]]) -> SagaState:
+    return SagaState(
+        id=row["id"],
+        saga=row["name"],
+        version=row["version"],
+        tenant_id=row["tenant_id"],
+        key=row["key"],
+        status=SagaStatus(row["status"]),
+        error=row["error"],
+        input=row["input"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+        run_after=row["run_after"],
+        lease_owner=row["lease_owner"],
+        lease_expires_at=row["lease_expires_at"],
+        fence=row["fence"],
+        operations=[OperationState.model_validate(op) for op in ops],
+    )
