@@ -146,6 +146,13 @@ class Orchestrator:
         self._pool = pool
         return Store(pool)
 
+    def ensure_pool_size(self, connections: int) -> None:
+        """Grow the connection pool to at least `connections` (workers call this)."""
+        self.store.pool.resize(
+            min_size=self.store.pool.min_size,
+            max_size=max(self.store.pool.max_size, connections),
+        )
+
     def close(self) -> None:
         """Close the connection pool."""
         if self._pool is not None:

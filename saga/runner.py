@@ -7,7 +7,7 @@ import inspect
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -45,13 +45,21 @@ class Runner:
         self._drive(planner, nxt)
         return True
 
-    def drive_claimed(self, definition: Saga[Any], row: SagaRow) -> None:
-        """Drive a saga whose lease this runner's owner just took (worker path)."""
+    def claim_next(
+        self, kinds: Sequence[str], lookup: Callable[[str, int], Saga[Any]]
+    ) -> tuple[Planner, Next] | None:
+        """Claim the longest-waiting runnable saga of these name:version kinds and plan its
+        first move in the same transaction; None when there is nothing to claim."""
         with self.store.transaction() as conn:
-            self.store.check_fence_txn(
-                conn, row.id, owner=self.owner, fence=row.fence, lease_seconds=self.lease_seconds
+            row = self.store.claim_next_txn(
+                conn, kinds=kinds, owner=self.owner, lease_seconds=self.lease_seconds
             )
-            planner, nxt = self._begin_txn(conn, definition, row)
+            if row is None:
+                return None
+            return self._begin_txn(conn, lookup(row.name, row.version), row)
+
+    def drive(self, planner: Planner, nxt: Next) -> None:
+        """Carry out `nxt` and every move after it until the saga stops."""
         self._drive(planner, nxt)
 
     # ----- the loop ----------------------------------------------------------------------

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from saga.errors import LeaseLost
 from saga.runner import Runner
 
 if TYPE_CHECKING:
@@ -51,6 +50,8 @@ class Worker:
         kinds = [f"{s.name}:{s.version}" for s in orch.registered()]
         if not kinds:
             raise ValueError("the orchestrator has no registered saga; register one first")
+        # Each saga in flight may hold two connections (its transaction and its heartbeat).
+        orch.ensure_pool_size(2 * self.concurrency + 2)
         runner = Runner(orch.store, owner=orch.owner, lease_seconds=orch.lease_seconds)
         in_flight: set[Future[None]] = set()
         _log.info("worker_started", owner=orch.owner, concurrency=self.concurrency, kinds=kinds)
@@ -80,22 +81,16 @@ class Worker:
         pool: ThreadPoolExecutor,
         in_flight: set[Future[None]],
     ) -> bool:
-        orch = self.orchestrator
-        with orch.store.transaction() as conn:
-            row = orch.store.claim_next_txn(
-                conn, kinds=kinds, owner=orch.owner, lease_seconds=orch.lease_seconds
-            )
-        if row is None:
+        claimed = runner.claim_next(kinds, self.orchestrator.definition)
+        if claimed is None:
             return False
-        definition = orch.definition(row.name, row.version)
+        planner, nxt = claimed
 
         def drive() -> None:
             try:
-                runner.drive_claimed(definition, row)
-            except LeaseLost as exc:
-                _log.warning("lease_lost", saga_id=row.id, error=str(exc))
+                runner.drive(planner, nxt)
             except Exception:
-                _log.exception("saga_drive_failed", saga_id=row.id)
+                _log.exception("saga_drive_failed", saga_id=planner.saga.id)
 
         in_flight.add(pool.submit(drive))
         return True
