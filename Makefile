@@ -22,7 +22,7 @@ demo: $(BIN)/.installed-demo
 
 lint: $(BIN)/.installed-test
 	$(BIN)/ruff check saga tests examples
-	$(BIN)/mypy saga
+	$(BIN)/mypy saga examples
 
 test: lint
 	$(BIN)/pytest

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 from pydantic import BaseModel
 
@@ -81,12 +81,24 @@ class Step:
         """Calling the step calls its function (handy in unit tests of step code)."""
         return self.fn(*args, **kwargs)
 
+    @overload
+    def compensation(self, fn: Callable[..., Any], /) -> Compensation: ...
+
+    @overload
     def compensation(
-        self, fn: Fn | None = None, *, retry: RetryPolicy | None = None, idempotent: bool = False
-    ) -> Any:
+        self, *, retry: RetryPolicy | None = None, idempotent: bool = False
+    ) -> Callable[[Callable[..., Any]], Compensation]: ...
+
+    def compensation(
+        self,
+        fn: Callable[..., Any] | None = None,
+        *,
+        retry: RetryPolicy | None = None,
+        idempotent: bool = False,
+    ) -> Compensation | Callable[[Callable[..., Any]], Compensation]:
         """Decorator: declare the compensating action of this step (at most one)."""
 
-        def register(func: Fn) -> Compensation:
+        def register(func: Callable[..., Any]) -> Compensation:
             if self.compensation_op is not None:
                 raise SagaDefinitionError(
                     f"step {self.name!r} of saga {self.saga.name!r} already has a compensation "
@@ -152,18 +164,31 @@ class Saga(Generic[InputT]):
     def __repr__(self) -> str:
         return f"Saga({self.name!r}, version={self.version})"
 
+    @overload
+    def step(self, fn: Callable[..., Any], /) -> Step: ...
+
+    @overload
     def step(
         self,
-        fn: Fn | None = None,
         *,
         name: str | None = None,
         retry: RetryPolicy | None = None,
         idempotent: bool = False,
         pivot: bool = False,
-    ) -> Any:
+    ) -> Callable[[Callable[..., Any]], Step]: ...
+
+    def step(
+        self,
+        fn: Callable[..., Any] | None = None,
+        *,
+        name: str | None = None,
+        retry: RetryPolicy | None = None,
+        idempotent: bool = False,
+        pivot: bool = False,
+    ) -> Step | Callable[[Callable[..., Any]], Step]:
         """Decorator: append a step; it runs after the steps declared before it."""
 
-        def register(func: Fn) -> Step:
+        def register(func: Callable[..., Any]) -> Step:
             _check_callable(func, "step")
             step_name = _check_name("step", name or func.__name__)
             if self.step_named(step_name) is not None:
