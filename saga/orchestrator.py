@@ -27,7 +27,7 @@ from saga.errors import (
 )
 from saga.migrate import apply_migrations
 from saga.protocol import Event, Planner, SagaRow, new_action_rows
-from saga.runner import Runner
+from saga.runner import Runner, log_event
 from saga.state import HistoryEvent, SagaHandle, SagaState, SagaStatus
 from saga.store import Store, parse_id
 
@@ -329,9 +329,7 @@ class Orchestrator:
             events = planner.take_events()
             store.save_txn(conn, planner.saga, planner.ops, events, release=True)
         for event in events:
-            _log.info(
-                event.event, saga_id=saga_id, step=event.step, kind=event.kind, **event.detail
-            )
+            log_event(planner.saga, planner, event)
 
     def _runner(self) -> Runner:
         return Runner(self.store, owner=self.owner, lease_seconds=self.lease_seconds)

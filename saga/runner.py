@@ -123,7 +123,7 @@ class Runner:
         )
         # Logged once the transaction is about to commit; a rollback raises past this point.
         for event in events:
-            _emit(saga, planner, event)
+            log_event(saga, planner, event)
 
     # ----- calling user code -------------------------------------------------------------
 
@@ -266,7 +266,8 @@ def _describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _emit(saga: SagaRow, planner: Planner, event: Event) -> None:
+def log_event(saga: SagaRow, planner: Planner, event: Event) -> None:
+    """Log an audit event with structlog, bound with saga id, step, attempt and key."""
     fields: Mapping[str, Any] = {
         "saga_id": saga.id,
         "saga": saga.name,
