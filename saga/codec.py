@@ -7,7 +7,8 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel, TypeAdapter
+from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic_core import PydanticSerializationError
 
 from saga.keys import check_json
 
@@ -22,17 +23,30 @@ class ResultCodec:
         self.where = where
         self._adapter: TypeAdapter[Any] | None = None
         annotation = _return_annotation(fn)
+        self._annotation_name = getattr(annotation, "__name__", repr(annotation))
         if annotation not in _PLAIN:
             self._adapter = TypeAdapter(annotation)
 
     def encode(self, value: object) -> Any:
-        """JSON to store for `value`; `TypeError` naming the operation when it is not JSON."""
-        if isinstance(value, BaseModel):
-            value = value.model_dump(mode="json")
-        elif self._adapter is not None and not _is_plain_json(value):
-            value = self._adapter.dump_python(value, mode="json")
-        check_json(value, where=f"result of {self.where}")
-        return value
+        """JSON to store for `value`.
+
+        Raises `TypeError` naming the operation when the value is not JSON, or does not
+        fit the return annotation, so that what is stored can always be replayed.
+        """
+        if self._adapter is None:
+            stored = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+            check_json(stored, where=f"result of {self.where}")
+            return stored
+        try:
+            fitted = self._adapter.validate_python(value)
+            stored = self._adapter.dump_python(fitted, mode="json", warnings="error")
+        except (ValidationError, PydanticSerializationError) as exc:
+            raise TypeError(
+                f"result of {self.where} does not fit its return annotation "
+                f"{self._annotation_name}: {_first_line(exc)}"
+            ) from None
+        check_json(stored, where=f"result of {self.where}")
+        return stored
 
     def decode(self, stored: Any) -> Any:
         """The value step code sees, rebuilt from stored JSON (a model when annotated so)."""
@@ -41,8 +55,9 @@ class ResultCodec:
         return self._adapter.validate_python(stored)
 
 
-def _is_plain_json(value: object) -> bool:
-    return value is None or isinstance(value, dict | list | str | int | float | bool)
+def _first_line(exc: Exception) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return " ".join(lines[:3])
 
 
 def _return_annotation(fn: Callable[..., Any]) -> Any:

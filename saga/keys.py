@@ -10,17 +10,27 @@ from typing import Any
 
 JsonValue = Any  # None | bool | int | float | str | list[JsonValue] | dict[str, JsonValue]
 
+# Deeper nesting is refused: it is almost always a cycle, and PostgreSQL's jsonb and
+# Python's json module both have nesting limits of their own.
+MAX_JSON_DEPTH = 256
+
 
 def check_json(value: object, *, where: str) -> None:
     """Raise `TypeError` unless `value` is plain JSON that round-trips unchanged.
 
     Plain JSON means None, bool, int, finite float, str, list and dict with str keys.
     Tuples, sets, non-str keys, NaN and Infinity are refused because a replay from
-    storage would not see the same value as the first run.
+    storage would not see the same value as the first run; so are cyclic values and
+    nesting deeper than `MAX_JSON_DEPTH`.
     """
-    stack: list[tuple[object, str]] = [(value, "")]
+    stack: list[tuple[object, str, int]] = [(value, "", 0)]
     while stack:
-        item, path = stack.pop()
+        item, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise TypeError(
+                f"{where}: nested more than {MAX_JSON_DEPTH} levels deep at {path[:80]}... "
+                "(is the value cyclic?)"
+            )
         if item is None or isinstance(item, bool | int | str):
             continue
         if isinstance(item, float):
@@ -28,7 +38,7 @@ def check_json(value: object, *, where: str) -> None:
                 raise TypeError(f"{where}: {item!r} at {path or '<root>'} is not valid JSON")
             continue
         if isinstance(item, list):
-            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(item))
+            stack.extend((child, f"{path}[{i}]", depth + 1) for i, child in enumerate(item))
             continue
         if isinstance(item, dict):
             for k, child in item.items():
@@ -37,7 +47,7 @@ def check_json(value: object, *, where: str) -> None:
                         f"{where}: key {k!r} at {path or '<root>'} is not a string; "
                         "JSON objects only have string keys"
                     )
-                stack.append((child, f"{path}.{k}"))
+                stack.append((child, f"{path}.{k}", depth + 1))
             continue
         raise TypeError(
             f"{where}: {type(item).__name__} at {path or '<root>'} is not JSON "

@@ -312,6 +312,7 @@ class Planner:
         self, op: OpRow, result: Any, *, provider_reference: str | None = None
     ) -> None:
         """The attempt returned `result` (already encoded as JSON)."""
+        self._tick()
         self._touch(op, status=OperationStatus.SUCCEEDED)
         op.result = result
         op.error = None
@@ -321,6 +322,7 @@ class Planner:
 
     def record_failure(self, op: OpRow, error: str, *, retryable: bool, delay: float) -> None:
         """The attempt raised; retry after `delay` seconds if allowed, else fail the operation."""
+        self._tick()
         op.error = error
         op.finished_at = self.now
         if retryable and op.attempts < op.max_attempts:
@@ -339,12 +341,14 @@ class Planner:
 
     def record_unknown(self, op: OpRow, reason: str, *, park: bool) -> None:
         """The attempt's outcome cannot be known (or stored); park the saga if asked."""
+        self._tick()
         self._mark_unknown(op, reason)
         if park:
             self.park(reason)
 
     def record_found(self, op: OpRow, result: Any, provider_reference: str | None) -> None:
         """Reconcile: the provider performed the effect."""
+        self._tick()
         self._event("reconcile_found", op, provider_reference=provider_reference)
         self._touch(op, status=OperationStatus.SUCCEEDED)
         op.result = result
@@ -354,6 +358,7 @@ class Planner:
 
     def record_absent(self, op: OpRow) -> None:
         """Reconcile: nothing happened under this key, so a retry with it is safe."""
+        self._tick()
         self._event("reconcile_absent", op)
         if op.attempts < op.max_attempts:
             self._touch(op, status=OperationStatus.PENDING)
@@ -367,6 +372,7 @@ class Planner:
 
     def record_inconclusive(self, op: OpRow, reason: str) -> None:
         """Reconcile could not tell: a human decides."""
+        self._tick()
         self._event("reconcile_inconclusive", op, reason=reason)
         self.park(f"outcome of {_describe(op)} attempt {op.attempts} is unknown: {reason}")
 
@@ -374,6 +380,7 @@ class Planner:
 
     def request_compensation(self, *, include_unknown: bool, actor: str | None) -> None:
         """Switch to compensating what succeeded, in reverse, running no further step."""
+        self._tick()
         if self.saga.status == SagaStatus.COMPENSATED:
             return
         self.saga.direction = "backward"
@@ -404,6 +411,7 @@ class Planner:
         reason: str | None,
     ) -> OpRow:
         """An operator settles an operation; the saga becomes runnable again."""
+        self._tick()
         op = self._resolution_target(step, kind)
         if op.status == OperationStatus.SUCCEEDED:
             raise StepStateError(f"{_describe(op)} already succeeded; there is nothing to resolve")
@@ -494,6 +502,10 @@ class Planner:
         )
         self.ops.append(comp)
         return comp
+
+    def _tick(self) -> None:
+        # Outcomes are stamped when they are recorded, not when the attempt started.
+        self.now = datetime.now().astimezone()
 
     def _set_status(self, status: SagaStatus) -> None:
         self.saga.status = status

@@ -40,6 +40,10 @@ class RetryPolicy(BaseModel):
     def _check_retry_on(cls, value: Any) -> tuple[type[BaseException], ...]:
         if isinstance(value, type):
             value = (value,)
+        if not isinstance(value, tuple | list | set | frozenset):
+            raise ValueError(
+                f"retry_on must be an exception class or a tuple of them, got {value!r}"
+            )
         items = tuple(value)
         for item in items:
             if not (isinstance(item, type) and issubclass(item, BaseException)):

@@ -1,0 +1,335 @@
+"""Idempotency keys, canonical JSON and request hashes: the identities stored forever."""
+
+import hashlib
+import itertools
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from saga import Saga
+from saga.keys import canonical_json, check_json, operation_key, request_hash, saga_key_prefix
+
+# How long a child interpreter may take for one tiny computation (seconds).
+CHILD_TIMEOUT_SECONDS = 20.0
+# A cyclic value must be refused well within this (seconds); a hang means a busy loop.
+CYCLE_TIMEOUT_SECONDS = 2.0
+
+
+class Renewal(BaseModel):
+    tenant_id: str
+    renewal_event_id: str
+    order_id: str
+    amount_cents: int
+    requested_at: str | None = None
+
+
+def _renewal_saga() -> Saga[Renewal]:
+    return Saga(
+        "renewal",
+        version=1,
+        input=Renewal,
+        key=lambda r: r.renewal_event_id,
+        tenant=lambda r: r.tenant_id,
+        volatile=("requested_at",),
+    )
+
+
+def _renewal(**overrides: Any) -> Renewal:
+    data: dict[str, Any] = {
+        "tenant_id": "acme",
+        "renewal_event_id": "evt-1",
+        "order_id": "ord-9",
+        "amount_cents": 1299,
+        "requested_at": "2024-05-01T10:00:00Z",
+    }
+    data.update(overrides)
+    return Renewal(**data)
+
+
+# ----- idempotency keys ---------------------------------------------------------------
+
+
+def test_action_key_has_the_documented_format() -> None:
+    """An action's key is `{saga}:v{version}:{tenant}:{key}:{step}`."""
+    assert operation_key("renewal", 3, "acme", "evt-1", "charge", "action") == (
+        "renewal:v3:acme:evt-1:charge"
+    )
+
+
+def test_compensation_key_appends_compensate() -> None:
+    """A compensation's key is its step's key followed by `:compensate`."""
+    action = operation_key("renewal", 1, "acme", "evt-1", "charge", "action")
+    comp = operation_key("renewal", 1, "acme", "evt-1", "charge", "compensation")
+    assert comp == f"{action}:compensate"
+    assert comp == "renewal:v1:acme:evt-1:charge:compensate"
+
+
+def test_saga_key_prefix_is_shared_by_every_operation_key() -> None:
+    """Every operation key of an instance starts with `{saga}:v{version}:{tenant}:{key}:`."""
+    prefix = saga_key_prefix("renewal", 2, "acme", "evt-1")
+    assert prefix == "renewal:v2:acme:evt-1"
+    for step, kind in [("a", "action"), ("b", "action"), ("a", "compensation")]:
+        assert operation_key("renewal", 2, "acme", "evt-1", step, kind).startswith(prefix + ":")
+
+
+def test_empty_tenant_keeps_its_slot() -> None:
+    """A saga without tenant still has an (empty) tenant part, so the key layout is fixed."""
+    assert operation_key("renewal", 1, "", "evt-1", "charge", "action") == (
+        "renewal:v1::evt-1:charge"
+    )
+
+
+def test_separator_in_tenant_or_key_is_escaped() -> None:
+    """':' and '%' inside a part are percent-escaped, so a part never adds a separator."""
+    key = operation_key("renewal", 1, "a:b", "50%:x", "charge", "action")
+    assert key == "renewal:v1:a%3Ab:50%25%3Ax:charge"
+    assert key.count(":") == 4
+
+
+def test_shifting_a_separator_between_tenant_and_key_changes_the_key() -> None:
+    """Tenant "a:b" with key "c" and tenant "a" with key "b:c" are different operations."""
+    left = operation_key("s", 1, "a:b", "c", "step", "action")
+    right = operation_key("s", 1, "a", "b:c", "step", "action")
+    assert left != right
+
+
+def test_a_key_that_looks_like_a_compensation_does_not_collide() -> None:
+    """An action whose saga key ends in ':x:compensate' never shares a compensation's key."""
+    comp = operation_key("s", 1, "t", "k", "x", "compensation")
+    sneaky = operation_key("s", 1, "t", "k:x", "compensate", "action")
+    assert comp != sneaky
+
+
+def test_escaped_text_in_a_part_does_not_collide_with_the_separator() -> None:
+    """A literal "%3A" in a key stays distinct from a real ':' in another key."""
+    literal = operation_key("s", 1, "t", "a%3Ab", "step", "action")
+    colon = operation_key("s", 1, "t", "a:b", "step", "action")
+    assert literal != colon
+
+
+def test_distinct_tenant_key_pairs_never_share_an_operation_key() -> None:
+    """Over every short (tenant, key) pair made of separator-like characters, keys are unique."""
+    alphabet = ":%3Aa"
+    parts = ["".join(chars) for n in range(4) for chars in itertools.product(alphabet, repeat=n)]
+    seen: dict[str, tuple[str, str]] = {}
+    for tenant, key in itertools.product(parts, parts):
+        for kind in ("action", "compensation"):
+            op_key = operation_key("s", 1, tenant, key, "step", kind)
+            assert op_key not in seen, (op_key, seen.get(op_key), (tenant, key))
+            seen[op_key] = (tenant, key)
+
+
+def test_version_is_part_of_the_key() -> None:
+    """Bumping the saga version gives every operation a new identity."""
+    v1 = operation_key("renewal", 1, "acme", "evt-1", "charge", "action")
+    v2 = operation_key("renewal", 2, "acme", "evt-1", "charge", "action")
+    assert v1 != v2
+
+
+# ----- canonical JSON -------------------------------------------------------------------
+
+
+def test_canonical_json_sorts_keys_and_drops_whitespace() -> None:
+    """Canonical JSON has sorted keys at every depth and no insignificant whitespace."""
+    value = {"b": 1, "a": {"d": [1, 2], "c": None}}
+    assert canonical_json(value) == '{"a":{"c":null,"d":[1,2]},"b":1}'
+
+
+def test_canonical_json_keeps_unicode_unescaped() -> None:
+    """Non-ASCII text is kept as is (hashed as UTF-8), not as \\u escapes."""
+    assert canonical_json({"name": "Zoë"}) == '{"name":"Zoë"}'
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        float("nan"),
+        float("inf"),
+        float("-inf"),
+        {"amount": float("nan")},
+        [1, [2, float("inf")]],
+    ],
+    ids=["nan", "inf", "-inf", "nested-nan", "nested-inf"],
+)
+def test_canonical_json_rejects_non_finite_floats(value: object) -> None:
+    """NaN and Infinity are not JSON: canonical JSON raises TypeError instead of emitting them."""
+    with pytest.raises(TypeError):
+        canonical_json(value)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {1, 2},
+        (1, 2),
+        {1: "a"},
+        {"outer": {2: "b"}},
+        b"bytes",
+        object(),
+        {"when": frozenset()},
+        [{"k": (1,)}],
+    ],
+    ids=["set", "tuple", "int-key", "nested-int-key", "bytes", "object", "frozenset", "deep"],
+)
+def test_canonical_json_rejects_values_that_do_not_round_trip(value: object) -> None:
+    """Sets, tuples, non-str keys and other objects raise TypeError (a replay would differ)."""
+    with pytest.raises(TypeError):
+        canonical_json(value)
+
+
+def test_check_json_names_the_place_and_the_path() -> None:
+    """The TypeError names the caller's `where` and the path of the offending value."""
+    with pytest.raises(TypeError, match=r"result of step 'charge'.*\.items\[1\]"):
+        check_json({"items": [1, {2}]}, where="result of step 'charge'")
+
+
+def test_check_json_accepts_plain_json() -> None:
+    """None, bool, int, finite float, str, list and str-keyed dict are accepted."""
+    check_json(
+        {"n": None, "b": True, "i": -3, "f": 1.5, "s": "x", "l": [1, "2"], "d": {"k": []}},
+        where="test",
+    )
+
+
+def test_check_json_refuses_a_cyclic_value_promptly() -> None:
+    """A self-referencing list is not JSON: refused at once with an error, never a hang."""
+    import saga.keys
+
+    # Load keys.py alone in a child so a busy loop can be killed by the timeout.
+    program = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('k', {saga.keys.__file__!r})\n"
+        "mod = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(mod)\n"
+        "cycle = []\n"
+        "cycle.append(cycle)\n"
+        "try:\n"
+        "    mod.check_json(cycle, where='test')\n"
+        "except (TypeError, ValueError) as exc:\n"
+        "    print('refused')\n"
+        "else:\n"
+        "    print('accepted')\n"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", program],
+            capture_output=True,
+            text=True,
+            timeout=CYCLE_TIMEOUT_SECONDS,
+            check=True,
+        )
+        answer = done.stdout.strip()
+    except subprocess.TimeoutExpired:
+        answer = f"no answer within {CYCLE_TIMEOUT_SECONDS}s (busy loop)"
+    assert answer == "refused"
+
+
+# ----- request hashes -------------------------------------------------------------------
+
+
+def test_request_hash_is_hex_sha256_of_canonical_json() -> None:
+    """The request hash is the hex SHA-256 of the canonical JSON, encoded as UTF-8."""
+    fields = {"order_id": "ord-9", "amount_cents": 1299, "note": "Zoë"}
+    expected = hashlib.sha256(
+        json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    ).hexdigest()
+    digest = request_hash(fields)
+    assert digest == expected
+    assert len(digest) == 64
+    assert all(c in "0123456789abcdef" for c in digest)
+
+
+def test_request_hash_ignores_key_order() -> None:
+    """Two requests with the same fields in a different order have the same hash."""
+    a = {"x": 1, "y": {"p": [1, 2], "q": "z"}}
+    b = {"y": {"q": "z", "p": [1, 2]}, "x": 1}
+    assert request_hash(a) == request_hash(b)
+
+
+def test_request_hash_differs_for_different_values() -> None:
+    """A different business value (or list order) gives a different hash."""
+    base = request_hash({"amount_cents": 1299, "items": [1, 2]})
+    assert request_hash({"amount_cents": 1300, "items": [1, 2]}) != base
+    assert request_hash({"amount_cents": 1299, "items": [2, 1]}) != base
+    assert request_hash({"amount_cents": 1299, "items": [1, 2], "extra": None}) != base
+
+
+def test_request_hash_rejects_non_json() -> None:
+    """Hashing a request that is not plain JSON raises TypeError rather than guessing."""
+    with pytest.raises(TypeError):
+        request_hash({"when": {1, 2}})
+
+
+def test_input_hash_ignores_volatile_fields() -> None:
+    """Changing only a volatile field (requested_at) keeps the saga's request hash."""
+    saga = _renewal_saga()
+    first = saga.input_hash(_renewal(requested_at="2024-05-01T10:00:00Z"))
+    retry = saga.input_hash(_renewal(requested_at="2024-05-02T11:30:00Z"))
+    absent = saga.input_hash(_renewal(requested_at=None))
+    assert first == retry == absent
+
+
+def test_business_fields_exclude_volatile_fields() -> None:
+    """business_fields is the JSON input without the volatile fields; it is what gets hashed."""
+    saga = _renewal_saga()
+    data = _renewal()
+    fields = saga.business_fields(data)
+    assert fields == {
+        "tenant_id": "acme",
+        "renewal_event_id": "evt-1",
+        "order_id": "ord-9",
+        "amount_cents": 1299,
+    }
+    assert saga.input_hash(data) == request_hash(fields)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"amount_cents": 1300}, {"order_id": "ord-10"}, {"tenant_id": "globex"}],
+    ids=["amount", "order", "tenant"],
+)
+def test_input_hash_differs_for_a_different_business_field(change: dict[str, Any]) -> None:
+    """Changing any business field changes the request hash (so a reused key conflicts)."""
+    saga = _renewal_saga()
+    assert saga.input_hash(_renewal(**change)) != saga.input_hash(_renewal())
+
+
+def test_input_hash_is_the_same_in_another_process() -> None:
+    """The hash depends only on the data: another interpreter (other hash seed) agrees."""
+    saga = _renewal_saga()
+    data = _renewal()
+    fields = {"b": [1, 2.5, None], "a": {"z": "Zoë", "y": True}}
+    program = (
+        "import json, sys\n"
+        "from saga.keys import request_hash, operation_key\n"
+        "fields = json.loads(sys.argv[1])\n"
+        "business = json.loads(sys.argv[2])\n"
+        "print(request_hash(fields))\n"
+        "print(request_hash(business))\n"
+        "print(operation_key('renewal', 1, 'a:b', 'evt%1', 'charge', 'compensation'))\n"
+    )
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            program,
+            json.dumps(fields),
+            json.dumps(saga.business_fields(data)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_SECONDS,
+        check=True,
+        env=env,
+    )
+    assert done.stdout.split() == [
+        request_hash(fields),
+        saga.input_hash(data),
+        operation_key("renewal", 1, "a:b", "evt%1", "charge", "compensation"),
+    ]

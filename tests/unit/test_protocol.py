@@ -1,0 +1,872 @@
+"""The step protocol's state machine, decided on in-memory snapshots (no database)."""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from saga import RetryPolicy, Saga, StepStateError
+from saga.keys import operation_key
+from saga.protocol import (
+    AskReconcile,
+    Event,
+    Invoke,
+    Next,
+    OpRow,
+    Planner,
+    SagaRow,
+    Sleep,
+    Stop,
+    action_request_hash,
+    compensation_request_hash,
+    new_action_rows,
+)
+from saga.state import OperationStatus, SagaStatus
+
+# A step call that takes this long (seconds) is visibly later than the attempt's start.
+SLOW_CALL_SECONDS = 0.05
+
+
+class Renewal(BaseModel):
+    tenant_id: str
+    renewal_event_id: str
+    amount_cents: int
+    requested_at: str | None = None
+
+
+INPUT = Renewal(
+    tenant_id="acme", renewal_event_id="evt-1", amount_cents=1299, requested_at="2024-05-01"
+)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """How one step of a test saga is declared."""
+
+    name: str
+    compensate: bool = True
+    idempotent: bool = False
+    reconcile: bool = False
+    pivot: bool = False
+    max_attempts: int = 3
+    comp_idempotent: bool = False
+    comp_reconcile: bool = False
+    comp_max_attempts: int = 3
+
+
+def _noop(*args: Any) -> None:
+    return None
+
+
+def _saga(*specs: Spec) -> Saga[Renewal]:
+    saga: Saga[Renewal] = Saga(
+        "renewal",
+        version=2,
+        input=Renewal,
+        key=lambda r: r.renewal_event_id,
+        tenant=lambda r: r.tenant_id,
+        volatile=("requested_at",),
+    )
+    for spec in specs:
+        step = saga.step(
+            name=spec.name,
+            retry=RetryPolicy(max_attempts=spec.max_attempts),
+            idempotent=spec.idempotent,
+            pivot=spec.pivot,
+        )(_noop)
+        if spec.reconcile:
+            step.reconcile(_noop)
+        if spec.compensate:
+            comp = step.compensation(
+                retry=RetryPolicy(max_attempts=spec.comp_max_attempts),
+                idempotent=spec.comp_idempotent,
+            )(_noop)
+            if spec.comp_reconcile:
+                comp.reconcile(_noop)
+    return saga
+
+
+def _planner(*specs: Spec) -> Planner:
+    saga = _saga(*specs)
+    tenant, key = saga.identity(INPUT)
+    row = SagaRow(
+        id="saga-1",
+        name=saga.name,
+        version=saga.version,
+        tenant_id=tenant,
+        key=key,
+        input=INPUT.model_dump(mode="json"),
+        input_hash=saga.input_hash(INPUT),
+        status=SagaStatus.PENDING,
+        error=None,
+        direction="forward",
+        fence=1,
+        run_after=None,
+    )
+    return Planner(saga, row, new_action_rows(saga, tenant, key, saga.business_fields(INPUT)))
+
+
+def _invoke(planner: Planner, now: datetime | None = None) -> OpRow:
+    nxt = planner.advance(now)
+    assert isinstance(nxt, Invoke), nxt
+    return nxt.op
+
+
+def _succeed(planner: Planner, result: Any = None) -> OpRow:
+    op = _invoke(planner)
+    planner.record_success(op, result)
+    return op
+
+
+def _names(planner: Planner) -> list[str]:
+    return [e.event for e in planner.take_events()]
+
+
+def _park_unknown(planner: Planner) -> OpRow:
+    """Start the next operation and leave it `running`, as a crashed worker would."""
+    return _invoke(planner)
+
+
+def _ops(planner: Planner, kind: str) -> list[OpRow]:
+    return [o for o in planner.ops if o.kind == kind]
+
+
+BUSINESS = {"tenant_id": "acme", "renewal_event_id": "evt-1", "amount_cents": 1299}
+
+
+# ----- snapshots ------------------------------------------------------------------------
+
+
+def test_new_action_rows_are_pending_with_stable_keys_and_hashes() -> None:
+    """Each step gets one pending row: key, request hash and ceiling fixed at creation."""
+    saga = _saga(Spec("reserve", max_attempts=4), Spec("charge", max_attempts=1))
+    rows = new_action_rows(saga, "acme", "evt-1", BUSINESS)
+    assert [(r.step, r.kind, r.position) for r in rows] == [
+        ("reserve", "action", 0),
+        ("charge", "action", 1),
+    ]
+    assert all(r.status == OperationStatus.PENDING and r.attempts == 0 for r in rows)
+    assert [r.max_attempts for r in rows] == [4, 1]
+    assert [r.idempotency_key for r in rows] == [
+        "renewal:v2:acme:evt-1:reserve",
+        "renewal:v2:acme:evt-1:charge",
+    ]
+    assert rows[0].request_hash == action_request_hash("reserve", BUSINESS)
+    assert rows[0].request_hash != rows[1].request_hash
+    assert len(rows[0].request_hash) == 64
+
+
+def test_action_hash_ignores_volatile_input() -> None:
+    """Rows built from inputs differing only in a volatile field have the same hashes."""
+    saga = _saga(Spec("reserve"))
+    later = INPUT.model_copy(update={"requested_at": "2030-01-01"})
+    first = new_action_rows(saga, "acme", "evt-1", saga.business_fields(INPUT))
+    again = new_action_rows(saga, "acme", "evt-1", saga.business_fields(later))
+    assert [r.request_hash for r in first] == [r.request_hash for r in again]
+
+
+# ----- the happy path -------------------------------------------------------------------
+
+
+def test_fresh_saga_invokes_its_first_step() -> None:
+    """advance() on a new saga: status running, first step running with attempt 1."""
+    planner = _planner(Spec("reserve"), Spec("charge"))
+    op = _invoke(planner)
+    assert op.step == "reserve"
+    assert op.kind == "action"
+    assert op.attempts == 1
+    assert op.status == OperationStatus.RUNNING
+    assert op.started_at is not None
+    assert op.dirty
+    assert planner.saga.status == SagaStatus.RUNNING
+    events = planner.take_events()
+    assert events == [Event("attempt_started", "reserve", "action", 1, {})]
+
+
+def test_success_moves_to_the_next_step() -> None:
+    """After a success the next advance() starts the following step."""
+    planner = _planner(Spec("reserve"), Spec("charge"))
+    first = _succeed(planner, {"reservation": "r-1"})
+    assert first.status == OperationStatus.SUCCEEDED
+    assert first.result == {"reservation": "r-1"}
+    second = _invoke(planner)
+    assert second.step == "charge"
+    assert second.attempts == 1
+    assert _names(planner) == ["attempt_started", "attempt_succeeded", "attempt_started"]
+    assert planner.results() == {"reserve": {"reservation": "r-1"}}
+
+
+def test_all_steps_succeeded_completes_the_saga() -> None:
+    """When every step succeeded, advance() returns Stop(completed)."""
+    planner = _planner(Spec("reserve"), Spec("charge"))
+    _succeed(planner, 1)
+    _succeed(planner, 2)
+    planner.take_events()
+    assert planner.advance() == Stop(SagaStatus.COMPLETED)
+    assert planner.saga.status == SagaStatus.COMPLETED
+    assert planner.saga.error is None
+    assert _names(planner) == ["saga_completed"]
+
+
+@pytest.mark.parametrize(
+    "status", [SagaStatus.COMPLETED, SagaStatus.COMPENSATED, SagaStatus.NEEDS_REVIEW]
+)
+def test_terminal_or_parked_saga_does_nothing(status: SagaStatus) -> None:
+    """advance() on a completed, compensated or parked saga stops and records nothing."""
+    planner = _planner(Spec("reserve"))
+    planner.saga.status = status
+    assert planner.advance() == Stop(status)
+    assert planner.take_events() == []
+    assert planner.ops[0].status == OperationStatus.PENDING
+
+
+def test_take_events_returns_each_event_once() -> None:
+    """take_events() hands over what happened since the last call, then starts empty."""
+    planner = _planner(Spec("reserve"))
+    _invoke(planner)
+    assert len(planner.take_events()) == 1
+    assert planner.take_events() == []
+
+
+# ----- retries --------------------------------------------------------------------------
+
+
+def test_transient_failure_below_ceiling_waits_then_retries_with_the_same_key() -> None:
+    """A retryable failure: pending until now+delay (Sleep), then attempt 2 with the same key."""
+    planner = _planner(Spec("charge", max_attempts=3))
+    start = datetime.now().astimezone()
+    op = _invoke(planner, start)
+    key = op.idempotency_key
+    planner.take_events()
+    planner.record_failure(op, "TransientError: gateway busy", retryable=True, delay=5.0)
+    assert op.status == OperationStatus.PENDING
+    assert op.error == "TransientError: gateway busy"
+    assert op.next_attempt_at is not None
+    assert op.next_attempt_at >= start + timedelta(seconds=5)
+    events = planner.take_events()
+    assert [e.event for e in events] == ["attempt_failed"]
+    assert events[0].detail == {
+        "error": "TransientError: gateway busy",
+        "retryable": True,
+        "retry_in_seconds": 5.0,
+    }
+    assert events[0].attempt == 1
+
+    nxt = planner.advance(start + timedelta(seconds=1))
+    assert nxt == Sleep(op.next_attempt_at)
+    assert planner.take_events() == []
+    assert planner.saga.status == SagaStatus.RUNNING
+
+    again = _invoke(planner, op.next_attempt_at + timedelta(seconds=1))
+    assert again is op
+    assert again.attempts == 2
+    assert again.idempotency_key == key
+    assert again.next_attempt_at is None
+
+
+def test_transient_failure_at_ceiling_fails_and_compensates() -> None:
+    """The last allowed attempt failing transiently fails the operation; compensation starts."""
+    planner = _planner(Spec("reserve"), Spec("charge", max_attempts=2))
+    _succeed(planner, {"r": 1})
+    now = datetime.now().astimezone()
+    op = _invoke(planner, now)
+    planner.record_failure(op, "TimeoutError: slow", retryable=True, delay=0.0)
+    op = _invoke(planner, now + timedelta(seconds=1))
+    assert op.attempts == 2
+    planner.take_events()
+    planner.record_failure(op, "TimeoutError: slow", retryable=True, delay=0.0)
+    assert op.status == OperationStatus.FAILED
+    assert op.error is not None
+    assert "ceiling of 2 attempts" in op.error
+    assert "TimeoutError: slow" in op.error
+    comp = _invoke(planner)
+    assert (comp.step, comp.kind) == ("reserve", "compensation")
+    assert planner.saga.status == SagaStatus.COMPENSATING
+    assert planner.saga.error is not None and "charge" in planner.saga.error
+    events = planner.take_events()
+    assert [e.event for e in events] == [
+        "attempt_failed",
+        "compensation_started",
+        "attempt_started",
+    ]
+    assert events[0].detail["retry_in_seconds"] is None
+
+
+def test_permanent_failure_fails_at_once() -> None:
+    """A non-retryable failure on attempt 1 of 3 fails the operation without a retry."""
+    planner = _planner(Spec("reserve"), Spec("charge", max_attempts=3))
+    _succeed(planner)
+    op = _invoke(planner)
+    planner.record_failure(op, "PermanentError: card declined", retryable=False, delay=0.0)
+    assert op.status == OperationStatus.FAILED
+    assert op.attempts == 1
+    assert op.error == "PermanentError: card declined"
+    events = planner.take_events()
+    assert events[-1].event == "attempt_failed"
+    assert events[-1].detail["retryable"] is False
+    nxt = planner.advance()
+    assert isinstance(nxt, Invoke)
+    assert nxt.op.kind == "compensation"
+
+
+def test_finished_at_is_when_the_outcome_was_recorded() -> None:
+    """An attempt's finished_at is taken when its outcome is recorded, after the call."""
+    planner = _planner(Spec("reserve"))
+    op = _invoke(planner)
+    time.sleep(SLOW_CALL_SECONDS)  # the step runs
+    returned_at = datetime.now().astimezone()
+    planner.record_success(op, {"ok": True})
+    assert op.started_at is not None and op.finished_at is not None
+    assert op.finished_at >= returned_at
+    assert op.finished_at > op.started_at
+
+
+def test_retry_delay_counts_from_the_failure() -> None:
+    """The backoff starts when the failure is recorded, not when the attempt started."""
+    planner = _planner(Spec("charge", max_attempts=3))
+    op = _invoke(planner)
+    time.sleep(SLOW_CALL_SECONDS)  # the step runs, then fails
+    failed_at = datetime.now().astimezone()
+    delay = SLOW_CALL_SECONDS / 2
+    planner.record_failure(op, "TransientError: busy", retryable=True, delay=delay)
+    assert op.next_attempt_at is not None
+    assert op.next_attempt_at >= failed_at + timedelta(seconds=delay)
+    assert isinstance(planner.advance(failed_at), Sleep)
+
+
+# ----- compensation ---------------------------------------------------------------------
+
+
+def test_compensations_run_in_reverse_for_succeeded_steps_that_have_one() -> None:
+    """On failure, compensations of succeeded steps run last-first; others are skipped."""
+    planner = _planner(
+        Spec("reserve", comp_max_attempts=7),
+        Spec("notify", compensate=False),
+        Spec("charge"),
+        Spec("ship"),  # fails: its own compensation must never run
+    )
+    _succeed(planner, {"reservation": "r-1"})
+    _succeed(planner, None)
+    _succeed(planner, {"charge": "ch_1"})
+    ship = _invoke(planner)
+    planner.record_failure(ship, "PermanentError: no carrier", retryable=False, delay=0.0)
+
+    ran: list[OpRow] = []
+    while True:
+        nxt = planner.advance()
+        if isinstance(nxt, Stop):
+            break
+        assert isinstance(nxt, Invoke)
+        ran.append(nxt.op)
+        planner.record_success(nxt.op, None)
+    assert nxt == Stop(SagaStatus.COMPENSATED)
+    assert [(o.step, o.kind) for o in ran] == [
+        ("charge", "compensation"),
+        ("reserve", "compensation"),
+    ]
+    assert [o.step for o in _ops(planner, "compensation")] == ["charge", "reserve"]
+    charge_comp, reserve_comp = ran
+    assert charge_comp.idempotency_key == "renewal:v2:acme:evt-1:charge:compensate"
+    assert charge_comp.request_hash == compensation_request_hash(
+        "charge", BUSINESS, {"charge": "ch_1"}
+    )
+    assert reserve_comp.max_attempts == 7
+    assert planner.saga.status == SagaStatus.COMPENSATED
+    names = _names(planner)
+    assert names.count("compensation_started") == 1
+    assert names[-1] == "saga_compensated"
+
+
+def test_compensation_events_name_the_compensated_step() -> None:
+    """Compensation attempt events carry kind='compensation' and the step's name."""
+    planner = _planner(Spec("reserve"), Spec("charge"))
+    _succeed(planner)
+    op = _invoke(planner)
+    planner.record_failure(op, "boom", retryable=False, delay=0.0)
+    planner.take_events()
+    comp = _invoke(planner)
+    planner.record_success(comp, None)
+    events = planner.take_events()
+    assert [(e.event, e.step, e.kind, e.attempt) for e in events] == [
+        ("compensation_started", None, None, None),
+        ("attempt_started", "reserve", "compensation", 1),
+        ("attempt_succeeded", "reserve", "compensation", 1),
+    ]
+    assert events[0].detail["reason"].startswith("step 'charge' failed")
+
+
+def test_failure_of_the_first_step_compensates_nothing() -> None:
+    """If nothing succeeded, the saga is compensated at once with no compensation rows."""
+    planner = _planner(Spec("reserve"), Spec("charge"))
+    op = _invoke(planner)
+    planner.record_failure(op, "boom", retryable=False, delay=0.0)
+    planner.take_events()
+    assert planner.advance() == Stop(SagaStatus.COMPENSATED)
+    assert _ops(planner, "compensation") == []
+    assert _names(planner) == ["compensation_started", "saga_compensated"]
+
+
+def test_failed_compensation_parks_with_the_reason() -> None:
+    """A compensation failing permanently parks the saga in needs_review, saying why."""
+    planner = _planner(Spec("reserve"), Spec("charge"))
+    _succeed(planner)
+    op = _invoke(planner)
+    planner.record_failure(op, "card declined", retryable=False, delay=0.0)
+    comp = _invoke(planner)
+    planner.take_events()
+    planner.record_failure(comp, "ValueError: warehouse gone", retryable=False, delay=0.0)
+    assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
+    assert comp.status == OperationStatus.FAILED
+    error = planner.saga.error
+    assert error is not None
+    assert "compensation of step 'reserve'" in error
+    assert "warehouse gone" in error
+    assert _names(planner) == ["attempt_failed", "saga_parked"]
+
+
+def test_compensation_exhausting_its_ceiling_parks() -> None:
+    """Compensations have their own ceiling; exhausting it parks the saga, nothing dropped."""
+    planner = _planner(Spec("reserve", comp_max_attempts=2), Spec("charge"))
+    _succeed(planner)
+    op = _invoke(planner)
+    planner.record_failure(op, "declined", retryable=False, delay=0.0)
+    now = datetime.now().astimezone()
+    comp = _invoke(planner, now)
+    planner.record_failure(comp, "TransientError: busy", retryable=True, delay=10.0)
+    assert isinstance(planner.advance(now), Sleep)
+    comp = _invoke(planner, now + timedelta(seconds=60))
+    assert comp.attempts == 2
+    planner.record_failure(comp, "TransientError: busy", retryable=True, delay=10.0)
+    assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
+    assert comp.status == OperationStatus.FAILED
+    assert planner.saga.error is not None and "ceiling of 2 attempts" in planner.saga.error
+
+
+# ----- pivot ----------------------------------------------------------------------------
+
+
+def test_failure_after_a_succeeded_pivot_parks_without_compensating() -> None:
+    """After the point of no return a permanent failure parks; no compensation row appears."""
+    planner = _planner(Spec("reserve"), Spec("charge", pivot=True), Spec("ship"))
+    _succeed(planner)
+    _succeed(planner)
+    op = _invoke(planner)
+    planner.take_events()
+    planner.record_failure(op, "PermanentError: no carrier", retryable=False, delay=0.0)
+    assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
+    assert _ops(planner, "compensation") == []
+    error = planner.saga.error
+    assert error is not None and "pivot" in error and "'charge'" in error and "'ship'" in error
+    assert planner.saga.direction == "forward"
+    assert _names(planner) == ["attempt_failed", "saga_parked"]
+
+
+def test_failure_of_the_pivot_itself_compensates() -> None:
+    """If the pivot step fails, the point of no return was not passed: compensate."""
+    planner = _planner(Spec("reserve"), Spec("charge", pivot=True))
+    _succeed(planner)
+    op = _invoke(planner)
+    planner.record_failure(op, "declined", retryable=False, delay=0.0)
+    comp = _invoke(planner)
+    assert (comp.step, comp.kind) == ("reserve", "compensation")
+    assert planner.saga.status == SagaStatus.COMPENSATING
+
+
+# ----- unknown outcomes -----------------------------------------------------------------
+
+
+def test_running_operation_becomes_unknown_at_advance() -> None:
+    """An attempt still running when a new owner decides is unknown; the attempt counts."""
+    planner = _planner(Spec("charge", reconcile=True))
+    op = _park_unknown(planner)
+    planner.take_events()
+    nxt = planner.advance()
+    assert op.status == OperationStatus.UNKNOWN
+    assert op.attempts == 1
+    assert op.error is not None and "attempt 1" in op.error
+    assert nxt == AskReconcile(op)
+    events = planner.take_events()
+    assert [e.event for e in events] == ["outcome_unknown"]
+    assert events[0].detail["reason"] == op.error
+
+
+def test_unknown_idempotent_operation_is_retried_with_the_same_key() -> None:
+    """Without a reconcile hook, an idempotent unknown is retried: attempt+1, same key."""
+    planner = _planner(Spec("charge", idempotent=True))
+    op = _park_unknown(planner)
+    key = op.idempotency_key
+    planner.take_events()
+    again = _invoke(planner)
+    assert again is op
+    assert again.attempts == 2
+    assert again.idempotency_key == key
+    assert again.status == OperationStatus.RUNNING
+    assert _names(planner) == ["outcome_unknown", "unknown_retried", "attempt_started"]
+
+
+def test_unknown_without_reconcile_or_idempotence_parks() -> None:
+    """A non-idempotent unknown without a reconcile hook parks; it is never retried."""
+    planner = _planner(Spec("charge"))
+    op = _park_unknown(planner)
+    planner.take_events()
+    assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
+    assert op.status == OperationStatus.UNKNOWN
+    assert op.attempts == 1
+    assert planner.saga.error is not None and "'charge'" in planner.saga.error
+    assert _names(planner) == ["outcome_unknown", "saga_parked"]
+
+
+def test_reconcile_takes_precedence_over_idempotence() -> None:
+    """With both a reconcile hook and idempotent=True, the provider is asked first."""
+    planner = _planner(Spec("charge", idempotent=True, reconcile=True))
+    op = _park_unknown(planner)
+    assert planner.advance() == AskReconcile(op)
+    assert op.attempts == 1
+
+
+def test_unknown_at_ceiling_parks_and_never_fails() -> None:
+    """An idempotent unknown at its ceiling parks in needs_review; it never turns failed."""
+    planner = _planner(Spec("reserve"), Spec("charge", idempotent=True, max_attempts=1))
+    _succeed(planner)
+    op = _park_unknown(planner)
+    planner.take_events()
+    assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
+    assert op.status == OperationStatus.UNKNOWN
+    assert _ops(planner, "compensation") == []
+    assert planner.saga.error is not None and "ceiling" in planner.saga.error
+    assert _names(planner) == ["outcome_unknown", "saga_parked"]
+
+
+def test_reconcile_found_settles_as_succeeded() -> None:
+    """Found: the operation succeeded with the provider's result and reference."""
+    planner = _planner(Spec("charge", reconcile=True), Spec("ship"))
+    op = _park_unknown(planner)
+    assert isinstance(planner.advance(), AskReconcile)
+    planner.take_events()
+    planner.record_found(op, {"charge": "ch_1"}, "prov-77")
+    assert op.status == OperationStatus.SUCCEEDED
+    assert op.result == {"charge": "ch_1"}
+    assert op.provider_reference == "prov-77"
+    assert op.error is None
+    nxt = _invoke(planner)
+    assert nxt.step == "ship"
+    events = planner.take_events()
+    assert [e.event for e in events] == ["reconcile_found", "attempt_started"]
+    assert events[0].detail == {"provider_reference": "prov-77"}
+
+
+def test_reconcile_absent_below_ceiling_retries_with_the_same_key() -> None:
+    """Absent: nothing happened under the key, so it is retried with it (attempt+1)."""
+    planner = _planner(Spec("charge", reconcile=True, max_attempts=3))
+    op = _park_unknown(planner)
+    key = op.idempotency_key
+    planner.advance()
+    planner.take_events()
+    planner.record_absent(op)
+    again = _invoke(planner)
+    assert again is op
+    assert again.attempts == 2
+    assert again.idempotency_key == key
+    assert _names(planner) == ["reconcile_absent", "attempt_started"]
+
+
+def test_reconcile_absent_at_ceiling_fails_and_compensates() -> None:
+    """Absent at the ceiling: the provider confirmed no effect, so failing is safe."""
+    planner = _planner(Spec("reserve"), Spec("charge", reconcile=True, max_attempts=1))
+    _succeed(planner)
+    op = _park_unknown(planner)
+    planner.advance()
+    planner.record_absent(op)
+    assert op.status == OperationStatus.FAILED
+    comp = _invoke(planner)
+    assert (comp.step, comp.kind) == ("reserve", "compensation")
+
+
+def test_reconcile_inconclusive_parks_with_the_reason() -> None:
+    """Inconclusive: a human decides; the saga parks and the reason is recorded."""
+    planner = _planner(Spec("charge", reconcile=True, idempotent=True))
+    op = _park_unknown(planner)
+    planner.advance()
+    planner.take_events()
+    planner.record_inconclusive(op, "provider timed out")
+    assert planner.saga.status == SagaStatus.NEEDS_REVIEW
+    assert op.status == OperationStatus.UNKNOWN
+    assert planner.saga.error is not None and "provider timed out" in planner.saga.error
+    assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
+    events = planner.take_events()
+    assert [e.event for e in events] == ["reconcile_inconclusive", "saga_parked"]
+    assert events[0].detail == {"reason": "provider timed out"}
+
+
+def test_record_unknown_with_park_parks() -> None:
+    """record_unknown(park=True) (e.g. a non-JSON result) parks with the reason; nothing runs."""
+    planner = _planner(Spec("charge", idempotent=True), Spec("ship"))
+    op = _invoke(planner)
+    planner.take_events()
+    planner.record_unknown(op, "TypeError: result of step 'charge' is not JSON", park=True)
+    assert op.status == OperationStatus.UNKNOWN
+    assert op.error == "TypeError: result of step 'charge' is not JSON"
+    assert planner.saga.status == SagaStatus.NEEDS_REVIEW
+    assert planner.saga.error == "TypeError: result of step 'charge' is not JSON"
+    assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
+    assert _names(planner) == ["outcome_unknown", "saga_parked"]
+
+
+def test_record_unknown_without_park_is_settled_by_advance() -> None:
+    """record_unknown(park=False) leaves the settling to the unknown rules (here: retry)."""
+    planner = _planner(Spec("charge", idempotent=True))
+    op = _invoke(planner)
+    planner.record_unknown(op, "lost connection after send", park=False)
+    assert planner.saga.status == SagaStatus.RUNNING
+    again = _invoke(planner)
+    assert again.attempts == 2
+
+
+def test_unknown_compensation_follows_the_same_rules() -> None:
+    """A compensation left running is unknown: retried when idempotent, else parked."""
+    for idempotent, expected in ((True, Invoke), (False, Stop)):
+        planner = _planner(Spec("reserve", comp_idempotent=idempotent), Spec("charge"))
+        _succeed(planner)
+        op = _invoke(planner)
+        planner.record_failure(op, "declined", retryable=False, delay=0.0)
+        comp = _invoke(planner)  # left running: the worker died
+        nxt = planner.advance()
+        assert isinstance(nxt, expected)
+        if isinstance(nxt, Invoke):
+            assert nxt.op is comp and comp.attempts == 2
+        else:
+            assert nxt == Stop(SagaStatus.NEEDS_REVIEW)
+            assert comp.status == OperationStatus.UNKNOWN
+
+
+def test_unknown_compensation_with_reconcile_asks_the_provider() -> None:
+    """A compensation's reconcile hook is asked when its outcome is unknown."""
+    planner = _planner(Spec("reserve", comp_reconcile=True), Spec("charge"))
+    _succeed(planner)
+    op = _invoke(planner)
+    planner.record_failure(op, "declined", retryable=False, delay=0.0)
+    comp = _invoke(planner)
+    assert planner.advance() == AskReconcile(comp)
+
+
+# ----- operator requests ----------------------------------------------------------------
+
+
+def _parked_with_unknown(*, comp_idempotent: bool = True) -> Planner:
+    """reserve succeeded, charge unknown (not idempotent, no reconcile): parked."""
+    planner = _planner(Spec("reserve"), Spec("charge", comp_idempotent=comp_idempotent))
+    _succeed(planner, {"reservation": "r-1"})
+    _park_unknown(planner)
+    assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
+    planner.take_events()
+    return planner
+
+
+def test_compensate_stops_at_an_unknown_step() -> None:
+    """request_compensation without include_unknown stops at the unknown step: nothing runs."""
+    planner = _parked_with_unknown()
+    planner.request_compensation(include_unknown=False, actor="ops@acme")
+    assert planner.saga.status == SagaStatus.COMPENSATING
+    assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
+    assert _ops(planner, "compensation") == []
+    error = planner.saga.error
+    assert error is not None and "'charge'" in error and "include_unknown" in error
+    events = planner.take_events()
+    assert [e.event for e in events] == ["compensation_requested", "saga_parked"]
+    assert events[0].detail == {"actor": "ops@acme", "include_unknown": False}
+
+
+def test_compensate_with_include_unknown_compensates_the_unknown_step_too() -> None:
+    """include_unknown=True compensates the unknown step, then the earlier ones, in reverse."""
+    planner = _parked_with_unknown()
+    planner.request_compensation(include_unknown=True, actor="ops@acme")
+    ran: list[tuple[str, str]] = []
+    while not isinstance(nxt := planner.advance(), Stop):
+        assert isinstance(nxt, Invoke)
+        ran.append((nxt.op.step, nxt.op.kind))
+        planner.record_success(nxt.op, None)
+    assert nxt == Stop(SagaStatus.COMPENSATED)
+    assert ran == [("charge", "compensation"), ("reserve", "compensation")]
+    assert planner.find("charge", "action").status == OperationStatus.UNKNOWN  # type: ignore[union-attr]
+
+
+def test_compensate_a_running_saga_runs_no_further_step() -> None:
+    """An operator's compensation request undoes what succeeded and never runs later steps."""
+    planner = _planner(Spec("reserve"), Spec("charge"), Spec("ship"))
+    _succeed(planner)
+    planner.request_compensation(include_unknown=False, actor=None)
+    comp = _invoke(planner)
+    assert (comp.step, comp.kind) == ("reserve", "compensation")
+    planner.record_success(comp, None)
+    assert planner.advance() == Stop(SagaStatus.COMPENSATED)
+    assert planner.find("charge", "action").attempts == 0  # type: ignore[union-attr]
+    assert planner.find("ship", "action").attempts == 0  # type: ignore[union-attr]
+
+
+def test_compensating_a_compensated_saga_is_a_no_op() -> None:
+    """request_compensation on a compensated saga changes nothing and records nothing."""
+    planner = _planner(Spec("reserve"))
+    op = _invoke(planner)
+    planner.record_failure(op, "boom", retryable=False, delay=0.0)
+    assert planner.advance() == Stop(SagaStatus.COMPENSATED)
+    planner.take_events()
+    planner.request_compensation(include_unknown=True, actor="ops")
+    assert planner.saga.status == SagaStatus.COMPENSATED
+    assert planner.take_events() == []
+
+
+def test_resolve_succeeded_settles_the_step_and_makes_the_saga_runnable() -> None:
+    """resolve(outcome='succeeded') stores the result; the saga runs on from the next step."""
+    planner = _parked_with_unknown()
+    op = planner.resolve(
+        "charge",
+        kind=None,
+        outcome="succeeded",
+        result={"charge": "ch_9"},
+        actor="ops@acme",
+        reason="seen in dashboard",
+    )
+    assert op.kind == "action"
+    assert op.status == OperationStatus.SUCCEEDED
+    assert op.result == {"charge": "ch_9"}
+    assert op.error is None
+    assert planner.saga.status == SagaStatus.RUNNING
+    assert planner.saga.error is None
+    assert planner.saga.run_after is not None
+    events = planner.take_events()
+    assert [e.event for e in events] == ["operation_resolved"]
+    assert events[0].detail == {
+        "outcome": "succeeded",
+        "actor": "ops@acme",
+        "reason": "seen in dashboard",
+    }
+    assert planner.advance() == Stop(SagaStatus.COMPLETED)
+
+
+def test_resolve_failed_starts_compensation() -> None:
+    """resolve(outcome='failed') fails the step; advancing then compensates earlier steps."""
+    planner = _parked_with_unknown()
+    op = planner.resolve(
+        "charge", kind=None, outcome="failed", result=None, actor="ops@acme", reason="no charge"
+    )
+    assert op.status == OperationStatus.FAILED
+    assert op.error == "resolved as failed by ops@acme: no charge"
+    comp = _invoke(planner)
+    assert (comp.step, comp.kind) == ("reserve", "compensation")
+    assert planner.saga.status == SagaStatus.COMPENSATING
+    names = _names(planner)
+    assert names == ["operation_resolved", "compensation_started", "attempt_started"]
+
+
+def test_resolve_a_failed_compensation_continues_compensating() -> None:
+    """Resolving a parked compensation (kind defaults to it) resumes the compensation."""
+    planner = _planner(Spec("reserve"), Spec("charge"), Spec("ship"))
+    _succeed(planner)
+    _succeed(planner)
+    op = _invoke(planner)
+    planner.record_failure(op, "no carrier", retryable=False, delay=0.0)
+    comp = _invoke(planner)
+    assert comp.step == "charge"
+    planner.record_failure(comp, "refund API down", retryable=False, delay=0.0)
+    assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
+    resolved = planner.resolve(
+        "charge", kind=None, outcome="succeeded", result=None, actor="ops", reason=None
+    )
+    assert resolved is comp
+    assert planner.saga.status == SagaStatus.COMPENSATING
+    nxt = _invoke(planner)
+    assert (nxt.step, nxt.kind) == ("reserve", "compensation")
+
+
+def test_resolve_refuses_a_succeeded_step() -> None:
+    """Resolving a step that already succeeded raises StepStateError and changes nothing."""
+    planner = _planner(Spec("reserve"), Spec("charge"))
+    op = _succeed(planner, {"r": 1})
+    planner.take_events()
+    with pytest.raises(StepStateError):
+        planner.resolve(
+            "reserve", kind=None, outcome="failed", result=None, actor="ops", reason=None
+        )
+    assert op.status == OperationStatus.SUCCEEDED
+    assert op.result == {"r": 1}
+    assert planner.take_events() == []
+
+
+def test_resolve_refuses_a_step_never_attempted() -> None:
+    """Resolving a step that has not been attempted raises StepStateError."""
+    planner = _planner(Spec("reserve"), Spec("charge"))
+    with pytest.raises(StepStateError):
+        planner.resolve(
+            "charge", kind=None, outcome="succeeded", result=None, actor="ops", reason=None
+        )
+    assert planner.find("charge", "action").status == OperationStatus.PENDING  # type: ignore[union-attr]
+
+
+def test_resolve_refuses_unknown_step_or_missing_compensation() -> None:
+    """An undeclared step name, or a compensation not created yet, raises StepStateError."""
+    planner = _parked_with_unknown()
+    with pytest.raises(StepStateError):
+        planner.resolve("refund", kind=None, outcome="failed", result=None, actor="o", reason=None)
+    with pytest.raises(StepStateError):
+        planner.resolve(
+            "charge", kind="compensation", outcome="failed", result=None, actor="o", reason=None
+        )
+
+
+def test_stale_definition_is_reported() -> None:
+    """An operation whose step is no longer declared raises StepStateError naming the version."""
+    planner = _planner(Spec("reserve"))
+    op = planner.ops[0]
+    planner.definition.steps.clear()
+    with pytest.raises(StepStateError, match="version"):
+        planner.step_of(op)
+
+
+# ----- a whole run, as a runner would drive it ------------------------------------------
+
+
+def _drive(planner: Planner, call: Callable[[OpRow], Any]) -> tuple[Next, list[str]]:
+    """Drive the planner like the runner, with `call` deciding each attempt's outcome."""
+    events: list[str] = []
+    nxt = planner.advance()
+    while isinstance(nxt, Invoke):
+        outcome = call(nxt.op)
+        if isinstance(outcome, Exception):
+            planner.record_failure(
+                nxt.op, repr(outcome), retryable=isinstance(outcome, TimeoutError), delay=0.0
+            )
+        else:
+            planner.record_success(nxt.op, outcome)
+        nxt = planner.advance(datetime.now().astimezone() + timedelta(hours=1))
+    events.extend(e.event for e in planner.take_events())
+    return nxt, events
+
+
+def test_a_whole_run_with_one_retry_records_the_full_audit_trail() -> None:
+    """A run with one transient failure completes and its events tell the whole story."""
+    planner = _planner(Spec("reserve"), Spec("charge"))
+    failures = {"charge": 1}
+
+    def call(op: OpRow) -> Any:
+        if failures.get(op.step, 0) >= op.attempts:
+            return TimeoutError("slow")
+        return {"step": op.step}
+
+    nxt, events = _drive(planner, call)
+    assert nxt == Stop(SagaStatus.COMPLETED)
+    assert events == [
+        "attempt_started",
+        "attempt_succeeded",
+        "attempt_started",
+        "attempt_failed",
+        "attempt_started",
+        "attempt_succeeded",
+        "saga_completed",
+    ]
+    assert operation_key("renewal", 2, "acme", "evt-1", "charge", "action") == (
+        planner.find("charge", "action").idempotency_key  # type: ignore[union-attr]
+    )
