@@ -1,0 +1,30 @@
+"""Fixtures of the integration tests: orchestrators bound to the test's fresh database."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from support import OrchestratorFactory
+
+from saga import Orchestrator, Saga
+
+
+@pytest.fixture
+def make_orch(database_url: str) -> Iterator[OrchestratorFactory]:
+    """Build orchestrators on this test's database; every one is closed after the test."""
+    made: list[Orchestrator] = []
+
+    def make(
+        *sagas: Saga[Any], lease_seconds: float = 10.0, owner: str | None = None
+    ) -> Orchestrator:
+        orch = Orchestrator(
+            database_url, sagas=list(sagas), lease_seconds=lease_seconds, owner=owner
+        )
+        made.append(orch)
+        return orch
+
+    yield make
+    for orch in reversed(made):
+        orch.close()
