@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import builtins
+import math
 import os
 import socket
 import threading
 import uuid
 from collections.abc import Iterable
+from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -26,10 +28,10 @@ from saga.errors import (
     StepStateError,
 )
 from saga.migrate import apply_migrations
-from saga.protocol import Event, Planner, SagaRow, new_action_rows
-from saga.runner import Runner, log_event
+from saga.protocol import Event, Next, Planner, SagaRow, new_action_rows
+from saga.runner import Runner, RunnerOptions, log_events
 from saga.state import HistoryEvent, SagaHandle, SagaState, SagaStatus
-from saga.store import Store, parse_id
+from saga.store import Conn, Store, parse_id
 
 if TYPE_CHECKING:
     from saga.worker import Worker
@@ -45,7 +47,9 @@ class Orchestrator:
             PostgreSQL started in a local data directory.
         sagas: Sagas to register (the registry is per orchestrator).
         lease_seconds: How long a claim on a saga lasts without renewal; a crashed
-            owner's sagas are taken over after it expires.
+            owner's sagas are taken over after it expires (default 10 s).
+        heartbeat_seconds: How often a running step's lease is renewed (default a
+            third of the lease).
         auto_migrate: Apply pending migrations on first use.
         owner: Name of this lease owner in the database (defaults to host:pid:random).
         pool_size: Most database connections this orchestrator holds at once.
@@ -56,18 +60,27 @@ class Orchestrator:
         database_url: str | None = None,
         *,
         sagas: Iterable[Saga[Any]] = (),
-        lease_seconds: float = 30.0,
+        lease_seconds: float = 10.0,
+        heartbeat_seconds: float | None = None,
         auto_migrate: bool = True,
         owner: str | None = None,
         pool_size: int = 10,
     ) -> None:
         if not lease_seconds > 0:
             raise ValueError(f"lease_seconds must be positive, got {lease_seconds!r}")
+        if heartbeat_seconds is None:
+            heartbeat_seconds = lease_seconds / 3.0
+        if not 0 < heartbeat_seconds < lease_seconds:
+            raise ValueError(
+                f"heartbeat_seconds must be positive and below lease_seconds "
+                f"({lease_seconds!r}), got {heartbeat_seconds!r}"
+            )
         if pool_size < 2:
             raise ValueError(f"pool_size must be at least 2, got {pool_size!r}")
         self._explicit_url = database_url
         self._url: str | None = None
         self.lease_seconds = float(lease_seconds)
+        self.heartbeat_seconds = float(heartbeat_seconds)
         self.auto_migrate = auto_migrate
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._pool_size = pool_size
@@ -180,6 +193,25 @@ class Orchestrator:
         request (business fields) raises `IdempotencyConflict` and stores nothing.
         Invalid input raises pydantic's `ValidationError` before anything is written.
         """
+        return self._start(saga, data, runner=None)[0]
+
+    def execute(self, saga: Saga[Any], data: BaseModel | dict[str, Any]) -> SagaState:
+        """Start a saga and drive it here: `start` then `run`, one commit cheaper.
+
+        The new saga is created already leased to this orchestrator with its first
+        attempt recorded, in one transaction. When the saga already exists (the
+        same request again), this is `run` on it.
+        """
+        runner = self._runner()
+        handle, claimed = self._start(saga, data, runner=runner)
+        if claimed is None:
+            return self.run(handle.id)
+        runner.drive(*claimed)
+        return self.get(handle.id)
+
+    def _start(
+        self, saga: Saga[Any], data: BaseModel | dict[str, Any], *, runner: Runner | None
+    ) -> tuple[SagaHandle, tuple[Planner, Next] | None]:
         if (saga.name, saga.version) not in self._registry:
             self.register(saga)
         model = saga.validate_input(data)
@@ -199,27 +231,28 @@ class Orchestrator:
             fence=0,
             run_after=None,
         )
+        ops = new_action_rows(saga, tenant, key, business)
         store = self.store
+        claimed: tuple[Planner, Next] | None = None
+        events: list[Event] = []
         with store.transaction() as conn:
-            created = store.insert_saga_txn(conn, row, new_action_rows(saga, tenant, key, business))
-            if created:
+            created = store.insert_saga_txn(
+                conn,
+                row,
+                ops,
+                lease_owner=runner.owner if runner is not None else None,
+                lease_seconds=self.lease_seconds,
+            )
+            if not created:
+                saga_id = self._check_duplicate_txn(conn, saga, row)
+            else:
+                saga_id = row.id
                 store.append_events_txn(
                     conn, row.id, [Event("saga_started", detail={"input_hash": row.input_hash})]
                 )
-                saga_id = row.id
-            else:
-                found = store.find_by_identity_txn(conn, tenant_id=tenant, name=saga.name, key=key)
-                assert found is not None  # the insert conflicted on this identity
-                if found["version"] != saga.version or found["input_hash"] != row.input_hash:
-                    raise IdempotencyConflict(
-                        f"saga {saga.name!r} with key {key!r} (tenant {tenant!r}) already exists "
-                        f"as {found['id']} with a different request "
-                        f"(version {found['version']}, hash {found['input_hash'][:12]}…); "
-                        "use a new key for a new request",
-                        saga=saga.name,
-                        key=key,
-                    )
-                saga_id = found["id"]
+                if runner is not None:
+                    planner, nxt, events = runner.begin_new_txn(conn, saga, row, ops)
+                    claimed = (planner, nxt)
         _log.info(
             "saga_started" if created else "saga_start_deduplicated",
             saga_id=saga_id,
@@ -227,7 +260,9 @@ class Orchestrator:
             tenant_id=tenant,
             key=key,
         )
-        return SagaHandle(
+        if claimed is not None:
+            log_events(claimed[0], events)
+        handle = SagaHandle(
             id=saga_id,
             saga=saga.name,
             version=saga.version,
@@ -235,6 +270,23 @@ class Orchestrator:
             key=key,
             created=created,
         )
+        return handle, claimed
+
+    def _check_duplicate_txn(self, conn: Conn, saga: Saga[Any], row: SagaRow) -> str:
+        found = self.store.find_by_identity_txn(
+            conn, tenant_id=row.tenant_id, name=saga.name, key=row.key
+        )
+        assert found is not None  # the insert conflicted on this identity
+        if found["version"] != saga.version or found["input_hash"] != row.input_hash:
+            raise IdempotencyConflict(
+                f"saga {saga.name!r} with key {row.key!r} (tenant {row.tenant_id!r}) already "
+                f"exists as {found['id']} with a different request "
+                f"(version {found['version']}, hash {found['input_hash'][:12]}…); "
+                "use a new key for a new request",
+                saga=saga.name,
+                key=row.key,
+            )
+        return str(found["id"])
 
     # ----- driving -----------------------------------------------------------------------
 
@@ -252,13 +304,19 @@ class Orchestrator:
         return state
 
     def compensate(
-        self, saga_id: str, *, include_unknown: bool = False, actor: str | None = None
+        self,
+        saga_id: str,
+        *,
+        include_unknown: bool = False,
+        actor: str | None = None,
+        force: bool = False,
     ) -> SagaState:
         """Compensation-only recovery: undo what succeeded, in reverse, running no further step.
 
         A step whose outcome is still unknown stops the compensation there (the saga
         stays in needs_review saying so) unless `include_unknown=True`, in which case
-        its compensation runs with `result=None`.
+        its compensation runs with `result=None`. A saga a live worker holds is refused
+        (`StepStateError`) unless `force=True`, which takes its lease over.
         """
         state = self.get(saga_id)
         definition = self.definition(state.saga, state.version)
@@ -268,6 +326,8 @@ class Orchestrator:
             definition,
             state.id,
             lambda p: p.request_compensation(include_unknown=include_unknown, actor=actor),
+            force=force,
+            actor=actor,
         )
         return self.run(state.id)
 
@@ -281,12 +341,14 @@ class Orchestrator:
         actor: str,
         reason: str | None = None,
         kind: Literal["action", "compensation"] | None = None,
+        force: bool = False,
     ) -> SagaState:
         """Settle an operation a human has checked, and make the saga runnable again.
 
         `outcome="succeeded"` records `result` (validated like a step's return value);
         `outcome="failed"` records the failure, so the next run compensates. The saga
-        is not driven here: call `run` or leave it to a worker.
+        is not driven here: call `run` or leave it to a worker. `force=True` takes over
+        the lease of a live worker instead of refusing.
         """
         if outcome not in ("succeeded", "failed"):
             raise ValueError(f"outcome must be 'succeeded' or 'failed', got {outcome!r}")
@@ -309,30 +371,122 @@ class Orchestrator:
             lambda p: p.resolve(
                 step, kind=kind, outcome=outcome, result=stored, actor=actor, reason=reason
             ),
+            force=force,
+            actor=actor,
         )
         return self.get(state.id)
 
-    def _operator_change(self, definition: Saga[Any], saga_id: str, change: Any) -> None:
+    def retry(
+        self,
+        saga_id: str,
+        *,
+        extra_attempts: int = 0,
+        actor: str | None = None,
+        force: bool = False,
+    ) -> SagaState:
+        """Resume a parked saga after a fix, at the operation it stopped at.
+
+        That operation's ceiling is raised by `extra_attempts`; the attempts it has
+        made still count, so a retry past the ceiling needs extra attempts. An
+        unknown outcome is settled again (reconcile hook or idempotent retry); one
+        that is neither idempotent nor reconcilable is refused: resolve it instead.
+        The request is recorded as `retry_requested`. The saga is not driven here:
+        call `run` or leave it to a worker.
+        """
+        if extra_attempts < 0:
+            raise ValueError(f"extra_attempts must not be negative, got {extra_attempts}")
+        state = self.get(saga_id)
+        definition = self.definition(state.saga, state.version)
+        self._operator_change(
+            definition,
+            state.id,
+            lambda p: p.request_retry(extra_attempts=extra_attempts, actor=actor),
+            force=force,
+            actor=actor,
+        )
+        return self.get(state.id)
+
+    def cancel(
+        self,
+        saga_id: str,
+        *,
+        reason: str,
+        actor: str | None = None,
+        include_unknown: bool = False,
+        force: bool = False,
+    ) -> SagaState:
+        """Stop a saga's forward progress and compensate what succeeded, in reverse.
+
+        Recorded as `cancel_requested` with the reason and actor, which also becomes
+        the saga's `error`. A completed saga, or one past a succeeded pivot step, is
+        refused (`StepStateError`); one already compensating is returned unchanged.
+        The saga is not driven here: call `run` or leave it to a worker.
+        """
+        if not reason:
+            raise ValueError("cancel() needs a reason")
+        state = self.get(saga_id)
+        definition = self.definition(state.saga, state.version)
+        self._operator_change(
+            definition,
+            state.id,
+            lambda p: p.request_cancel(reason=reason, actor=actor, include_unknown=include_unknown),
+            force=force,
+            actor=actor,
+        )
+        return self.get(state.id)
+
+    def _operator_change(
+        self,
+        definition: Saga[Any],
+        saga_id: str,
+        change: Any,
+        *,
+        force: bool = False,
+        actor: str | None = None,
+    ) -> None:
         store = self.store
         with store.transaction() as conn:
             locked = store.lock_saga_txn(conn, saga_id)
             if locked is None:
                 raise SagaNotFound(saga_id)
             row, live = locked
-            if live:
+            broken: list[Event] = []
+            if live and not force:
                 raise StepStateError(
                     f"saga {saga_id} is leased by {row.lease_owner} until {row.lease_expires_at}; "
-                    "wait for it to stop or for the lease to expire"
+                    "wait for it to stop or for the lease to expire, or force it"
                 )
+            if live:
+                # The holder's next write fails its fence check; its running attempt, if
+                # any, is treated as unknown by whoever drives the saga next.
+                fence = store.break_lease_txn(conn, saga_id)
+                broken.append(
+                    Event(
+                        "lease_broken",
+                        detail={"actor": actor, "previous_owner": row.lease_owner, "fence": fence},
+                    )
+                )
+                row.fence, row.lease_owner, row.lease_expires_at = fence, None, None
             planner = Planner(definition, row, store.operations_txn(conn, saga_id))
+            planner.events.extend(broken)
             change(planner)
             events = planner.take_events()
             store.save_txn(conn, planner.saga, planner.ops, events, release=True)
-        for event in events:
-            log_event(planner.saga, planner, event)
+            if planner.saga.status.is_runnable:
+                store.notify_runnable_txn(conn, row.name, row.version)
+        log_events(planner, events)
+
+    def runner_options(self, *, max_inline_sleep: float = math.inf) -> RunnerOptions:
+        """Lease settings of this orchestrator, for runners."""
+        return RunnerOptions(
+            owner=self.owner,
+            lease_seconds=self.lease_seconds,
+            heartbeat_seconds=self.heartbeat_seconds,
+            max_inline_sleep=max_inline_sleep,
+        )
 
     def _runner(self) -> Runner:
-        return Runner(self.store, owner=self.owner, lease_seconds=self.lease_seconds)
+        return Runner(self.store, self.runner_options())
 
     # ----- reading -----------------------------------------------------------------------
 
@@ -351,13 +505,26 @@ class Orchestrator:
         saga: str | None = None,
         tenant: str | None = None,
         limit: int = 100,
+        *,
+        older_than: timedelta | None = None,
     ) -> builtins.list[SagaState]:
-        """Sagas filtered by status, saga name and tenant, newest first."""
+        """Sagas filtered by status, saga name and tenant, newest first.
+
+        `older_than` keeps sagas whose last change (`updated_at`, by the database
+        clock) is at least that long ago: for a parked saga, how long it has waited.
+        """
         if status is not None:
             status = SagaStatus(status).value
         if limit < 1:
             raise ValueError(f"limit must be positive, got {limit}")
-        return self.store.list_states(status=status, name=saga, tenant_id=tenant, limit=limit)
+        seconds = None
+        if older_than is not None:
+            seconds = older_than.total_seconds()
+            if seconds < 0:
+                raise ValueError(f"older_than must not be negative, got {older_than}")
+        return self.store.list_states(
+            status=status, name=saga, tenant_id=tenant, limit=limit, older_than_seconds=seconds
+        )
 
     def history(self, saga_id: str) -> builtins.list[HistoryEvent]:
         """The audit trail of a saga, oldest first."""
@@ -366,8 +533,24 @@ class Orchestrator:
 
     # ----- workers -----------------------------------------------------------------------
 
-    def worker(self, concurrency: int = 4, *, poll_seconds: float = 0.5) -> Worker:
-        """A worker that claims and drives this orchestrator's registered sagas."""
+    def worker(
+        self,
+        concurrency: int = 4,
+        *,
+        poll_seconds: float = 1.0,
+        grace_seconds: float = 10.0,
+        short_wait_seconds: float = 1.0,
+    ) -> Worker:
+        """A worker that claims and drives this orchestrator's registered sagas.
+
+        See `Worker` for the meaning of each setting.
+        """
         from saga.worker import Worker
 
-        return Worker(self, concurrency=concurrency, poll_seconds=poll_seconds)
+        return Worker(
+            self,
+            concurrency=concurrency,
+            poll_seconds=poll_seconds,
+            grace_seconds=grace_seconds,
+            short_wait_seconds=short_wait_seconds,
+        )

@@ -105,7 +105,12 @@ class Stop:
     status: SagaStatus
 
 
-Next = Invoke | AskReconcile | Sleep | Stop
+@dataclass(frozen=True, slots=True)
+class Yield:
+    """Calls are not allowed now (the worker is shutting down): give the lease back."""
+
+
+Next = Invoke | AskReconcile | Sleep | Stop | Yield
 
 
 def action_request_hash(step: str, business: dict[str, Any]) -> str:
@@ -149,6 +154,7 @@ class Planner:
         self.ops = ops
         self.events: list[Event] = []
         self.now = datetime.now().astimezone()
+        self.may_call = True
 
     # ----- reading the snapshot -------------------------------------------------------
 
@@ -160,6 +166,13 @@ class Planner:
     def find(self, step: str, kind: Kind) -> OpRow | None:
         """The row of (step, kind), or None."""
         return next((o for o in self.ops if o.step == step and o.kind == kind), None)
+
+    def op(self, step: str, kind: str) -> OpRow:
+        """The row of (step, kind); `KeyError` when there is none."""
+        for row in self.ops:
+            if row.step == step and row.kind == kind:
+                return row
+        raise KeyError(f"saga {self.saga.id} has no {kind} operation for step {step!r}")
 
     def step_of(self, op: OpRow) -> Step:
         """The declared step an operation row belongs to."""
@@ -195,9 +208,14 @@ class Planner:
 
     # ----- the decision loop ----------------------------------------------------------
 
-    def advance(self, now: datetime | None = None) -> Next:
-        """Apply every transition that needs no call, then say what to do next."""
+    def advance(self, now: datetime | None = None, *, may_call: bool = True) -> Next:
+        """Apply every transition that needs no call, then say what to do next.
+
+        With `may_call=False` nothing new is started: where a call or a wait would
+        come next, `Yield` is returned instead and the saga stays as it is.
+        """
         self.now = now or datetime.now().astimezone()
+        self.may_call = may_call
         for op in self.ops:
             if op.status == OperationStatus.RUNNING:
                 # Only a previous owner's attempt can still be running when we decide.
@@ -269,6 +287,8 @@ class Planner:
                 "; "
             )
             return None
+        if not self.may_call:
+            return Yield()
         if op.next_attempt_at is not None and op.next_attempt_at > self.now:
             return Sleep(op.next_attempt_at)
         op.attempts += 1
@@ -281,7 +301,7 @@ class Planner:
 
     def _settle_unknown(self, op: OpRow) -> Next | None:
         if self.reconcile_fn(op) is not None:
-            return AskReconcile(op)
+            return AskReconcile(op) if self.may_call else Yield()
         if not self.is_idempotent(op):
             self.park(
                 f"outcome of {_describe(op)} attempt {op.attempts} is unknown and it is neither "
@@ -450,6 +470,151 @@ class Planner:
         action = self.find(step, "action")
         assert action is not None  # every declared step has its action row
         return action
+
+    def request_retry(self, *, extra_attempts: int, actor: str | None) -> OpRow:
+        """Resume a parked saga at the operation that blocks it, its ceiling raised by
+        `extra_attempts`; attempts already made still count."""
+        self._tick()
+        if extra_attempts < 0:
+            raise ValueError(f"extra_attempts must not be negative, got {extra_attempts}")
+        if self.saga.status != SagaStatus.NEEDS_REVIEW:
+            raise StepStateError(
+                f"saga {self.saga.id} is {self.saga.status}, not needs_review; nothing to retry"
+            )
+        op = self.blocking_operation()
+        if op is None:
+            raise StepStateError(
+                f"no operation of saga {self.saga.id} is blocked; compensate or resolve it instead"
+            )
+        if op.kind == "action" and self.saga.direction == "backward":
+            raise StepStateError(
+                f"compensation stopped at step {op.step!r}, whose outcome is unknown: resolve it, "
+                "or compensate with include_unknown"
+            )
+        if (
+            op.status == OperationStatus.UNKNOWN
+            and self.reconcile_fn(op) is None
+            and not self.is_idempotent(op)
+        ):
+            raise StepStateError(
+                f"outcome of {_describe(op)} is unknown and it is neither idempotent nor has a "
+                "reconcile hook, so a retry could repeat its effect; check with the provider "
+                "and resolve it"
+            )
+        ceiling = op.max_attempts + extra_attempts
+        if op.attempts >= ceiling:
+            raise StepStateError(
+                f"{_describe(op)} has used {op.attempts} of its {op.max_attempts} attempts; "
+                "raise its ceiling with extra attempts to retry it"
+            )
+        previous_status, previous_ceiling = op.status, op.max_attempts
+        op.max_attempts = ceiling
+        if op.status == OperationStatus.FAILED:
+            self._touch(op, status=OperationStatus.PENDING)
+        else:
+            # An unknown outcome stays unknown: the planner settles it (reconcile or retry).
+            op.dirty = True
+        op.next_attempt_at = None
+        self._event(
+            "retry_requested",
+            op,
+            actor=actor,
+            previous_status=str(previous_status),
+            extra_attempts=extra_attempts,
+            previous_max_attempts=previous_ceiling,
+            max_attempts=ceiling,
+        )
+        back = self.saga.direction == "backward"
+        self._set_status(SagaStatus.COMPENSATING if back else SagaStatus.RUNNING)
+        self.saga.error = None
+        self.saga.run_after = self.now
+        return op
+
+    def request_cancel(self, *, reason: str, actor: str | None, include_unknown: bool) -> bool:
+        """Stop forward progress and compensate what succeeded, in reverse; False when the
+        saga is already compensating or compensated (nothing changes)."""
+        self._tick()
+        status = self.saga.status
+        if status == SagaStatus.COMPLETED:
+            raise StepStateError(
+                f"saga {self.saga.id} is completed: there is no forward progress to stop "
+                "(compensate undoes a completed saga)"
+            )
+        if self.saga.direction == "backward":
+            if status in (SagaStatus.COMPENSATING, SagaStatus.COMPENSATED):
+                return False
+            raise StepStateError(
+                f"saga {self.saga.id} is already compensating and parked ({self.saga.error}); "
+                "retry or resolve the blocked compensation"
+            )
+        pivot = next(
+            (
+                o.step
+                for o in self.actions
+                if o.status == OperationStatus.SUCCEEDED and self.step_of(o).pivot
+            ),
+            None,
+        )
+        if pivot is not None:
+            raise StepStateError(
+                f"pivot step {pivot!r} of saga {self.saga.id} has succeeded: it can only go "
+                "forward (compensate it explicitly if you must undo it)"
+            )
+        self.events.append(Event("cancel_requested", detail={"actor": actor, "reason": reason}))
+        self.request_compensation(include_unknown=include_unknown, actor=actor)
+        self.saga.error = f"cancelled by {actor or 'an operator'}: {reason}"
+        return True
+
+    def blocking_operation(self) -> OpRow | None:
+        """The operation a parked saga stopped at, in its current direction, or None."""
+        if self.saga.direction == "forward":
+            return next((o for o in self.actions if o.status != OperationStatus.SUCCEEDED), None)
+        for act in reversed(self.actions):
+            comp = self.find(act.step, "compensation")
+            if comp is not None and comp.status != OperationStatus.SUCCEEDED:
+                return comp
+            if comp is None and act.status in (OperationStatus.UNKNOWN, OperationStatus.RUNNING):
+                return act
+        return None
+
+    def compensation_plan(
+        self, *, include_unknown: bool
+    ) -> tuple[list[tuple[str, str]], str | None]:
+        """What compensating would run, changing nothing: (step, idempotency key) of each
+        compensation in order, and why it would stop early (None when it would finish)."""
+        runs: list[tuple[str, str]] = []
+        for act in reversed(self.actions):
+            comp_def = self.compensation_of(act)
+            comp = self.find(act.step, "compensation")
+            unknown = act.status in (OperationStatus.UNKNOWN, OperationStatus.RUNNING)
+            gets_comp = comp is not None or (include_unknown and comp_def is not None)
+            if act.status == OperationStatus.SUCCEEDED or (unknown and gets_comp):
+                if comp_def is None or (comp and comp.status == OperationStatus.SUCCEEDED):
+                    continue
+                if comp is not None and comp.status == OperationStatus.FAILED:
+                    return runs, (
+                        f"compensation of step {act.step!r} failed ({comp.error}); retry it with "
+                        "a raised ceiling"
+                    )
+                key = (
+                    comp.idempotency_key
+                    if comp is not None
+                    else operation_key(
+                        self.saga.name,
+                        self.saga.version,
+                        self.saga.tenant_id,
+                        self.saga.key,
+                        act.step,
+                        "compensation",
+                    )
+                )
+                runs.append((act.step, key))
+            elif unknown:
+                return runs, (
+                    f"step {act.step!r} has an unknown outcome; resolve it first, or include "
+                    "unknown steps"
+                )
+        return runs, None
 
     # ----- transitions ----------------------------------------------------------------
 

@@ -4,46 +4,93 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import threading
-import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 import structlog
 
 from saga.context import StepContext
+from saga.dbretry import retrying
 from saga.definition import Saga
 from saga.errors import LeaseLost
 from saga.outcomes import Absent, Found, Inconclusive
-from saga.protocol import AskReconcile, Event, Invoke, Next, OpRow, Planner, SagaRow, Sleep, Stop
+from saga.protocol import (
+    AskReconcile,
+    Event,
+    Invoke,
+    Next,
+    OpRow,
+    Planner,
+    SagaRow,
+    Sleep,
+    Stop,
+    Yield,
+)
+from saga.state import OperationStatus
 from saga.store import Conn, Store
 
 _log: structlog.typing.FilteringBoundLogger = structlog.get_logger("saga")
+
+Mutation = Callable[[Planner], None]
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOptions:
+    """How a runner holds leases and waits.
+
+    Attributes:
+        owner: Lease owner name written to the database.
+        lease_seconds: Lease length; renewed by every write and by the heartbeat.
+        heartbeat_seconds: Interval of lease renewal while user code runs.
+        max_inline_sleep: Longest retry backoff (seconds) waited out under the lease;
+            a longer one is persisted as `run_after` and the lease released.
+    """
+
+    owner: str
+    lease_seconds: float
+    heartbeat_seconds: float
+    max_inline_sleep: float = math.inf
 
 
 class Runner:
     """Drives claimed sagas under a lease; every write is fenced."""
 
-    def __init__(self, store: Store, *, owner: str, lease_seconds: float) -> None:
+    def __init__(
+        self, store: Store, options: RunnerOptions, *, stopping: threading.Event | None = None
+    ) -> None:
         self.store = store
-        self.owner = owner
-        self.lease_seconds = lease_seconds
+        self.options = options
+        self.owner = options.owner
+        self.lease_seconds = options.lease_seconds
+        self.stopping = stopping or threading.Event()
 
     # ----- entry points ------------------------------------------------------------------
 
     def claim_and_drive(self, definition: Saga[Any], saga_id: str) -> bool:
         """Claim one saga and drive it until it stops; False when it could not be claimed."""
+        for attempt in retrying("claim_saga"):
+            with attempt:
+                claimed = self._claim_by_id(definition, saga_id)
+        if claimed is None:
+            return False
+        self.drive(*claimed)
+        return True
+
+    def _claim_by_id(self, definition: Saga[Any], saga_id: str) -> tuple[Planner, Next] | None:
         with self.store.transaction() as conn:
             row = self.store.claim_txn(
                 conn, saga_id, owner=self.owner, lease_seconds=self.lease_seconds
             )
             if row is None:
-                return False
-            planner, nxt = self._begin_txn(conn, definition, row)
-        self._drive(planner, nxt)
-        return True
+                return None
+            planner, nxt, events = self._begin_txn(conn, definition, row)
+        log_events(planner, events)
+        return planner, nxt
 
     def claim_next(
         self, kinds: Sequence[str], lookup: Callable[[str, int], Saga[Any]]
@@ -56,37 +103,32 @@ class Runner:
             )
             if row is None:
                 return None
-            return self._begin_txn(conn, lookup(row.name, row.version), row)
-
-    def drive(self, planner: Planner, nxt: Next) -> None:
-        """Carry out `nxt` and every move after it until the saga stops."""
-        self._drive(planner, nxt)
-
-    # ----- the loop ----------------------------------------------------------------------
-
-    def _begin_txn(self, conn: Conn, definition: Saga[Any], row: SagaRow) -> tuple[Planner, Next]:
-        ops = self.store.operations_txn(conn, row.id)
-        planner = Planner(definition, row, ops)
-        planner.events.append(
-            Event("lease_acquired", detail={"owner": self.owner, "fence": row.fence})
-        )
-        nxt = planner.advance()
-        self._persist_txn(conn, planner, nxt)
+            planner, nxt, events = self._begin_txn(conn, lookup(row.name, row.version), row)
+        log_events(planner, events)
         return planner, nxt
 
-    def _drive(self, planner: Planner, nxt: Next) -> None:
+    def begin_new_txn(
+        self, conn: Conn, definition: Saga[Any], row: SagaRow, ops: list[OpRow]
+    ) -> tuple[Planner, Next, list[Event]]:
+        """Plan the first move of a saga inserted in this transaction under our lease.
+
+        The caller logs the returned events (`log_events`) once the transaction commits.
+        """
+        return self._begin_txn(conn, definition, row, ops=ops)
+
+    def drive(self, planner: Planner, nxt: Next) -> None:
+        """Carry out `nxt` and every move after it until the saga stops or is handed back."""
         saga = planner.saga
         try:
-            while not isinstance(nxt, Stop):
+            while not isinstance(nxt, Stop | Yield):
                 if isinstance(nxt, Sleep):
-                    delay = (nxt.until - datetime.now().astimezone()).total_seconds()
-                    if delay > 0:
-                        time.sleep(delay)
-                    nxt = self._transact(planner, lambda p: None)
+                    if not self._sleep_inline(nxt.until):
+                        return  # persisted as run_after; the lease was released
+                    planner, nxt = self._transact(planner, None, None)
                 elif isinstance(nxt, Invoke):
-                    nxt = self._invoke(planner, nxt.op)
+                    planner, nxt = self._invoke(planner, nxt.op)
                 elif isinstance(nxt, AskReconcile):
-                    nxt = self._reconcile(planner, nxt.op)
+                    planner, nxt = self._reconcile(planner, nxt.op)
         except LeaseLost as exc:
             _log.warning("lease_lost", saga_id=saga.id, fence=saga.fence, error=str(exc))
         except BaseException:
@@ -97,33 +139,117 @@ class Runner:
                 _log.exception("lease_release_failed", saga_id=saga.id)
             raise
 
-    def _transact(self, planner: Planner, mutate: Callable[[Planner], None]) -> Next:
+    def _sleep_inline(self, until: datetime) -> bool:
+        delay = (until - datetime.now().astimezone()).total_seconds()
+        if delay > self.options.max_inline_sleep:
+            return False
+        if delay > 0:
+            # Wakes early when the worker shuts down; the next transition then yields.
+            self.stopping.wait(delay)
+        return True
+
+    # ----- transactions ------------------------------------------------------------------
+
+    def _begin_txn(
+        self, conn: Conn, definition: Saga[Any], row: SagaRow, *, ops: list[OpRow] | None = None
+    ) -> tuple[Planner, Next, list[Event]]:
+        if ops is None:
+            ops = self.store.operations_txn(conn, row.id)
+        planner = Planner(definition, row, ops)
+        planner.events.append(
+            Event("lease_acquired", detail={"owner": self.owner, "fence": row.fence})
+        )
+        nxt = planner.advance(may_call=not self.stopping.is_set())
+        events = self._persist_txn(conn, planner, nxt)
+        return planner, nxt, events
+
+    def _transact(
+        self, planner: Planner, mutate: Mutation | None, target: tuple[str, str, int] | None
+    ) -> tuple[Planner, Next]:
+        """Record an outcome and plan the next move in one fenced transaction.
+
+        A transient database error is retried with a fresh snapshot; if the failed
+        commit had in fact landed, the recorded outcome is not applied twice.
+        """
+        first = True
+        for attempt in retrying("record_transition"):
+            with attempt:
+                if not first:
+                    planner, landed = self._reload(planner, target)
+                    if landed is not None:
+                        return planner, landed
+                    if target is not None and not self._still_in_flight(planner, target):
+                        mutate = None
+                first = False
+                with self.store.transaction() as conn:
+                    self.store.check_fence_txn(
+                        conn,
+                        planner.saga.id,
+                        owner=self.owner,
+                        fence=planner.saga.fence,
+                        lease_seconds=self.lease_seconds,
+                    )
+                    if mutate is not None:
+                        mutate(planner)
+                    nxt = planner.advance(may_call=not self.stopping.is_set())
+                    events = self._persist_txn(conn, planner, nxt)
+                log_events(planner, events)
+        return planner, nxt
+
+    def _reload(
+        self, planner: Planner, target: tuple[str, str, int] | None
+    ) -> tuple[Planner, Next | None]:
+        """A fresh planner from the database, and the move already committed, if any."""
         saga = planner.saga
         with self.store.transaction() as conn:
             self.store.check_fence_txn(
                 conn, saga.id, owner=self.owner, fence=saga.fence, lease_seconds=self.lease_seconds
             )
-            mutate(planner)
-            nxt = planner.advance()
-            self._persist_txn(conn, planner, nxt)
-        return nxt
+            loaded = self.store.load_txn(conn, saga.id)
+        assert loaded is not None  # the fence check found the row
+        fresh = Planner(planner.definition, *loaded)
+        if target is not None and not self._still_in_flight(fresh, target):
+            # The outcome was committed; an attempt it started is ours to call now.
+            started = [o for o in fresh.ops if o.status == OperationStatus.RUNNING]
+            if started:
+                return fresh, Invoke(started[0])
+        return fresh, None
 
-    def _persist_txn(self, conn: Conn, planner: Planner, nxt: Next) -> None:
+    @staticmethod
+    def _still_in_flight(planner: Planner, target: tuple[str, str, int]) -> bool:
+        step, kind, attempts = target
+        op = planner.find(step, "action" if kind == "action" else "compensation")
+        return op is not None and op.status == OperationStatus.RUNNING and op.attempts == attempts
+
+    def _persist_txn(self, conn: Conn, planner: Planner, nxt: Next) -> list[Event]:
         saga = planner.saga
         lease_until: datetime | None = None
+        release = isinstance(nxt, Stop | Yield)
         if isinstance(nxt, Sleep):
             saga.run_after = nxt.until
-            # Keep the lease through the backoff, so no other worker starts the retry early.
-            lease_until = nxt.until + timedelta(seconds=self.lease_seconds)
-        if isinstance(nxt, Stop):
+            delay = (nxt.until - datetime.now().astimezone()).total_seconds()
+            if delay > self.options.max_inline_sleep:
+                release = True
+                planner.events.append(
+                    Event("lease_released", detail={"owner": self.owner, "reason": "backoff"})
+                )
+            else:
+                # Keep the lease through a short backoff so no other worker starts it early.
+                lease_until = nxt.until + timedelta(seconds=self.lease_seconds)
+        elif isinstance(nxt, Yield):
+            saga.run_after = datetime.now().astimezone()
+            planner.events.append(
+                Event("lease_released", detail={"owner": self.owner, "reason": "shutdown"})
+            )
+        elif isinstance(nxt, Stop):
             planner.events.append(Event("lease_released", detail={"owner": self.owner}))
         events = planner.take_events()
         self.store.save_txn(
-            conn, saga, planner.ops, events, release=isinstance(nxt, Stop), lease_until=lease_until
+            conn, saga, planner.ops, events, release=release, lease_until=lease_until
         )
-        # Logged once the transaction is about to commit; a rollback raises past this point.
-        for event in events:
-            log_event(saga, planner, event)
+        if isinstance(nxt, Yield):
+            self.store.notify_runnable_txn(conn, saga.name, saga.version)
+        return events
 
     # ----- calling user code -------------------------------------------------------------
 
@@ -160,7 +286,7 @@ class Runner:
         stored = action.result if action is not None and action.status == "succeeded" else None
         return (data, step.codec.decode(stored))
 
-    def _invoke(self, planner: Planner, op: OpRow) -> Next:
+    def _invoke(self, planner: Planner, op: OpRow) -> tuple[Planner, Next]:
         step = planner.step_of(op)
         if op.kind == "action":
             fn, codec, policy = step.fn, step.codec, step.retry
@@ -169,6 +295,7 @@ class Runner:
             assert comp is not None
             fn, codec, policy = comp.fn, comp.codec, comp.retry
         ctx = self._context(planner, op)
+        target = (op.step, op.kind, op.attempts)
         try:
             with _Heartbeat(self, planner.saga):
                 value = _call(fn, ctx, *self._arguments(planner, op))
@@ -179,38 +306,52 @@ class Runner:
             if not retryable:
                 ctx.log.warning("attempt_raised", error=error, traceback=traceback.format_exc())
             return self._transact(
-                planner, lambda p: p.record_failure(op, error, retryable=retryable, delay=delay)
+                planner,
+                lambda p: p.record_failure(
+                    p.op(op.step, op.kind), error, retryable=retryable, delay=delay
+                ),
+                target,
             )
         try:
             stored = codec.encode(value)
         except TypeError as exc:
             reason = f"TypeError: {exc}; the effect may have happened, so a human decides"
-            return self._transact(planner, lambda p: p.record_unknown(op, reason, park=True))
-        return self._transact(planner, lambda p: p.record_success(op, stored))
+            return self._transact(
+                planner,
+                lambda p: p.record_unknown(p.op(op.step, op.kind), reason, park=True),
+                target,
+            )
+        return self._transact(
+            planner, lambda p: p.record_success(p.op(op.step, op.kind), stored), target
+        )
 
-    def _reconcile(self, planner: Planner, op: OpRow) -> Next:
+    def _reconcile(self, planner: Planner, op: OpRow) -> tuple[Planner, Next]:
         fn = planner.reconcile_fn(op)
         ctx = self._context(planner, op)
         step = planner.step_of(op)
         codec = step.codec if op.kind == "action" else step.compensation_op.codec  # type: ignore[union-attr]
+        mutate: Mutation
         try:
             answer = _call(fn, ctx, *self._arguments(planner, op))
             if isinstance(answer, Found):
                 stored = codec.encode(answer.result)
                 ref = answer.provider_reference
-                return self._transact(planner, lambda p: p.record_found(op, stored, ref))
-            if isinstance(answer, Absent):
-                return self._transact(planner, lambda p: p.record_absent(op))
-            if isinstance(answer, Inconclusive):
-                reason = answer.reason or "the provider's answer was inconclusive"
+                mutate = lambda p: p.record_found(p.op(op.step, op.kind), stored, ref)  # noqa: E731
+            elif isinstance(answer, Absent):
+                mutate = lambda p: p.record_absent(p.op(op.step, op.kind))  # noqa: E731
             else:
                 reason = (
-                    f"reconcile returned {type(answer).__name__}; expected Found, Absent or "
-                    "Inconclusive"
+                    answer.reason or "the provider's answer was inconclusive"
+                    if isinstance(answer, Inconclusive)
+                    else f"reconcile returned {type(answer).__name__}; expected Found, Absent "
+                    "or Inconclusive"
                 )
+                mutate = lambda p: p.record_inconclusive(p.op(op.step, op.kind), reason)  # noqa: E731
         except Exception as exc:
             reason = f"reconcile raised {_describe_error(exc)}"
-        return self._transact(planner, lambda p: p.record_inconclusive(op, reason))
+            mutate = lambda p: p.record_inconclusive(p.op(op.step, op.kind), reason)  # noqa: E731
+        # The operation is `unknown` while it is reconciled: nothing to protect from replay.
+        return self._transact(planner, mutate, None)
 
 
 class _Heartbeat:
@@ -233,14 +374,14 @@ class _Heartbeat:
         self.thread.join()
 
     def _beat(self) -> None:
-        interval = max(self.runner.lease_seconds / 3.0, 0.05)
-        while not self.stopped.wait(interval):
+        options = self.runner.options
+        while not self.stopped.wait(options.heartbeat_seconds):
             try:
                 alive = self.runner.store.renew_lease(
                     self.saga.id,
-                    owner=self.runner.owner,
+                    owner=options.owner,
                     fence=self.saga.fence,
-                    lease_seconds=self.runner.lease_seconds,
+                    lease_seconds=options.lease_seconds,
                 )
             except Exception as exc:  # the outcome write will find out; keep trying meanwhile
                 _log.warning("heartbeat_failed", saga_id=self.saga.id, error=str(exc))
@@ -266,13 +407,14 @@ def _describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def log_events(planner: Planner, events: Sequence[Event]) -> None:
+    """Log audit events once their transaction has committed."""
+    for event in events:
+        log_event(planner.saga, planner, event)
+
+
 def log_event(saga: SagaRow, planner: Planner, event: Event) -> None:
     """Log an audit event with structlog, bound with saga id, step, attempt and key."""
-    fields: Mapping[str, Any] = {
-        "saga_id": saga.id,
-        "saga": saga.name,
-        "tenant_id": saga.tenant_id,
-    }
     extra: dict[str, Any] = {}
     if event.step is not None:
         op = planner.find(event.step, event.kind or "action")
@@ -282,4 +424,11 @@ def log_event(saga: SagaRow, planner: Planner, event: Event) -> None:
             "attempt": event.attempt,
             "idempotency_key": op.idempotency_key if op is not None else None,
         }
-    _log.info(event.event, **fields, **extra, **event.detail)
+    _log.info(
+        event.event,
+        saga_id=saga.id,
+        saga=saga.name,
+        tenant_id=saga.tenant_id,
+        **extra,
+        **event.detail,
+    )

@@ -64,8 +64,20 @@ class Store:
 
     # ----- creating --------------------------------------------------------------------
 
-    def insert_saga_txn(self, conn: Conn, saga: SagaRow, ops: Sequence[OpRow]) -> bool:
-        """Insert a saga and its operations; False when (tenant, name, key) already exists."""
+    def insert_saga_txn(
+        self,
+        conn: Conn,
+        saga: SagaRow,
+        ops: Sequence[OpRow],
+        *,
+        lease_owner: str | None = None,
+        lease_seconds: float = 0.0,
+    ) -> bool:
+        """Insert a saga and its operations; False when (tenant, name, key) already exists.
+
+        With `lease_owner`, the new saga is leased to it (fence 1) so it can run at once;
+        otherwise listening workers are notified. `saga` receives the stored defaults.
+        """
         row = conn.execute(
             _q("insert_saga"),
             {
@@ -76,12 +88,26 @@ class Store:
                 "key": saga.key,
                 "input": Jsonb(saga.input),
                 "input_hash": saga.input_hash,
+                "lease_owner": lease_owner,
+                "lease_seconds": lease_seconds,
             },
         ).fetchone()
         if row is None:
             return False
+        saga.run_after, saga.created_at, saga.updated_at = (
+            row["run_after"],
+            row["created_at"],
+            row["updated_at"],
+        )
+        saga.fence, saga.lease_owner = row["fence"], lease_owner
         self.insert_operations_txn(conn, saga.id, ops)
+        if lease_owner is None:
+            self.notify_runnable_txn(conn, saga.name, saga.version)
         return True
+
+    def notify_runnable_txn(self, conn: Conn, name: str, version: int) -> None:
+        """Tell listening workers, at commit, that a saga of this kind can be claimed."""
+        conn.execute(_q("notify_runnable"), {"kind": f"{name}:{version}"})
 
     def insert_operations_txn(self, conn: Conn, saga_id: str, ops: Sequence[OpRow]) -> None:
         """Insert new operation rows."""
@@ -253,13 +279,25 @@ class Store:
         return _state(row, ops)
 
     def list_states(
-        self, *, status: str | None, name: str | None, tenant_id: str | None, limit: int
+        self,
+        *,
+        status: str | None,
+        name: str | None,
+        tenant_id: str | None,
+        limit: int,
+        older_than_seconds: float | None = None,
     ) -> list[SagaState]:
         """Sagas matching the filters, newest first, with their operations."""
         with self.transaction() as conn:
             rows = conn.execute(
                 _q("list_sagas"),
-                {"status": status, "name": name, "tenant_id": tenant_id, "limit": limit},
+                {
+                    "status": status,
+                    "name": name,
+                    "tenant_id": tenant_id,
+                    "limit": limit,
+                    "older_than_seconds": older_than_seconds,
+                },
             ).fetchall()
             ops = conn.execute(
                 _q("get_operations_many"), {"saga_ids": [r["id"] for r in rows]}
@@ -275,11 +313,33 @@ class Store:
             rows = conn.execute(_q("get_history"), {"saga_id": saga_id}).fetchall()
         return [HistoryEvent.model_validate(r) for r in rows]
 
+    def next_claimable_at(self, kinds: Sequence[str]) -> datetime | None:
+        """When the earliest saga of these kinds becomes claimable; None when none is open."""
+        with self.transaction() as conn:
+            row = conn.execute(_q("next_claimable_at"), {"kinds": list(kinds)}).fetchone()
+        return row["at"] if row else None
+
     def count_open(self, kinds: Sequence[str]) -> int:
         """How many sagas of these name:version kinds are pending, running or compensating."""
         with self.transaction() as conn:
             row = conn.execute(_q("count_open_sagas"), {"kinds": list(kinds)}).fetchone()
         return int(row["count"]) if row else 0
+
+    # ----- operator jobs ---------------------------------------------------------------
+
+    def break_lease_txn(self, conn: Conn, saga_id: str) -> int:
+        """End a live lease for an operator: the fence grows, so its holder's writes fail."""
+        row = conn.execute(_q("break_lease"), {"saga_id": saga_id}).fetchone()
+        assert row is not None  # the caller holds the saga row locked
+        return int(row["fence"])
+
+    def find_unsettled(self, kinds: Sequence[str], *, limit: int) -> list[dict[str, Any]]:
+        """Runnable sagas of these kinds with an operation running under an expired lease,
+        or unknown: id, name, version and that operation's step, kind, status and key."""
+        with self.transaction() as conn:
+            return conn.execute(
+                _q("find_unsettled_sagas"), {"kinds": list(kinds), "limit": limit}
+            ).fetchall()
 
 
 def _saga_row(row: dict[str, Any]) -> SagaRow:

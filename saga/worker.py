@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import threading
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
+import psycopg
 import structlog
 
+from saga.dbretry import is_transient, retrying
+from saga.protocol import Next, Planner
 from saga.runner import Runner
 
 if TYPE_CHECKING:
@@ -15,36 +23,75 @@ if TYPE_CHECKING:
 
 _log: structlog.typing.FilteringBoundLogger = structlog.get_logger("saga.worker")
 
+CHANNEL = "saga_runnable"
+
 
 class Worker:
     """Drives up to `concurrency` sagas at once until stopped (or idle).
 
     A worker only claims sagas whose (name, version) its orchestrator has
-    registered; others wait for a worker that knows them. It polls for runnable
-    sagas every `poll_seconds` when it has nothing to do.
+    registered; others wait for a worker that knows them. It wakes on
+    `LISTEN/NOTIFY` when a saga is started or made runnable, at the moment the
+    earliest retry backoff or expired lease comes due, and otherwise polls every
+    `poll_seconds` as a fallback.
+
+    Args:
+        orchestrator: Whose registry, database and lease settings to use.
+        concurrency: Most sagas driven at once (one thread each).
+        poll_seconds: Longest wait between two looks for claimable sagas.
+        grace_seconds: On stop, how long in-flight attempts may take to finish;
+            leases still held after it are released (their attempts' outcomes
+            become unknown to the next owner, and their late writes are fenced out).
+        short_wait_seconds: Retry backoffs up to this long are waited out under the
+            lease; longer ones are persisted as `run_after` and the lease released.
     """
 
     def __init__(
-        self, orchestrator: Orchestrator, *, concurrency: int, poll_seconds: float
+        self,
+        orchestrator: Orchestrator,
+        *,
+        concurrency: int = 4,
+        poll_seconds: float = 1.0,
+        grace_seconds: float = 10.0,
+        short_wait_seconds: float = 1.0,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
-        if not poll_seconds > 0:
-            raise ValueError(f"poll_seconds must be positive, got {poll_seconds}")
+        for name, value in (
+            ("poll_seconds", poll_seconds),
+            ("grace_seconds", grace_seconds),
+            ("short_wait_seconds", short_wait_seconds),
+        ):
+            if not value >= 0 or (name == "poll_seconds" and value == 0):
+                raise ValueError(f"{name} must be positive, got {value}")
         self.orchestrator = orchestrator
         self.concurrency = concurrency
         self.poll_seconds = poll_seconds
-        self._stop = threading.Event()
+        self.grace_seconds = grace_seconds
+        self.short_wait_seconds = short_wait_seconds
+        self._stopping = threading.Event()
+        self._wake = threading.Event()
+        self._in_flight: dict[str, tuple[threading.Thread, Planner]] = {}
+        self._lock = threading.Lock()
 
     def stop(self) -> None:
-        """Stop claiming; `run` returns once in-flight sagas have stopped."""
-        self._stop.set()
+        """Stop claiming; in-flight sagas finish their current attempt and are handed back."""
+        self._stopping.set()
+        self._wake.set()
 
-    def run(self, until_idle: bool = False) -> None:
+    @property
+    def in_flight(self) -> int:
+        """How many sagas this worker is driving now."""
+        with self._lock:
+            return len(self._in_flight)
+
+    def run(self, until_idle: bool = False, *, handle_signals: bool | None = None) -> None:
         """Claim and drive sagas until `stop()`, or, with `until_idle`, until none is open.
 
         Open means pending, running or compensating: with `until_idle=True` the
-        worker waits out retry backoffs and expired leases before returning.
+        worker waits out retry backoffs and expired leases before returning. Called
+        from the main thread, SIGTERM and SIGINT stop the worker gracefully (unless
+        `handle_signals=False`).
         """
         orch = self.orchestrator
         kinds = [f"{s.name}:{s.version}" for s in orch.registered()]
@@ -52,52 +99,121 @@ class Worker:
             raise ValueError("the orchestrator has no registered saga; register one first")
         # Each saga in flight may hold two connections (its transaction and its heartbeat).
         orch.ensure_pool_size(2 * self.concurrency + 2)
-        runner = Runner(orch.store, owner=orch.owner, lease_seconds=orch.lease_seconds)
-        in_flight: set[Future[None]] = set()
+        options = orch.runner_options(max_inline_sleep=self.short_wait_seconds)
+        runner = Runner(orch.store, options, stopping=self._stopping)
+        if handle_signals is None:
+            handle_signals = threading.current_thread() is threading.main_thread()
+        listener = threading.Thread(
+            target=self._listen, args=(orch.database_url,), name="saga-listener", daemon=True
+        )
         _log.info("worker_started", owner=orch.owner, concurrency=self.concurrency, kinds=kinds)
-        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="saga-worker") as pool:
-            while not self._stop.is_set():
-                claimed = False
-                if len(in_flight) < self.concurrency:
-                    claimed = self._claim_one(runner, kinds, pool, in_flight)
-                if claimed:
-                    continue
-                if in_flight:
-                    done, in_flight = _wait_some(in_flight, self.poll_seconds)
-                    for future in done:
-                        future.result()
-                    continue
-                if until_idle and orch.store.count_open(kinds) == 0:
-                    break
-                self._stop.wait(self.poll_seconds)
-            for future in in_flight:
-                future.result()
+        with self._signals(handle_signals):
+            listener.start()
+            try:
+                self._loop(runner, kinds, until_idle)
+            finally:
+                self._stopping.set()
+                self._drain()
         _log.info("worker_stopped", owner=orch.owner)
 
-    def _claim_one(
-        self,
-        runner: Runner,
-        kinds: list[str],
-        pool: ThreadPoolExecutor,
-        in_flight: set[Future[None]],
-    ) -> bool:
-        claimed = runner.claim_next(kinds, self.orchestrator.definition)
-        if claimed is None:
-            return False
-        planner, nxt = claimed
+    # ----- the claim loop ------------------------------------------------------------------
+
+    def _loop(self, runner: Runner, kinds: list[str], until_idle: bool) -> None:
+        store = self.orchestrator.store
+        while not self._stopping.is_set():
+            self._wake.clear()
+            try:
+                while self.in_flight < self.concurrency and not self._stopping.is_set():
+                    claimed = runner.claim_next(kinds, self.orchestrator.definition)
+                    if claimed is None:
+                        break
+                    self._spawn(runner, *claimed)
+                if self.in_flight >= self.concurrency:
+                    self._wake.wait(self.poll_seconds)
+                    continue
+                if until_idle and self.in_flight == 0 and store.count_open(kinds) == 0:
+                    return
+                timeout = self._until_next(store.next_claimable_at(kinds))
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                _log.warning("worker_database_error", error=f"{type(exc).__name__}: {exc}")
+                timeout = self.poll_seconds
+            self._wake.wait(timeout)
+
+    def _until_next(self, at: datetime | None) -> float:
+        if at is None:
+            return self.poll_seconds
+        seconds = (at - datetime.now().astimezone()).total_seconds()
+        return min(self.poll_seconds, max(seconds, 0.01))
+
+    def _spawn(self, runner: Runner, planner: Planner, nxt: Next) -> None:
+        saga_id = planner.saga.id
 
         def drive() -> None:
             try:
                 runner.drive(planner, nxt)
             except Exception:
-                _log.exception("saga_drive_failed", saga_id=planner.saga.id)
+                _log.exception("saga_drive_failed", saga_id=saga_id)
+            finally:
+                with self._lock:
+                    self._in_flight.pop(saga_id, None)
+                self._wake.set()
 
-        in_flight.add(pool.submit(drive))
-        return True
+        # Daemon threads: a step still running after the grace period must not keep the
+        # process alive; its lease has been released and its late writes are fenced out.
+        thread = threading.Thread(target=drive, name=f"saga-{saga_id}", daemon=True)
+        with self._lock:
+            self._in_flight[saga_id] = (thread, planner)
+        thread.start()
 
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.grace_seconds
+        with self._lock:
+            threads = list(self._in_flight.values())
+        for thread, _ in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            left = list(self._in_flight.values())
+        store = self.orchestrator.store
+        for _, planner in left:
+            saga = planner.saga
+            _log.warning("grace_period_exceeded", saga_id=saga.id, fence=saga.fence)
+            with contextlib.suppress(Exception):
+                store.release_lease(saga.id, owner=self.orchestrator.owner, fence=saga.fence)
 
-def _wait_some(
-    futures: set[Future[None]], timeout: float
-) -> tuple[set[Future[None]], set[Future[None]]]:
-    done, pending = wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
-    return set(done), set(pending)
+    # ----- wake-ups --------------------------------------------------------------------------
+
+    def _listen(self, url: str) -> None:
+        """LISTEN for runnable sagas; reconnects with bounded backoff when the link drops."""
+        while not self._stopping.is_set():
+            try:
+                for attempt in retrying("listen", seconds=3600.0):
+                    with attempt, psycopg.connect(url, autocommit=True) as conn:
+                        conn.execute(f"LISTEN {CHANNEL}")
+                        self._wake.set()  # catch up on anything missed while not listening
+                        while not self._stopping.is_set():
+                            for _ in conn.notifies(timeout=1.0, stop_after=1):
+                                self._wake.set()
+            except Exception as exc:
+                _log.warning("listener_failed", error=f"{type(exc).__name__}: {exc}")
+                self._stopping.wait(self.poll_seconds)
+
+    @contextlib.contextmanager
+    def _signals(self, install: bool) -> Iterator[None]:
+        if not install:
+            yield
+            return
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            _log.info("worker_stopping", signal=signal.Signals(signum).name)
+            self.stop()
+
+        previous: dict[int, Any] = {}
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous[signum] = signal.signal(signum, on_signal)
+        try:
+            yield
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)

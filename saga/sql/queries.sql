@@ -1,9 +1,15 @@
 -- insert_saga --
--- Create a saga instance; nothing happens when (tenant, name, key) already exists.
-INSERT INTO saga.sagas (id, name, version, tenant_id, key, input, input_hash, status)
-VALUES (%(id)s, %(name)s, %(version)s, %(tenant_id)s, %(key)s, %(input)s, %(input_hash)s, 'pending')
+-- Create a saga instance, leased to %(lease_owner)s when given (start-and-run);
+-- nothing happens when (tenant, name, key) already exists.
+INSERT INTO saga.sagas (id, name, version, tenant_id, key, input, input_hash, status,
+                        lease_owner, lease_expires_at, fence)
+VALUES (%(id)s, %(name)s, %(version)s, %(tenant_id)s, %(key)s, %(input)s, %(input_hash)s, 'pending',
+        %(lease_owner)s::text,
+        CASE WHEN %(lease_owner)s::text IS NULL THEN NULL
+             ELSE now() + make_interval(secs => %(lease_seconds)s) END,
+        CASE WHEN %(lease_owner)s::text IS NULL THEN 0 ELSE 1 END)
 ON CONFLICT ON CONSTRAINT sagas_identity DO NOTHING
-RETURNING id::text
+RETURNING id::text, run_after, created_at, updated_at, fence
 
 -- find_saga_by_identity --
 -- The saga with this (tenant, name, key), with its version and input hash.
@@ -57,13 +63,16 @@ ORDER BY saga_id, kind = 'compensation',
          CASE WHEN kind = 'action' THEN position ELSE -position END
 
 -- list_sagas --
--- Sagas filtered by status, name and tenant (each optional), newest first.
+-- Sagas filtered by status, name, tenant and time since their last change (each
+-- optional), newest first. The age is taken by the database clock, not the caller's.
 SELECT id::text, name, version, tenant_id, key, input, input_hash, status, error, direction,
        lease_owner, lease_expires_at, fence, run_after, created_at, updated_at
 FROM saga.sagas
 WHERE (%(status)s::text IS NULL OR status = %(status)s)
   AND (%(name)s::text IS NULL OR name = %(name)s)
   AND (%(tenant_id)s::text IS NULL OR tenant_id = %(tenant_id)s)
+  AND (%(older_than_seconds)s::float8 IS NULL
+       OR updated_at <= now() - make_interval(secs => %(older_than_seconds)s::float8))
 ORDER BY created_at DESC, id DESC
 LIMIT %(limit)s
 
@@ -111,6 +120,17 @@ WHERE s.id = c.id
 RETURNING s.id::text, s.name, s.version, s.tenant_id, s.key, s.input, s.input_hash, s.status,
           s.error, s.direction, s.lease_owner, s.lease_expires_at, s.fence, s.run_after,
           s.created_at, s.updated_at
+
+-- notify_runnable --
+-- Wake listening workers (delivered at commit); the payload is the saga's name:version.
+SELECT pg_notify('saga_runnable', %(kind)s)
+
+-- next_claimable_at --
+-- When the earliest saga of these kinds becomes claimable (backoff over, lease expired).
+SELECT min(GREATEST(run_after, COALESCE(lease_expires_at, run_after))) AS at
+FROM saga.sagas
+WHERE status IN ('pending', 'running', 'compensating')
+  AND name || ':' || version = ANY(%(kinds)s::text[])
 
 -- count_open_sagas --
 -- Sagas among the given (name:version) pairs that are not yet terminal or parked.
@@ -170,3 +190,24 @@ RETURNING fence
 UPDATE saga.sagas
 SET lease_owner = NULL, lease_expires_at = NULL
 WHERE id = %(saga_id)s AND fence = %(fence)s AND lease_owner = %(owner)s
+
+-- break_lease --
+-- An operator forces a change on a saga a live worker holds: the fence grows and the
+-- lease ends, so that worker's next write (and heartbeat) is refused.
+UPDATE saga.sagas
+SET fence = fence + 1, lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
+WHERE id = %(saga_id)s
+RETURNING fence
+
+-- find_unsettled_sagas --
+-- Runnable sagas of the given (name:version) pairs with an operation left running under
+-- an expired lease, or already unknown: the reconcile job's work list, oldest first.
+SELECT s.id::text, s.name, s.version, o.step, o.kind, o.status, o.idempotency_key
+FROM saga.sagas AS s
+JOIN saga.operations AS o ON o.saga_id = s.id
+WHERE s.status IN ('pending', 'running', 'compensating')
+  AND (s.lease_owner IS NULL OR s.lease_expires_at <= now())
+  AND o.status IN ('running', 'unknown')
+  AND s.name || ':' || s.version = ANY(%(kinds)s::text[])
+ORDER BY s.updated_at, s.id
+LIMIT %(limit)s
