@@ -94,7 +94,8 @@ def unavailable(url: str, exc: BaseException) -> DatabaseUnavailable:
 def check_connection(url: str, *, timeout_seconds: float = 5.0) -> None:
     """Open and close one connection, turning any failure into `DatabaseUnavailable`."""
     try:
-        with psycopg.connect(url, connect_timeout=max(1, int(timeout_seconds))) as conn:
-            conn.execute("SELECT 1")
+        # Connecting is the whole check: no statement, so no transaction is counted.
+        with psycopg.connect(url, connect_timeout=max(1, int(timeout_seconds))):
+            pass
     except (psycopg.Error, OSError) as exc:
         raise unavailable(url, exc) from None

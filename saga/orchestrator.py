@@ -206,8 +206,7 @@ class Orchestrator:
         handle, claimed = self._start(saga, data, runner=runner)
         if claimed is None:
             return self.run(handle.id)
-        runner.drive(*claimed)
-        return self.get(handle.id)
+        return runner.drive(*claimed) or self.get(handle.id)
 
     def _start(
         self, saga: Saga[Any], data: BaseModel | dict[str, Any], *, runner: Runner | None
@@ -299,8 +298,7 @@ class Orchestrator:
         state = self.get(saga_id)
         definition = self.definition(state.saga, state.version)
         if state.status.is_runnable:
-            self._runner().claim_and_drive(definition, state.id)
-            return self.get(state.id)
+            return self._runner().claim_and_drive(definition, state.id) or self.get(state.id)
         return state
 
     def compensate(

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from saga.definition import Compensation, Saga, Step
 from saga.errors import StepStateError
 from saga.keys import operation_key, request_hash
-from saga.state import OperationStatus, SagaStatus
+from saga.state import OperationStatus, SagaState, SagaStatus
 
 Direction = Literal["forward", "backward"]
 Kind = Literal["action", "compensation"]
@@ -155,6 +155,8 @@ class Planner:
         self.events: list[Event] = []
         self.now = datetime.now().astimezone()
         self.may_call = True
+        # Set by the runner when it hands the saga back: the state its last commit left.
+        self.final_state: SagaState | None = None
 
     # ----- reading the snapshot -------------------------------------------------------
 

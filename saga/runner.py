@@ -31,7 +31,7 @@ from saga.protocol import (
     Stop,
     Yield,
 )
-from saga.state import OperationStatus
+from saga.state import OperationStatus, SagaState
 from saga.store import Conn, Store
 
 _log: structlog.typing.FilteringBoundLogger = structlog.get_logger("saga")
@@ -71,15 +71,15 @@ class Runner:
 
     # ----- entry points ------------------------------------------------------------------
 
-    def claim_and_drive(self, definition: Saga[Any], saga_id: str) -> bool:
-        """Claim one saga and drive it until it stops; False when it could not be claimed."""
+    def claim_and_drive(self, definition: Saga[Any], saga_id: str) -> SagaState | None:
+        """Claim one saga and drive it until it stops; None when it could not be claimed
+        (or was lost to another owner on the way)."""
         for attempt in retrying("claim_saga"):
             with attempt:
                 claimed = self._claim_by_id(definition, saga_id)
         if claimed is None:
-            return False
-        self.drive(*claimed)
-        return True
+            return None
+        return self.drive(*claimed)
 
     def _claim_by_id(self, definition: Saga[Any], saga_id: str) -> tuple[Planner, Next] | None:
         with self.store.transaction() as conn:
@@ -116,14 +116,18 @@ class Runner:
         """
         return self._begin_txn(conn, definition, row, ops=ops)
 
-    def drive(self, planner: Planner, nxt: Next) -> None:
-        """Carry out `nxt` and every move after it until the saga stops or is handed back."""
+    def drive(self, planner: Planner, nxt: Next) -> SagaState | None:
+        """Carry out `nxt` and every move after it until the saga stops or is handed back.
+
+        Returns the saga's state as the last transaction left it, read in that same
+        transaction; None when the lease was lost to another owner.
+        """
         saga = planner.saga
         try:
             while not isinstance(nxt, Stop | Yield):
                 if isinstance(nxt, Sleep):
                     if not self._sleep_inline(nxt.until):
-                        return  # persisted as run_after; the lease was released
+                        return planner.final_state  # persisted as run_after, lease released
                     planner, nxt = self._transact(planner, None, None)
                 elif isinstance(nxt, Invoke):
                     planner, nxt = self._invoke(planner, nxt.op)
@@ -131,6 +135,7 @@ class Runner:
                     planner, nxt = self._reconcile(planner, nxt.op)
         except LeaseLost as exc:
             _log.warning("lease_lost", saga_id=saga.id, fence=saga.fence, error=str(exc))
+            return None
         except BaseException:
             # Leave the saga to the next owner right away rather than after lease expiry.
             try:
@@ -138,6 +143,7 @@ class Runner:
             except Exception:
                 _log.exception("lease_release_failed", saga_id=saga.id)
             raise
+        return planner.final_state
 
     def _sleep_inline(self, until: datetime) -> bool:
         delay = (until - datetime.now().astimezone()).total_seconds()
@@ -249,6 +255,9 @@ class Runner:
         )
         if isinstance(nxt, Yield):
             self.store.notify_runnable_txn(conn, saga.name, saga.version)
+        if release:
+            # The caller's answer, read in the last transaction rather than in one more.
+            planner.final_state = self.store.get_state_txn(conn, saga.id)
         return events
 
     # ----- calling user code -------------------------------------------------------------

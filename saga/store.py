@@ -272,10 +272,14 @@ class Store:
     def get_state(self, saga_id: str) -> SagaState | None:
         """The user-facing state of one saga, or None."""
         with self.transaction() as conn:
-            row = conn.execute(_q("get_saga"), {"saga_id": saga_id}).fetchone()
-            if row is None:
-                return None
-            ops = conn.execute(_q("get_operations"), {"saga_id": saga_id}).fetchall()
+            return self.get_state_txn(conn, saga_id)
+
+    def get_state_txn(self, conn: Conn, saga_id: str) -> SagaState | None:
+        """The user-facing state of one saga as this transaction sees it, or None."""
+        row = conn.execute(_q("get_saga"), {"saga_id": saga_id}).fetchone()
+        if row is None:
+            return None
+        ops = conn.execute(_q("get_operations"), {"saga_id": saga_id}).fetchall()
         return _state(row, ops)
 
     def list_states(

@@ -1,0 +1,105 @@
+"""What a saga costs the database: commits per run, counted by PostgreSQL itself."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict
+from support import Order, order_saga
+
+from saga import Orchestrator, Saga, SagaState, StepContext
+
+
+def _counters(server_url: str, dbname: str) -> tuple[int, int]:
+    """(xact_commit, sessions) of `dbname`, read from the maintenance database."""
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute(
+            "SELECT xact_commit, sessions FROM pg_stat_database WHERE datname = %s", (dbname,)
+        ).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
+def _settled(server_url: str, dbname: str) -> tuple[int, int]:
+    """Counters once every backend of `dbname` has exited and flushed them."""
+    deadline = time.monotonic() + 15.0
+    while True:
+        with psycopg.connect(server_url, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = %s", (dbname,)
+            ).fetchone()
+        if row is not None and row[0] == 0:
+            break
+        assert time.monotonic() < deadline, "backends of the test database did not exit"
+        time.sleep(0.05)
+    return _counters(server_url, dbname)
+
+
+def _commits_of(server_url: str, database_url: str, work: Callable[[], None]) -> int:
+    """Commits `work` made in the database, less what opening its sessions cost.
+
+    PostgreSQL counts a commit when a backend starts (it reads the catalogs in a
+    transaction); that cost is measured on a bare connection and taken out per session.
+    """
+    dbname = str(conninfo_to_dict(database_url)["dbname"])
+    start_commits, start_sessions = _settled(server_url, dbname)
+    psycopg.connect(database_url).close()
+    commits, sessions = _settled(server_url, dbname)
+    assert sessions - start_sessions == 1
+    per_session = commits - start_commits
+    work()
+    after_commits, after_sessions = _settled(server_url, dbname)
+    return (after_commits - commits) - per_session * (after_sessions - sessions)
+
+
+def _saga_of(steps: int) -> Saga[Order]:
+    saga = order_saga(f"cost{steps}")
+    for i in range(steps):
+
+        def step(ctx: StepContext, order: Order, i: int = i) -> dict[str, Any]:
+            return {"step": i, "key": ctx.idempotency_key}
+
+        saga.step(name=f"s{i}")(step)
+    return saga
+
+
+@pytest.mark.parametrize("steps", [1, 3, 6])
+def test_a_saga_of_n_steps_costs_n_plus_one_commits(
+    database_url: str, server_url: str, steps: int
+) -> None:
+    """execute() commits n + 1 times: the start with the first attempt, then one per step
+    transition, the last also completing the saga and returning its state."""
+    saga = _saga_of(steps)
+    states: list[SagaState] = []
+
+    def work() -> None:
+        with Orchestrator(database_url, sagas=[saga], auto_migrate=False) as orch:
+            states.append(orch.execute(saga, Order(order_id="o-1")))
+
+    commits = _commits_of(server_url, database_url, work)
+    assert states[0].status == "completed"
+    assert [op.attempts for op in states[0].operations] == [1] * steps
+    assert commits == steps + 1
+
+
+def test_start_then_run_costs_one_commit_more_than_execute(
+    database_url: str, server_url: str
+) -> None:
+    """start() and run() apart cost n + 2 write commits plus run()'s read of the saga."""
+    saga = _saga_of(3)
+    states: list[SagaState] = []
+
+    def work() -> None:
+        with Orchestrator(database_url, sagas=[saga], auto_migrate=False) as orch:
+            states.append(orch.run(orch.start(saga, Order(order_id="o-1")).id))
+
+    commits = _commits_of(server_url, database_url, work)
+    assert states[0].status == "completed"
+    # start, claim with the first attempt, two transitions, the completion; plus run()'s
+    # initial read of the saga (get) to find its definition.
+    assert commits == (3 + 2) + 1
