@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
+
 import psycopg
 import structlog
 import tenacity
@@ -24,8 +28,16 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, psycopg.OperationalError)
 
 
-def retrying(what: str, *, seconds: float = DEFAULT_RETRY_SECONDS) -> tenacity.Retrying:
-    """A tenacity loop retrying transient database errors for at most `seconds`."""
+def retrying(
+    what: str,
+    *,
+    seconds: float = DEFAULT_RETRY_SECONDS,
+    until: threading.Event | None = None,
+) -> tenacity.Retrying:
+    """A tenacity loop retrying transient database errors for at most `seconds`.
+
+    With `until`, the loop also ends (and its waits are cut short) once that event is set.
+    """
 
     def log(state: tenacity.RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome is not None else None
@@ -37,10 +49,20 @@ def retrying(what: str, *, seconds: float = DEFAULT_RETRY_SECONDS) -> tenacity.R
             retry_in_seconds=round(state.upcoming_sleep, 3),
         )
 
+    stop: tenacity.stop.stop_base = tenacity.stop_after_delay(seconds)
+    sleep: Callable[[float], None] = time.sleep
+    if until is not None:
+        stop = stop | tenacity.stop_when_event_set(until)
+        event = until
+
+        def sleep(seconds: float) -> None:
+            event.wait(seconds)
+
     return tenacity.Retrying(
         retry=tenacity.retry_if_exception(is_transient),
         wait=tenacity.wait_exponential(multiplier=0.05, max=2.0) + tenacity.wait_random(0, 0.05),
-        stop=tenacity.stop_after_delay(seconds),
+        stop=stop,
+        sleep=sleep,
         before_sleep=log,
         reraise=True,
     )

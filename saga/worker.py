@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import threading
 import time
@@ -185,19 +186,19 @@ class Worker:
     # ----- wake-ups --------------------------------------------------------------------------
 
     def _listen(self, url: str) -> None:
-        """LISTEN for runnable sagas; reconnects with bounded backoff when the link drops."""
-        while not self._stopping.is_set():
-            try:
-                for attempt in retrying("listen", seconds=3600.0):
-                    with attempt, psycopg.connect(url, autocommit=True) as conn:
-                        conn.execute(f"LISTEN {CHANNEL}")
-                        self._wake.set()  # catch up on anything missed while not listening
-                        while not self._stopping.is_set():
-                            for _ in conn.notifies(timeout=1.0, stop_after=1):
-                                self._wake.set()
-            except Exception as exc:
-                _log.warning("listener_failed", error=f"{type(exc).__name__}: {exc}")
-                self._stopping.wait(self.poll_seconds)
+        """LISTEN for runnable sagas; reconnects with bounded backoff while the worker runs."""
+        try:
+            for attempt in retrying("listen", seconds=math.inf, until=self._stopping):
+                with attempt, psycopg.connect(url, autocommit=True) as conn:
+                    conn.execute(f"LISTEN {CHANNEL}")
+                    self._wake.set()  # catch up on anything missed while not listening
+                    while not self._stopping.is_set():
+                        for _ in conn.notifies(timeout=1.0, stop_after=1):
+                            self._wake.set()
+        except Exception as exc:
+            if not self._stopping.is_set():
+                # Polling still finds work; only the prompt wake-ups are lost.
+                _log.error("listener_stopped", error=f"{type(exc).__name__}: {exc}")
 
     @contextlib.contextmanager
     def _signals(self, install: bool) -> Iterator[None]:

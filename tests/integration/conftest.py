@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import crash_app
 import pytest
-from support import OrchestratorFactory
+from support import ChildApp, OrchestratorFactory
 
 from saga import Orchestrator, Saga
 
@@ -28,3 +29,20 @@ def make_orch(database_url: str) -> Iterator[OrchestratorFactory]:
     yield make
     for orch in reversed(made):
         orch.close()
+
+
+@pytest.fixture
+def app_url(database_url: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The test database, with the fake provider's tables, known to the step code here too."""
+    crash_app.create_provider_tables(database_url)
+    monkeypatch.setenv(crash_app.ENV_URL, database_url)
+    return database_url
+
+
+@pytest.fixture
+def children() -> Iterator[list[ChildApp]]:
+    """Child processes of a test; any still alive after it is killed."""
+    started: list[ChildApp] = []
+    yield started
+    for child in started:
+        child.kill()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
 
 import crash_app
 import psycopg
@@ -15,23 +14,6 @@ from support import ChildApp, OrchestratorFactory, events, lease_expired, wait_u
 from saga import Orchestrator, SagaState
 
 pytestmark = pytest.mark.crash
-
-
-@pytest.fixture
-def app_url(database_url: str, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The test database, with the fake provider's tables, known to the step code here too."""
-    crash_app.create_provider_tables(database_url)
-    monkeypatch.setenv(crash_app.ENV_URL, database_url)
-    return database_url
-
-
-@pytest.fixture
-def children() -> Iterator[list[ChildApp]]:
-    """Child processes of a test; any still alive after it is killed."""
-    started: list[ChildApp] = []
-    yield started
-    for child in started:
-        child.kill()
 
 
 def _calls(url: str, step: str) -> list[tuple[str, int, int]]:
