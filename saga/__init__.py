@@ -24,6 +24,7 @@ from saga.state import (
     SagaHandle,
     SagaState,
     SagaStatus,
+    WorkerInfo,
 )
 from saga.worker import Worker
 
@@ -54,4 +55,5 @@ __all__ = [
     "StepStateError",
     "TransientError",
     "Worker",
+    "WorkerInfo",
 ]

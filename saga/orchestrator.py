@@ -30,7 +30,7 @@ from saga.errors import (
 from saga.migrate import apply_migrations
 from saga.protocol import Event, Next, Planner, SagaRow, new_action_rows
 from saga.runner import Runner, RunnerOptions, log_events
-from saga.state import HistoryEvent, SagaHandle, SagaState, SagaStatus
+from saga.state import HistoryEvent, SagaHandle, SagaState, SagaStatus, WorkerInfo
 from saga.store import Conn, Store, parse_id
 
 if TYPE_CHECKING:
@@ -523,6 +523,10 @@ class Orchestrator:
         return self.store.list_states(
             status=status, name=saga, tenant_id=tenant, limit=limit, older_than_seconds=seconds
         )
+
+    def workers(self) -> builtins.list[WorkerInfo]:
+        """Live workers of this database and the saga kinds (name:version) each runs."""
+        return self.store.live_workers()
 
     def history(self, saga_id: str) -> builtins.list[HistoryEvent]:
         """The audit trail of a saga, oldest first."""

@@ -116,3 +116,16 @@ class HistoryEvent(BaseModel):
     kind: OperationKind | None = None
     attempt: int | None = None
     detail: dict[str, Any] = {}
+
+
+class WorkerInfo(BaseModel):
+    """A live worker as it last reported itself."""
+
+    model_config = ConfigDict(frozen=True)
+
+    owner: str
+    kinds: list[str]
+    concurrency: int
+    started_at: datetime
+    heartbeat_at: datetime
+    expires_at: datetime

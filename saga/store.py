@@ -17,7 +17,14 @@ from psycopg_pool import ConnectionPool
 
 from saga.errors import LeaseLost
 from saga.protocol import Event, OpRow, SagaRow
-from saga.state import HistoryEvent, OperationState, OperationStatus, SagaState, SagaStatus
+from saga.state import (
+    HistoryEvent,
+    OperationState,
+    OperationStatus,
+    SagaState,
+    SagaStatus,
+    WorkerInfo,
+)
 
 Conn = psycopg.Connection[dict[str, Any]]
 _HEADER = re.compile(r"^-- ([a-z_]+) --$", re.MULTILINE)
@@ -322,6 +329,32 @@ class Store:
         with self.transaction() as conn:
             row = conn.execute(_q("next_claimable_at"), {"kinds": list(kinds)}).fetchone()
         return row["at"] if row else None
+
+    def upsert_worker(
+        self, *, owner: str, kinds: Sequence[str], concurrency: int, ttl_seconds: float
+    ) -> None:
+        """Record (or refresh) a live worker and the kinds it runs."""
+        with self.transaction() as conn:
+            conn.execute(
+                _q("upsert_worker"),
+                {
+                    "owner": owner,
+                    "kinds": list(kinds),
+                    "concurrency": concurrency,
+                    "ttl_seconds": ttl_seconds,
+                },
+            )
+
+    def delete_worker(self, owner: str) -> None:
+        """Remove a stopping worker's row (and long-dead workers' rows)."""
+        with self.transaction() as conn:
+            conn.execute(_q("delete_worker"), {"owner": owner})
+
+    def live_workers(self) -> list[WorkerInfo]:
+        """Workers whose heartbeat is still believed, newest first."""
+        with self.transaction() as conn:
+            rows = conn.execute(_q("live_workers")).fetchall()
+        return [WorkerInfo.model_validate(r) for r in rows]
 
     def count_open(self, kinds: Sequence[str]) -> int:
         """How many sagas of these name:version kinds are pending, running or compensating."""

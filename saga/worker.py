@@ -115,15 +115,26 @@ class Worker:
             finally:
                 self._stopping.set()
                 self._drain()
+                with contextlib.suppress(Exception):
+                    orch.store.delete_worker(orch.owner)
         _log.info("worker_stopped", owner=orch.owner)
 
     # ----- the claim loop ------------------------------------------------------------------
 
     def _loop(self, runner: Runner, kinds: list[str], until_idle: bool) -> None:
         store = self.orchestrator.store
+        announced = -math.inf
         while not self._stopping.is_set():
             self._wake.clear()
             try:
+                if time.monotonic() - announced >= self.poll_seconds:
+                    store.upsert_worker(
+                        owner=self.orchestrator.owner,
+                        kinds=kinds,
+                        concurrency=self.concurrency,
+                        ttl_seconds=3 * self.poll_seconds + 5.0,
+                    )
+                    announced = time.monotonic()
                 while self.in_flight < self.concurrency and not self._stopping.is_set():
                     claimed = runner.claim_next(kinds, self.orchestrator.definition)
                     if claimed is None:

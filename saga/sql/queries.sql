@@ -211,3 +211,25 @@ WHERE s.status IN ('pending', 'running', 'compensating')
   AND s.name || ':' || s.version = ANY(%(kinds)s::text[])
 ORDER BY s.updated_at, s.id
 LIMIT %(limit)s
+
+-- upsert_worker --
+-- A worker says it is alive, which kinds it runs, and until when to believe it.
+INSERT INTO saga.workers (owner, kinds, concurrency, expires_at)
+VALUES (%(owner)s, %(kinds)s::text[], %(concurrency)s,
+        now() + make_interval(secs => %(ttl_seconds)s))
+ON CONFLICT (owner) DO UPDATE
+SET kinds = EXCLUDED.kinds,
+    concurrency = EXCLUDED.concurrency,
+    heartbeat_at = now(),
+    expires_at = EXCLUDED.expires_at
+
+-- delete_worker --
+-- A worker stopping takes its row away; dead workers' rows are removed by the living.
+DELETE FROM saga.workers WHERE owner = %(owner)s OR expires_at < now() - interval '1 hour'
+
+-- live_workers --
+-- Workers whose last heartbeat is still believed, newest first.
+SELECT owner, kinds, concurrency, started_at, heartbeat_at, expires_at
+FROM saga.workers
+WHERE expires_at >= now()
+ORDER BY started_at DESC

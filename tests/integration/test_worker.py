@@ -230,3 +230,19 @@ def test_connections_killed_by_the_server_are_retried(make_orch: OrchestratorFac
     assert state.status == "completed"
     assert calls == ["first", "second"]
     assert [op.attempts for op in state.operations] == [1, 1]
+
+
+def test_live_workers_say_which_kinds_they_run(make_orch: OrchestratorFactory) -> None:
+    """A running worker is listed with the saga kinds it runs; a stopped one is not."""
+    saga = order_saga("listed", version=2)
+
+    @saga.step
+    def only(ctx: StepContext, order: Order) -> dict[str, Any]:
+        return {"ok": True}
+
+    orch = make_orch(saga)
+    worker = orch.worker(concurrency=3, poll_seconds=0.2)
+    with running(worker):
+        live = wait_until(lambda: orch.workers(), timeout=10)
+        assert [(w.owner, w.kinds, w.concurrency) for w in live] == [(orch.owner, ["listed:2"], 3)]
+    assert orch.workers() == []

@@ -34,9 +34,10 @@ EXPECTED_ALL = [
     "StepStateError",
     "TransientError",
     "Worker",
+    "WorkerInfo",
 ]
 
-# Names DESIGN.md (v0 contract) and notes/api.md promise to users of `from saga import ...`.
+# Names the v0 API contract promises to users of `from saga import ...`.
 CONTRACT_NAMES = [
     "Saga",
     "RetryPolicy",
