@@ -1,32 +1,140 @@
-"""The `saga` command line; today `saga migrate`, more operator verbs to come."""
+"""The `saga` command line: migrate, run workers, inspect and recover sagas."""
 
 from __future__ import annotations
 
 import argparse
+import getpass
+import importlib
+import json
+import os
+import socket
 import sys
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NoReturn
 
 import psycopg
+import pydantic
+import structlog
 
-from saga.database import check_connection, resolve_database_url, unavailable
-from saga.errors import SagaError
+from saga import cli_format as fmt
+from saga import operator
+from saga.database import ENV_URL, check_connection, describe_url, resolve_database_url, unavailable
+from saga.errors import (
+    DatabaseUnavailable,
+    NotRegistered,
+    SagaError,
+    SagaNotFound,
+    StepStateError,
+)
 from saga.migrate import apply_migrations
+from saga.orchestrator import Orchestrator
+from saga.state import SagaState, SagaStatus
 
 EXIT_OK = 0
 EXIT_PARTIAL = 1
 EXIT_USAGE = 2
+ENV_APP = "SAGA_APP"
+ENV_TRACEBACK = "SAGA_TRACEBACK"
 
 _EPILOG = """exit codes:
   0  done
-  1  partial: something stayed parked or was refused (also: the database was unreachable)
-  2  usage error
+  1  not done: something stayed parked, was skipped or refused (a live lease without
+     --force, a step already settled), no such saga, or the database was unreachable
+  2  usage error: bad arguments, or an --app that cannot be loaded
 
 The database comes from --database-url, else SAGA_DATABASE_URL, else an embedded
-PostgreSQL in a local data directory (SAGA_EMBEDDED_DIR)."""
+PostgreSQL in a local data directory (SAGA_EMBEDDED_DIR). Commands that run your
+code (worker, compensate, resolve, retry, cancel, reconcile) load it with
+--app MODULE[:ATTR] or SAGA_APP: MODULE is imported (from the current directory or
+PYTHONPATH) and ATTR names its Orchestrator (found by itself when there is only one).
+Mutating commands are recorded in each saga's audit trail with --actor (default:
+your OS user). Errors are one line on stderr; SAGA_TRACEBACK=1 adds the traceback.
+
+Run `saga COMMAND --help` for the options of a command."""
+
+
+class UsageError(Exception):
+    """The command cannot run as invoked (exit code 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+# ----- arguments -----------------------------------------------------------------------
+
+
+def _duration(text: str) -> float:
+    try:
+        return operator.parse_duration(text).total_seconds()
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of at least 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of at least 0, got {value}")
+    return value
+
+
+def _status(text: str) -> str:
+    try:
+        return SagaStatus(text).value
+    except ValueError:
+        choices = ", ".join(s.value for s in SagaStatus)
+        raise argparse.ArgumentTypeError(f"unknown status {text!r} (one of: {choices})") from None
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    common = _Parser(add_help=False)
+    common.add_argument(
+        "--database-url", metavar="URL", help="PostgreSQL URL (overrides SAGA_DATABASE_URL)"
+    )
+    common.add_argument(
+        "-v", "--verbose", action="store_true", help="log every saga event on stderr"
+    )
+    app = _Parser(add_help=False)
+    app.add_argument(
+        "--app",
+        metavar="MODULE[:ATTR]",
+        default=os.environ.get(ENV_APP),
+        help="module registering your sagas, and the name of its Orchestrator (or SAGA_APP)",
+    )
+    acting = _Parser(add_help=False)
+    acting.add_argument(
+        "--actor", metavar="NAME", help="who runs this, for the audit trail (default: OS user)"
+    )
+    acting.add_argument(
+        "--force",
+        action="store_true",
+        help="act even when a live worker holds the saga: take its lease over",
+    )
+    drive = _Parser(add_help=False)
+    drive.add_argument(
+        "--run",
+        action="store_true",
+        help="drive the saga here until it stops, instead of leaving it to a worker",
+    )
+
+    parser = _Parser(
         prog="saga",
         description="Operate saga-orchestrator sagas on PostgreSQL.",
         epilog=_EPILOG,
@@ -34,15 +142,229 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
-    migrate = commands.add_parser(
-        "migrate", help="apply pending schema migrations (idempotent, safe from two hosts at once)"
+
+    def add(name: str, helptext: str, *parents: _Parser) -> _Parser:
+        return commands.add_parser(
+            name,
+            help=helptext,
+            description=helptext[0].upper() + helptext[1:] + ".",
+            parents=[common, *parents],
+            epilog=_EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+
+    add("migrate", "apply pending schema migrations (idempotent, safe from two hosts at once)")
+
+    worker = add("worker", "run a worker until SIGTERM or SIGINT, then stop gracefully", app)
+    worker.add_argument("--concurrency", type=_positive, default=4, help="sagas at once (4)")
+
+    listing = add("list", "list sagas, newest first")
+    listing.add_argument("--status", type=_status, help="only sagas in this status")
+    listing.add_argument("--saga", metavar="NAME", help="only sagas of this name")
+    listing.add_argument("--tenant", metavar="T", help="only sagas of this tenant")
+    listing.add_argument(
+        "--older-than",
+        type=_duration,
+        metavar="AGE",
+        help="only sagas unchanged for at least AGE (90s, 15m, 1h, 2d)",
     )
-    migrate.add_argument("--database-url", help="PostgreSQL URL (overrides SAGA_DATABASE_URL)")
+    listing.add_argument("--limit", type=_positive, default=50, help="at most this many (50)")
+    listing.add_argument("--json", action="store_true", help="one JSON object per line")
+
+    show = add("show", "show a saga, its operations and the timeline of every attempt")
+    show.add_argument("saga_id", metavar="ID")
+    show.add_argument("--json", action="store_true", help="one JSON object with its history")
+
+    comp = add(
+        "compensate",
+        "compensation-only recovery: undo what succeeded, in reverse, running no further "
+        "step; one saga by ID, or a batch selected by --status",
+        app,
+        acting,
+    )
+    comp.add_argument("saga_id", metavar="ID", nargs="?", help="the saga to compensate")
+    comp.add_argument("--status", type=_status, help="batch: sagas in this status")
+    comp.add_argument("--saga", metavar="NAME", help="batch: only sagas of this name")
+    comp.add_argument("--tenant", metavar="T", help="batch: only sagas of this tenant")
+    comp.add_argument(
+        "--older-than", type=_duration, metavar="AGE", help="batch: unchanged for at least AGE"
+    )
+    comp.add_argument("--limit", type=_positive, default=100, help="batch: at most this many")
+    comp.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="list the compensations that would run (saga, step, key); change nothing",
+    )
+    comp.add_argument(
+        "--include-unknown",
+        action="store_true",
+        help="also compensate steps whose outcome is unknown (their compensation gets None)",
+    )
+
+    resolve = add(
+        "resolve",
+        "settle an unknown or parked step after checking with the provider",
+        app,
+        acting,
+        drive,
+    )
+    resolve.add_argument("saga_id", metavar="ID")
+    resolve.add_argument("step", metavar="STEP")
+    outcome = resolve.add_mutually_exclusive_group(required=True)
+    outcome.add_argument("--succeeded", action="store_true", help="the effect happened")
+    outcome.add_argument("--failed", action="store_true", help="it did not: compensate")
+    resolve.add_argument("--result", metavar="JSON", help="with --succeeded: the step's result")
+    resolve.add_argument("--reason", metavar="TEXT", help="why (required with --failed)")
+    resolve.add_argument(
+        "--kind",
+        choices=("action", "compensation"),
+        help="which operation of STEP (default: its open compensation, else the step)",
+    )
+
+    retry = add(
+        "retry",
+        "resume a parked saga after a fix, at the operation it stopped at",
+        app,
+        acting,
+        drive,
+    )
+    retry.add_argument("saga_id", metavar="ID")
+    retry.add_argument(
+        "--extra-attempts",
+        type=_non_negative,
+        default=0,
+        metavar="N",
+        help="raise that operation's ceiling by N (attempts made still count)",
+    )
+
+    cancel = add("cancel", "stop a saga's forward progress and compensate it", app, acting, drive)
+    cancel.add_argument("saga_id", metavar="ID")
+    cancel.add_argument("--reason", metavar="TEXT", required=True, help="why, for the audit trail")
+    cancel.add_argument(
+        "--include-unknown",
+        action="store_true",
+        help="also compensate steps whose outcome is unknown",
+    )
+
+    rec = add(
+        "reconcile",
+        "settle operations left running under an expired lease (or unknown) through their "
+        "reconcile hook or an idempotent retry",
+        app,
+    )
+    rec.add_argument("--limit", type=_positive, default=100, help="at most this many sagas")
     return parser
 
 
-def _migrate(database_url: str | None) -> int:
-    url = resolve_database_url(database_url)
+# ----- set-up --------------------------------------------------------------------------
+
+
+def _configure_logging(verbose: bool) -> None:
+    # stdout carries the command's output (tables, JSON); logs go to stderr.
+    level = 20 if verbose else 30  # logging.INFO, logging.WARNING
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.dev.ConsoleRenderer(colors=False),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+def _actor(args: argparse.Namespace) -> str:
+    if getattr(args, "actor", None):
+        return str(args.actor)
+    try:
+        return getpass.getuser()
+    except Exception:  # no login name in some containers
+        return f"uid-{os.getuid()}"
+
+
+def load_app(spec: str | None, database_url: str | None) -> Orchestrator:
+    """Import `MODULE[:ATTR]` and return its Orchestrator; `UsageError` otherwise."""
+    if not spec:
+        raise UsageError(f"this command runs your code: pass --app MODULE[:ATTR] or set {ENV_APP}")
+    module_name, _, attr = spec.partition(":")
+    if not module_name:
+        raise UsageError(f"--app {spec!r}: expected MODULE[:ATTR]")
+    if database_url:
+        # Set before the import, so an app's `Orchestrator()` resolves to this database.
+        os.environ[ENV_URL] = database_url
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if module_name == missing or module_name.startswith(missing + "."):
+            raise UsageError(
+                f"--app {spec!r}: no module named {module_name!r} "
+                "(run from its directory or add it to PYTHONPATH)"
+            ) from None
+        raise UsageError(f"--app {spec!r}: importing it failed: {_one_line(exc)}") from None
+    except DatabaseUnavailable:
+        raise
+    except Exception as exc:
+        raise UsageError(f"--app {spec!r}: importing it failed: {_one_line(exc)}") from None
+    if attr:
+        found: Any = module
+        for part in attr.split("."):
+            if not hasattr(found, part):
+                raise UsageError(f"--app {spec!r}: module {module_name!r} has no {attr!r}")
+            found = getattr(found, part)
+        if not isinstance(found, Orchestrator):
+            raise UsageError(
+                f"--app {spec!r}: {attr!r} is a {type(found).__name__}, not an Orchestrator"
+            )
+        orch = found
+    else:
+        candidates: dict[int, tuple[str, Orchestrator]] = {}
+        for name, value in vars(module).items():
+            if isinstance(value, Orchestrator):
+                candidates.setdefault(id(value), (name, value))
+        if not candidates:
+            raise UsageError(
+                f"--app {spec!r}: module {module_name!r} has no Orchestrator at its top level; "
+                "name one with MODULE:ATTR"
+            )
+        if len(candidates) > 1:
+            names = ", ".join(sorted(n for n, _ in candidates.values()))
+            raise UsageError(
+                f"--app {spec!r}: module {module_name!r} has several Orchestrators ({names}); "
+                "pick one with MODULE:ATTR"
+            )
+        orch = next(iter(candidates.values()))[1]
+    own_url = getattr(orch, "_explicit_url", None)
+    if database_url and own_url and own_url != database_url:
+        raise UsageError(
+            f"--app {spec!r}: its Orchestrator names its own database "
+            f"({describe_url(own_url)}), not --database-url ({describe_url(database_url)})"
+        )
+    if not orch.registered():
+        raise UsageError(f"--app {spec!r}: its Orchestrator has no registered saga")
+    return orch
+
+
+def _reader(database_url: str | None) -> Orchestrator:
+    # Read-only commands never migrate: a missing schema is reported instead.
+    return Orchestrator(database_url or None, auto_migrate=False)
+
+
+def _operator(args: argparse.Namespace) -> Orchestrator:
+    orch = load_app(args.app, args.database_url)
+    # Leases this command takes are named after who ran it, in the audit trail too.
+    orch.owner = f"saga-cli:{_actor(args)}@{socket.gethostname()}:{os.getpid()}"
+    return orch
+
+
+# ----- commands ------------------------------------------------------------------------
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    url = resolve_database_url(args.database_url)
     check_connection(url)
     try:
         with psycopg.connect(url, autocommit=True) as conn:
@@ -56,19 +378,274 @@ def _migrate(database_url: str | None) -> int:
     return EXIT_OK
 
 
+def _worker(args: argparse.Namespace) -> int:
+    orch = load_app(args.app, args.database_url)
+    with orch:
+        kinds = ", ".join(f"{s.name} v{s.version}" for s in orch.registered())
+        _ = orch.store  # connect (and migrate) now: a bad database fails before we announce
+        print(
+            f"worker {orch.owner}: driving {kinds} with concurrency {args.concurrency} "
+            f"on {describe_url(orch.database_url)}; SIGTERM or Ctrl-C stops it gracefully",
+            file=sys.stderr,
+            flush=True,
+        )
+        orch.worker(concurrency=args.concurrency).run()
+    print(f"worker {orch.owner}: stopped", file=sys.stderr)
+    return EXIT_OK
+
+
+def _list(args: argparse.Namespace) -> int:
+    from datetime import timedelta
+
+    with _reader(args.database_url) as orch:
+        states = orch.list(
+            status=args.status,
+            saga=args.saga,
+            tenant=args.tenant,
+            limit=args.limit,
+            older_than=None if args.older_than is None else timedelta(seconds=args.older_than),
+        )
+    if args.json:
+        for state in states:
+            print(fmt.to_json(state))
+    elif states:
+        print(fmt.saga_list(states))
+    else:
+        print("no sagas match", file=sys.stderr)
+    return EXIT_OK
+
+
+def _show(args: argparse.Namespace) -> int:
+    with _reader(args.database_url) as orch:
+        state = orch.get(args.saga_id)
+        history = orch.history(state.id)
+    print(fmt.to_json(state, history) if args.json else fmt.show(state, history))
+    return EXIT_OK
+
+
+def _compensate(args: argparse.Namespace) -> int:
+    batch_only = [
+        ("--status", args.status),
+        ("--saga", args.saga),
+        ("--tenant", args.tenant),
+        ("--older-than", args.older_than),
+    ]
+    if args.saga_id and args.status:
+        raise UsageError("give either a saga ID or --status for a batch, not both")
+    if args.saga_id is None and args.status is None:
+        raise UsageError("give a saga ID, or select a batch with --status (e.g. needs_review)")
+    if args.saga_id is not None:
+        extra = [flag for flag, value in batch_only if value is not None]
+        if extra:
+            raise UsageError(f"{', '.join(extra)} select a batch; they do not go with a saga ID")
+    orch = _operator(args)
+    actor = _actor(args)
+    with orch:
+        if args.saga_id is not None:
+            states = [orch.get(args.saga_id)]
+        else:
+            from datetime import timedelta
+
+            states = orch.list(
+                status=args.status,
+                saga=args.saga,
+                tenant=args.tenant,
+                limit=args.limit,
+                older_than=None if args.older_than is None else timedelta(seconds=args.older_than),
+            )
+        batch = args.saga_id is None
+        if args.dry_run:
+            plans = operator.dry_run(
+                orch, states, include_unknown=args.include_unknown, force=args.force, batch=batch
+            )
+            print(fmt.plan(plans))
+            return EXIT_OK
+        if batch and not states:
+            print("compensate: no sagas match; nothing to do")
+            return EXIT_OK
+        progress = fmt.ProgressLine("compensating")
+
+        def show(outcome: operator.Outcome) -> None:
+            progress.clear()
+            print(fmt.outcome_line(outcome), flush=True)
+
+        report = operator.compensate_batch(
+            orch,
+            states,
+            include_unknown=args.include_unknown,
+            actor=actor,
+            force=args.force,
+            batch=batch,
+            progress=progress,
+            on_outcome=show,
+        )
+        progress.clear()
+    print(fmt.summary(report, "compensate"))
+    return EXIT_OK if report.complete else EXIT_PARTIAL
+
+
+def _resolve(args: argparse.Namespace) -> int:
+    if args.failed and not args.reason:
+        raise UsageError("--failed needs --reason TEXT saying why")
+    if args.failed and args.result is not None:
+        raise UsageError("--result goes with --succeeded, not --failed")
+    result: Any = None
+    if args.result is not None:
+        try:
+            result = json.loads(args.result)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"--result is not valid JSON: {exc}") from None
+    orch = _operator(args)
+    actor = _actor(args)
+    outcome: Literal["succeeded", "failed"] = "succeeded" if args.succeeded else "failed"
+    with orch:
+        try:
+            state = orch.resolve(
+                args.saga_id,
+                args.step,
+                outcome=outcome,
+                result=result,
+                actor=actor,
+                reason=args.reason,
+                kind=args.kind,
+                force=args.force,
+            )
+        except pydantic.ValidationError as exc:
+            raise UsageError(f"--result does not fit step {args.step!r}: {_errors(exc)}") from None
+        print(f"resolved {args.step!r} of saga {state.id} as {outcome}, by {actor}")
+        return _after_request(orch, state, args.run)
+
+
+def _retry(args: argparse.Namespace) -> int:
+    orch = _operator(args)
+    actor = _actor(args)
+    with orch:
+        state = orch.retry(
+            args.saga_id, extra_attempts=args.extra_attempts, actor=actor, force=args.force
+        )
+        last = next(e for e in reversed(orch.history(state.id)) if e.event == "retry_requested")
+        what = last.step if last.kind == "action" else f"compensation of {last.step}"
+        print(
+            f"retrying {what!r} of saga {state.id}, by {actor}: "
+            f"ceiling {last.detail.get('previous_max_attempts')} -> "
+            f"{last.detail.get('max_attempts')}, {last.attempt or 0} attempt(s) used"
+        )
+        return _after_request(orch, state, args.run)
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    orch = _operator(args)
+    actor = _actor(args)
+    with orch:
+        before = orch.get(args.saga_id)
+        state = orch.cancel(
+            before.id,
+            reason=args.reason,
+            actor=actor,
+            include_unknown=args.include_unknown,
+            force=args.force,
+        )
+        if before.status == state.status and before.updated_at == state.updated_at:
+            print(f"saga {state.id} is already {state.status}; nothing to cancel")
+        else:
+            print(f"cancelled saga {state.id}, by {actor}: {args.reason}")
+        return _after_request(orch, state, args.run)
+
+
+def _after_request(orch: Orchestrator, state: SagaState, run: bool) -> int:
+    if run and state.status.is_runnable:
+        state = orch.run(state.id)
+    if state.status == SagaStatus.NEEDS_REVIEW:
+        print(f"saga {state.id} is needs_review: {state.error}")
+        return EXIT_PARTIAL
+    if state.status.is_runnable:
+        holder = f"; {state.lease_owner} is driving it" if state.lease_owner else ""
+        print(f"saga {state.id} is {state.status}: a worker will drive it{holder}")
+    else:
+        print(f"saga {state.id} is {state.status}")
+    return EXIT_OK
+
+
+def _reconcile(args: argparse.Namespace) -> int:
+    orch = _operator(args)
+    progress = fmt.ProgressLine("reconciling")
+
+    def show(outcome: operator.Outcome) -> None:
+        progress.clear()
+        print(fmt.outcome_line(outcome), flush=True)
+
+    with orch:
+        report = operator.reconcile(orch, limit=args.limit, progress=progress, on_outcome=show)
+        progress.clear()
+    if not report.selected:
+        print("reconcile: no operation is left running under an expired lease or unknown")
+        return EXIT_OK
+    print(fmt.summary(report, "reconcile"))
+    return EXIT_OK if report.complete else EXIT_PARTIAL
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "migrate": _migrate,
+    "worker": _worker,
+    "list": _list,
+    "show": _show,
+    "compensate": _compensate,
+    "resolve": _resolve,
+    "retry": _retry,
+    "cancel": _cancel,
+    "reconcile": _reconcile,
+}
+
+
+# ----- errors --------------------------------------------------------------------------
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _errors(exc: pydantic.ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err.get("loc", ())) or "value"
+        parts.append(f"{where}: {err.get('msg')}")
+    return "; ".join(parts)
+
+
+def _fail(message: str, code: int) -> int:
+    if os.environ.get(ENV_TRACEBACK):
+        traceback.print_exc()
+    print(f"saga: {message}", file=sys.stderr)
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `saga` console script; returns the exit code."""
     args = _parser().parse_args(argv)
+    _configure_logging(verbose=args.verbose or args.command == "worker")
     try:
-        if args.command == "migrate":
-            return _migrate(args.database_url)
+        return _COMMANDS[args.command](args)
+    except UsageError as exc:
+        return _fail(f"{args.command}: {exc}", EXIT_USAGE)
+    except DatabaseUnavailable as exc:
+        return _fail(str(exc), EXIT_PARTIAL)
+    except (SagaNotFound, NotRegistered) as exc:
+        return _fail(str(exc), EXIT_PARTIAL)
+    except StepStateError as exc:
+        return _fail(f"refused: {exc}", EXIT_PARTIAL)
     except SagaError as exc:
-        print(f"saga: {exc}", file=sys.stderr)
-        return EXIT_PARTIAL
-    except (psycopg.Error, OSError, ValueError) as exc:
-        print(f"saga: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_PARTIAL
-    return EXIT_USAGE
+        return _fail(str(exc), EXIT_PARTIAL)
+    except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName):
+        return _fail("the saga schema is missing from this database; run `saga migrate`", 1)
+    except psycopg.Error as exc:
+        return _fail(_one_line(exc), EXIT_PARTIAL)
+    except ValueError as exc:
+        return _fail(f"{args.command}: {exc}", EXIT_USAGE)
+    except KeyboardInterrupt:
+        return _fail("interrupted", EXIT_PARTIAL)
+    except Exception as exc:
+        return _fail(f"unexpected error: {_one_line(exc)} (SAGA_TRACEBACK=1 shows where)", 1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,235 @@
+"""Plain-text rendering for the `saga` command: tables, a saga's timeline, progress."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any, TextIO
+
+from saga.operator import Outcome, PlannedSaga, Report
+from saga.state import HistoryEvent, OperationState, SagaState
+
+_OUTCOME_EVENTS = {
+    "attempt_succeeded",
+    "attempt_failed",
+    "outcome_unknown",
+    "reconcile_found",
+    "reconcile_absent",
+    "reconcile_inconclusive",
+}
+
+
+def table(rows: Sequence[Sequence[str]], headers: Sequence[str]) -> str:
+    """Left-aligned columns separated by two spaces; the last column is not padded."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+    lines = []
+    for row in [list(headers), *rows]:
+        cells = [c.ljust(widths[i]) for i, c in enumerate(row[:-1])] + [row[-1]]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def one_line(text: str | None, width: int = 70) -> str:
+    """`text` on one line, cut to `width` characters; `-` when empty."""
+    if not text:
+        return "-"
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def age(at: datetime | None, now: datetime | None = None) -> str:
+    """How long ago, compactly: `42s`, `5m`, `3h`, `2d`."""
+    if at is None:
+        return "-"
+    seconds = ((now or datetime.now().astimezone()) - at).total_seconds()
+    if seconds < 0:
+        return "just now"
+    for size, unit in ((86400, "d"), (3600, "h"), (60, "m")):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit} ago"
+    return f"{int(seconds)}s ago"
+
+
+def timestamp(at: datetime | None) -> str:
+    """Local time with milliseconds."""
+    if at is None:
+        return "-"
+    return at.astimezone().strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def seconds(start: datetime | None, end: datetime | None) -> str:
+    """A duration in seconds, `-` when either end is missing."""
+    if start is None or end is None:
+        return "-"
+    return f"{(end - start).total_seconds():.3f}s"
+
+
+def saga_list(states: Sequence[SagaState]) -> str:
+    """The table of `saga list`."""
+    rows = [
+        [
+            s.id,
+            f"{s.saga} v{s.version}",
+            s.tenant_id or "-",
+            s.key,
+            str(s.status),
+            age(s.updated_at),
+            one_line(s.error, 60),
+        ]
+        for s in states
+    ]
+    return table(rows, ["ID", "SAGA", "TENANT", "KEY", "STATUS", "UPDATED", "REASON"])
+
+
+def to_json(state: SagaState, history: Sequence[HistoryEvent] | None = None) -> str:
+    """A saga (and its history) as one line of JSON."""
+    data: dict[str, Any] = state.model_dump(mode="json")
+    if history is not None:
+        data["history"] = [e.model_dump(mode="json") for e in history]
+    return json.dumps(data, sort_keys=False, separators=(",", ":"))
+
+
+def show(state: SagaState, history: Sequence[HistoryEvent]) -> str:
+    """The saga, its operations and the timeline of every attempt."""
+    now = datetime.now().astimezone()
+    if state.lease_owner is None or state.lease_expires_at is None:
+        lease = "none"
+    else:
+        live = "live" if state.lease_expires_at > now else "expired"
+        lease = (
+            f"{state.lease_owner} until {timestamp(state.lease_expires_at)} ({live}), "
+            f"fence {state.fence}"
+        )
+    head = [
+        ["saga", f"{state.id}  {state.saga} v{state.version}"],
+        ["tenant", state.tenant_id or "-"],
+        ["key", state.key],
+        ["status", str(state.status)],
+    ]
+    if state.error:
+        head.append(["reason", state.error])
+    head += [
+        ["created", f"{timestamp(state.created_at)} ({age(state.created_at, now)})"],
+        ["updated", f"{timestamp(state.updated_at)} ({age(state.updated_at, now)})"],
+        ["lease", lease],
+    ]
+    width = max(len(k) for k, _ in head)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in head]
+    lines += ["", "OPERATIONS", _operations(state.operations), "", "TIMELINE", _timeline(history)]
+    return "\n".join(lines)
+
+
+def _operations(ops: Sequence[OperationState]) -> str:
+    rows = [
+        [
+            op.step,
+            op.kind,
+            str(op.status),
+            f"{op.attempts}/{op.max_attempts}",
+            seconds(op.started_at, op.finished_at),
+            op.provider_reference or "-",
+            op.idempotency_key,
+            one_line(op.error, 60),
+        ]
+        for op in ops
+    ]
+    headers = ["STEP", "KIND", "STATUS", "ATTEMPTS", "LAST TOOK", "PROVIDER REF", "KEY", "ERROR"]
+    return table(rows, headers)
+
+
+def _timeline(history: Sequence[HistoryEvent]) -> str:
+    started: dict[tuple[str | None, str | None, int | None], datetime] = {}
+    rows = []
+    for e in history:
+        where = "-"
+        if e.step is not None:
+            where = e.step if e.kind in (None, "action") else f"{e.step} (compensation)"
+            if e.attempt is not None:
+                where += f" #{e.attempt}"
+        ident = (e.step, e.kind, e.attempt)
+        took = "-"
+        if e.event == "attempt_started":
+            started[ident] = e.at
+        elif e.event in _OUTCOME_EVENTS and ident in started:
+            took = seconds(started[ident], e.at)
+        detail = " ".join(f"{k}={_value(v)}" for k, v in e.detail.items() if v is not None)
+        rows.append([timestamp(e.at), e.event, where, took, one_line(detail, 90)])
+    return table(rows, ["AT", "EVENT", "OPERATION", "TOOK", "DETAIL"])
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, str):
+        return value if value and " " not in value else json.dumps(value)
+    return json.dumps(value, separators=(",", ":"))
+
+
+def outcome_line(outcome: Outcome) -> str:
+    """One saga of a batch report."""
+    return f"{outcome.result:<8} {outcome.saga_id}  {outcome.saga}  {outcome.detail}"
+
+
+def summary(report: Report, what: str) -> str:
+    """The last line of a batch job."""
+    text = (
+        f"{what}: {report.selected} selected: {report.count('done')} done, "
+        f"{report.count('parked')} parked, {report.count('skipped')} skipped"
+    )
+    if report.interrupted:
+        text += f", {report.selected - len(report.outcomes)} not handled (interrupted)"
+    return text
+
+
+def plan(plans: Sequence[PlannedSaga]) -> str:
+    """What a compensation dry run would do, saga by saga."""
+    rows: list[list[str]] = []
+    notes: list[str] = []
+    for p in plans:
+        if p.skip is not None:
+            notes.append(f"skipped  {p.saga_id}  {p.saga}  {p.skip}")
+            continue
+        if not p.compensations and p.stop is None:
+            notes.append(f"nothing  {p.saga_id}  {p.saga}  no compensation to run")
+        for step, key in p.compensations:
+            rows.append([p.saga_id, p.saga, step, key])
+        if p.stop is not None:
+            notes.append(f"parks    {p.saga_id}  {p.saga}  would stop: {p.stop}")
+    out = []
+    if rows:
+        out.append(table(rows, ["SAGA ID", "SAGA", "COMPENSATES STEP", "IDEMPOTENCY KEY"]))
+    out += notes
+    runs = sum(len(p.compensations) for p in plans)
+    would_park = sum(1 for p in plans if p.stop is not None and p.skip is None)
+    skipped = sum(1 for p in plans if p.skip is not None)
+    out.append(
+        f"dry run: {len(plans)} selected: {len(plans) - would_park - skipped} would be done "
+        f"({runs} compensations), {would_park} would park, {skipped} skipped; nothing was changed"
+    )
+    return "\n".join(out)
+
+
+class ProgressLine:
+    """`[3/10] verb <id>` rewritten in place on a terminal; silent otherwise."""
+
+    def __init__(self, verb: str, stream: TextIO | None = None) -> None:
+        self.verb = verb
+        self.stream = stream or sys.stderr
+        self.enabled = self.stream.isatty()
+        self.shown = False
+
+    def __call__(self, index: int, total: int, saga_id: str) -> None:
+        if self.enabled:
+            self.stream.write(f"\r\x1b[K[{index}/{total}] {self.verb} {saga_id}")
+            self.stream.flush()
+            self.shown = True
+
+    def clear(self) -> None:
+        """Erase the progress line before something else is printed."""
+        if self.shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self.shown = False

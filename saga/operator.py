@@ -1,0 +1,290 @@
+"""Operator jobs behind the `saga` command: compensation-only batches and the reconcile sweep."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Literal
+
+import psycopg
+
+from saga.errors import DatabaseUnavailable, SagaError
+from saga.protocol import Planner
+from saga.state import OperationStatus, SagaState, SagaStatus
+
+if TYPE_CHECKING:
+    from saga.orchestrator import Orchestrator
+
+Result = Literal["done", "parked", "skipped"]
+# Called before each saga of a batch: (position from 1, total, saga id).
+Progress = Callable[[int, int, str], None]
+# How long a batch waits for a saga another worker picked up meanwhile (seconds).
+HANDOFF_WAIT_SECONDS = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a batch job did with one saga."""
+
+    saga_id: str
+    saga: str
+    result: Result
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedSaga:
+    """What compensating one saga would run, in order, and why it would stop early."""
+
+    saga_id: str
+    saga: str
+    compensations: list[tuple[str, str]]
+    stop: str | None = None
+    skip: str | None = None
+
+
+@dataclass(slots=True)
+class Report:
+    """Outcomes of a batch job, in the order the sagas were handled."""
+
+    outcomes: list[Outcome] = field(default_factory=list)
+    selected: int = 0
+    interrupted: bool = False
+
+    def count(self, result: Result) -> int:
+        """How many sagas ended with this result."""
+        return sum(1 for o in self.outcomes if o.result == result)
+
+    @property
+    def complete(self) -> bool:
+        """Every selected saga is done: nothing parked, skipped or left out."""
+        return not self.interrupted and len(self.outcomes) == self.count("done")
+
+
+def describe(state: SagaState) -> str:
+    """`name vN` of a saga."""
+    return f"{state.saga} v{state.version}"
+
+
+def live_lease(state: SagaState, now: datetime | None = None) -> bool:
+    """Whether a worker holds the saga's lease right now (by this host's clock)."""
+    if state.lease_owner is None or state.lease_expires_at is None:
+        return False
+    return state.lease_expires_at > (now or datetime.now().astimezone())
+
+
+def succeeded_pivot(orch: Orchestrator, state: SagaState) -> str | None:
+    """The name of a pivot step of the saga that has succeeded, or None."""
+    definition = orch.definition(state.saga, state.version)
+    for step in definition.steps:
+        if not step.pivot:
+            continue
+        op = next((o for o in state.operations if o.kind == "action" and o.step == step.name), None)
+        if op is not None and op.status == OperationStatus.SUCCEEDED:
+            return step.name
+    return None
+
+
+def refusal(orch: Orchestrator, state: SagaState, *, force: bool, batch: bool) -> str | None:
+    """Why a compensation of this saga must not start here, or None when it may."""
+    if (state.saga, state.version) not in {(s.name, s.version) for s in orch.registered()}:
+        return f"saga {describe(state)} is not registered by this app"
+    if live_lease(state) and not force:
+        return (
+            f"leased by {state.lease_owner} until {state.lease_expires_at:%H:%M:%S}; "
+            "pass --force to take the lease over"
+        )
+    if batch:
+        pivot = succeeded_pivot(orch, state)
+        if pivot is not None:
+            return (
+                f"pivot step {pivot!r} succeeded, so it only goes forward; "
+                "compensate it by id if you must"
+            )
+    return None
+
+
+def plan_compensation(
+    orch: Orchestrator, state: SagaState, *, include_unknown: bool
+) -> PlannedSaga:
+    """What compensating `state` would run (saga, step, key), changing nothing."""
+    definition = orch.definition(state.saga, state.version)
+    store = orch.store
+    with store.transaction() as conn:
+        loaded = store.load_txn(conn, state.id)
+    if loaded is None:
+        return PlannedSaga(state.id, describe(state), [], skip="the saga no longer exists")
+    row, ops = loaded
+    runs, stop = Planner(definition, row, ops).compensation_plan(include_unknown=include_unknown)
+    return PlannedSaga(state.id, describe(state), runs, stop=stop)
+
+
+def dry_run(
+    orch: Orchestrator,
+    states: Sequence[SagaState],
+    *,
+    include_unknown: bool,
+    force: bool,
+    batch: bool,
+) -> list[PlannedSaga]:
+    """The compensation plan of each saga, or why it would be skipped; writes nothing."""
+    plans: list[PlannedSaga] = []
+    for state in states:
+        if state.status == SagaStatus.COMPENSATED:
+            plans.append(PlannedSaga(state.id, describe(state), []))
+            continue
+        why = refusal(orch, state, force=force, batch=batch)
+        if why is not None:
+            plans.append(PlannedSaga(state.id, describe(state), [], skip=why))
+            continue
+        plans.append(plan_compensation(orch, state, include_unknown=include_unknown))
+    return plans
+
+
+def compensate_batch(
+    orch: Orchestrator,
+    states: Sequence[SagaState],
+    *,
+    include_unknown: bool,
+    actor: str,
+    force: bool,
+    batch: bool,
+    progress: Progress | None = None,
+    on_outcome: Callable[[Outcome], None] | None = None,
+) -> Report:
+    """Compensate each saga here, in reverse, running no further step; one report."""
+    report = Report(selected=len(states))
+    for index, state in enumerate(states, start=1):
+        if progress is not None:
+            progress(index, len(states), state.id)
+        try:
+            outcome = _compensate_one(
+                orch, state, include_unknown=include_unknown, actor=actor, force=force, batch=batch
+            )
+        except KeyboardInterrupt:
+            report.interrupted = True
+            break
+        report.outcomes.append(outcome)
+        if on_outcome is not None:
+            on_outcome(outcome)
+    return report
+
+
+def _compensate_one(
+    orch: Orchestrator,
+    state: SagaState,
+    *,
+    include_unknown: bool,
+    actor: str,
+    force: bool,
+    batch: bool,
+) -> Outcome:
+    name = describe(state)
+    if state.status == SagaStatus.COMPENSATED:
+        return Outcome(state.id, name, "done", "already compensated")
+    why = refusal(orch, state, force=force, batch=batch)
+    if why is not None:
+        return Outcome(state.id, name, "skipped", why)
+    try:
+        after = orch.compensate(state.id, include_unknown=include_unknown, actor=actor, force=force)
+        after = _await_handoff(orch, after)
+    except (DatabaseUnavailable, psycopg.OperationalError):
+        raise
+    except SagaError as exc:
+        return Outcome(state.id, name, "skipped", str(exc))
+    return _classify(orch, after, done_detail=_compensated_detail(after))
+
+
+def reconcile(
+    orch: Orchestrator,
+    *,
+    limit: int,
+    progress: Progress | None = None,
+    on_outcome: Callable[[Outcome], None] | None = None,
+) -> Report:
+    """Settle operations left running under an expired lease, or unknown.
+
+    Each saga found is driven here: claiming it marks the orphaned attempt unknown,
+    which its reconcile hook or an idempotent retry with the same key settles (else
+    the saga parks for a human), and the saga then goes on as a worker would take it.
+    """
+    kinds = [f"{s.name}:{s.version}" for s in orch.registered()]
+    found = orch.store.find_unsettled(kinds, limit=limit)
+    first: dict[str, dict[str, object]] = {}
+    for row in found:
+        first.setdefault(str(row["id"]), row)
+    report = Report(selected=len(first))
+    for index, (saga_id, row) in enumerate(first.items(), start=1):
+        if progress is not None:
+            progress(index, len(first), saga_id)
+        try:
+            outcome = _reconcile_one(orch, saga_id, row)
+        except KeyboardInterrupt:
+            report.interrupted = True
+            break
+        report.outcomes.append(outcome)
+        if on_outcome is not None:
+            on_outcome(outcome)
+    return report
+
+
+def _reconcile_one(orch: Orchestrator, saga_id: str, row: dict[str, object]) -> Outcome:
+    name = f"{row['name']} v{row['version']}"
+    step, kind = str(row["step"]), str(row["kind"])
+    what = f"{step} ({kind})" if kind == "compensation" else step
+    try:
+        state = _await_handoff(orch, orch.run(saga_id))
+    except (DatabaseUnavailable, psycopg.OperationalError):
+        raise
+    except SagaError as exc:
+        return Outcome(saga_id, name, "skipped", str(exc))
+    try:
+        op = state.operation(step, "compensation" if kind == "compensation" else "action")
+        settled = f"{what}: {row['status']} -> {op.status}"
+    except KeyError:
+        settled = what
+    return _classify(orch, state, done_detail=f"{settled}; saga {state.status}")
+
+
+def _await_handoff(orch: Orchestrator, state: SagaState) -> SagaState:
+    """When another worker picked the saga up first, wait (a little) for it to stop."""
+    deadline = time.monotonic() + HANDOFF_WAIT_SECONDS
+    while state.status.is_runnable and live_lease(state) and state.lease_owner != orch.owner:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+        state = orch.get(state.id)
+    return state
+
+
+def _classify(orch: Orchestrator, state: SagaState, *, done_detail: str) -> Outcome:
+    name = describe(state)
+    if state.status == SagaStatus.NEEDS_REVIEW:
+        return Outcome(state.id, name, "parked", f"needs_review: {state.error}")
+    if state.status.is_runnable:
+        holder = state.lease_owner or "nobody yet"
+        return Outcome(state.id, name, "skipped", f"still {state.status}, driven by {holder}")
+    return Outcome(state.id, name, "done", done_detail)
+
+
+def _compensated_detail(state: SagaState) -> str:
+    ran = [o.step for o in state.operations if o.kind == "compensation" and o.attempts > 0]
+    if not ran:
+        return f"{state.status} (nothing to undo)"
+    return f"{state.status}: undid {', '.join(ran)}"
+
+
+def parse_duration(text: str) -> timedelta:
+    """`90s`, `15m`, `1h`, `2d`, `1w`, `1h30m` or plain seconds; `ValueError` otherwise."""
+    import re
+
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+    cleaned = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", cleaned):
+        return timedelta(seconds=float(cleaned))
+    parts = re.findall(r"(\d+(?:\.\d+)?)([smhdw])", cleaned)
+    if not parts or "".join(n + u for n, u in parts) != cleaned:
+        raise ValueError(f"invalid duration {text!r}: use e.g. 90s, 15m, 1h, 2d or 1h30m")
+    return timedelta(seconds=sum(float(n) * units[u] for n, u in parts))
