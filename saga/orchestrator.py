@@ -18,6 +18,7 @@ import structlog
 from psycopg_pool import ConnectionPool
 from pydantic import BaseModel
 
+from saga import faults
 from saga.database import check_connection, resolve_database_url, unavailable
 from saga.definition import Saga
 from saga.errors import (
@@ -90,6 +91,8 @@ class Orchestrator:
         self._store: Store | None = None
         for saga in sagas:
             self.register(saga)
+        # Crash tests arm a fault point in a child process through SAGA_FAULT.
+        faults.arm_from_environment()
 
     # ----- set-up ------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import structlog
 
+from saga import faults
 from saga.context import StepContext
 from saga.dbretry import retrying
 from saga.definition import Saga
@@ -253,6 +254,8 @@ class Runner:
         self.store.save_txn(
             conn, saga, planner.ops, events, release=release, lease_until=lease_until
         )
+        if isinstance(nxt, Invoke):
+            faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
         if isinstance(nxt, Yield):
             self.store.notify_runnable_txn(conn, saga.name, saga.version)
         if release:
@@ -304,7 +307,9 @@ class Runner:
             assert comp is not None
             fn, codec, policy = comp.fn, comp.codec, comp.retry
         ctx = self._context(planner, op)
-        target = (op.step, op.kind, op.attempts)
+        where = {"step": op.step, "kind": op.kind}
+        mutate: Mutation
+        faults.point("before_call", **where)
         try:
             with _Heartbeat(self, planner.saga):
                 value = _call(fn, ctx, *self._arguments(planner, op))
@@ -314,25 +319,21 @@ class Runner:
             delay = policy.delay_after(op.attempts) if retryable else 0.0
             if not retryable:
                 ctx.log.warning("attempt_raised", error=error, traceback=traceback.format_exc())
-            return self._transact(
-                planner,
-                lambda p: p.record_failure(
-                    p.op(op.step, op.kind), error, retryable=retryable, delay=delay
-                ),
-                target,
+            mutate = lambda p: p.record_failure(  # noqa: E731
+                p.op(op.step, op.kind), error, retryable=retryable, delay=delay
             )
-        try:
-            stored = codec.encode(value)
-        except TypeError as exc:
-            reason = f"TypeError: {exc}; the effect may have happened, so a human decides"
-            return self._transact(
-                planner,
-                lambda p: p.record_unknown(p.op(op.step, op.kind), reason, park=True),
-                target,
-            )
-        return self._transact(
-            planner, lambda p: p.record_success(p.op(op.step, op.kind), stored), target
-        )
+        else:
+            try:
+                stored = codec.encode(value)
+            except TypeError as exc:
+                reason = f"TypeError: {exc}; the effect may have happened, so a human decides"
+                mutate = lambda p: p.record_unknown(p.op(op.step, op.kind), reason, park=True)  # noqa: E731
+            else:
+                mutate = lambda p: p.record_success(p.op(op.step, op.kind), stored)  # noqa: E731
+        faults.point("after_call", **where)
+        result = self._transact(planner, mutate, (op.step, op.kind, op.attempts))
+        faults.point("after_record", **where)
+        return result
 
     def _reconcile(self, planner: Planner, op: OpRow) -> tuple[Planner, Next]:
         fn = planner.reconcile_fn(op)
@@ -360,7 +361,9 @@ class Runner:
             reason = f"reconcile raised {_describe_error(exc)}"
             mutate = lambda p: p.record_inconclusive(p.op(op.step, op.kind), reason)  # noqa: E731
         # The operation is `unknown` while it is reconciled: nothing to protect from replay.
-        return self._transact(planner, mutate, None)
+        result = self._transact(planner, mutate, None)
+        faults.point("after_record", step=op.step, kind=op.kind)
+        return result
 
 
 class _Heartbeat:
