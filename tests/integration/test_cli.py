@@ -156,6 +156,19 @@ def test_unreachable_database_is_one_line_naming_host_and_port() -> None:
     assert "s3cret" not in result.stderr + result.stdout
 
 
+def test_read_commands_do_not_migrate(empty_database_url: str) -> None:
+    """list on a database without the schema says to run `saga migrate`; migrate then works."""
+    before = saga_cmd("list", "--database-url", empty_database_url)
+    assert before.returncode == 1
+    assert "saga migrate" in _one_line_error(before)
+    migrate = saga_cmd("migrate", "--database-url", empty_database_url)
+    assert migrate.returncode == 0 and "applied migrations: 0001" in migrate.stdout
+    again = saga_cmd("migrate", "--database-url", empty_database_url)
+    assert again.returncode == 0 and "up to date" in again.stdout
+    after = saga_cmd("list", "--database-url", empty_database_url)
+    assert after.returncode == 0 and after.stdout == ""
+
+
 # ----- reading -----------------------------------------------------------------------
 
 
