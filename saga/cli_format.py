@@ -109,6 +109,7 @@ def show(state: SagaState, history: Sequence[HistoryEvent]) -> str:
         ["saga", f"{state.id}  {state.saga} v{state.version}"],
         ["tenant", state.tenant_id or "-"],
         ["key", state.key],
+        ["input", one_line(json.dumps(state.input, separators=(",", ":")), 100)],
         ["status", str(state.status)],
     ]
     if state.error:
