@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -23,6 +23,7 @@ class StepContext:
         fence: Fencing token of the lease under which this attempt runs.
         results: Results of the saga's succeeded steps, by step name.
         log: A structlog logger bound with saga id, step, attempt and key.
+        request: The request prepared for this attempt (see `Step.prepare`), else None.
     """
 
     saga_id: str
@@ -34,3 +35,16 @@ class StepContext:
     fence: int
     results: Mapping[str, Any]
     log: structlog.typing.FilteringBoundLogger
+    request: Any = None
+    _spent: list[float] = field(default_factory=list, repr=False)
+
+    def spend(self, amount: float) -> None:
+        """Report spend of this attempt; it counts against the saga's spend budget."""
+        if not (isinstance(amount, int | float) and amount >= 0 and amount == amount):
+            raise ValueError(f"spend amount must be a non-negative number, got {amount!r}")
+        self._spent.append(float(amount))
+
+    @property
+    def spent(self) -> float:
+        """What this attempt reported with `spend()` so far."""
+        return sum(self._spent)

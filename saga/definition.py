@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, overload
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
 from saga.codec import ResultCodec
 from saga.errors import SagaDefinitionError
@@ -27,31 +28,145 @@ def _check_name(what: str, name: str) -> str:
     return name
 
 
-class Compensation:
-    """The compensating action of one step (see `Step.compensation`)."""
+class Ceilings(BaseModel):
+    """Saga-wide ceilings, persisted with each instance; reaching one parks the saga.
+
+    Args:
+        max_operations: Most attempts of actions and compensations together, retries
+            included.
+        deadline_seconds: Wall-clock time from the saga's start after which no
+            further attempt starts.
+        spend_budget: Most spend: the declared costs of attempts started plus what
+            step code reports with `ctx.spend()`.
+        max_side_effects: Most attempts of operations declared `side_effect=True`.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_operations: int | None = Field(default=None, gt=0)
+    deadline_seconds: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    spend_budget: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    max_side_effects: int | None = Field(default=None, ge=0)
+
+
+@dataclass(frozen=True, slots=True)
+class Guards:
+    """Per-operation guardrails (see `Saga.step` for their meaning)."""
+
+    cost: float | Callable[..., float] | None = None
+    max_cost: float | None = None
+    side_effect: bool = True
+    timeout_seconds: float | None = None
+    deadline_seconds: float | None = None
+    confirm: bool | Callable[[Any], bool] = False
+    confirm_ttl_seconds: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_cost", "timeout_seconds", "deadline_seconds", "confirm_ttl_seconds"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int | float) and value > 0):
+                raise SagaDefinitionError(f"{name} must be a positive number, got {value!r}")
+        if self.cost is not None and not (
+            callable(self.cost) or isinstance(self.cost, int | float)
+        ):
+            raise SagaDefinitionError(f"cost must be a number or a function, got {self.cost!r}")
+        if not (isinstance(self.confirm, bool) or callable(self.confirm)):
+            raise SagaDefinitionError(f"confirm must be a bool or a function, got {self.confirm!r}")
+
+
+class OperationSpec:
+    """What steps and compensations share: function, retries, guards and hooks."""
+
+    label: str
 
     def __init__(
-        self, step: Step, fn: Callable[..., Any], *, retry: RetryPolicy, idempotent: bool
+        self, fn: Callable[..., Any], *, retry: RetryPolicy, idempotent: bool, guards: Guards
     ) -> None:
-        self.step = step
         self.fn = fn
         self.retry = retry
         self.idempotent = idempotent
+        self.guards = guards
         self.reconcile_fn: Callable[..., Any] | None = None
+        self.reconcile_window_seconds = 0.0
+        self.reconcile_retry = RetryPolicy(initial_delay=0.5, max_delay=5.0)
+        self.prepare_fn: Callable[..., Any] | None = None
+        self.request_codec: ResultCodec | None = None
         self.is_async = inspect.iscoroutinefunction(fn)
-        self.codec = ResultCodec(fn, where=f"compensation of step {step.name!r}")
+        self.codec = ResultCodec(fn, where=self.label)
 
-    def reconcile(self, fn: Fn) -> Fn:
-        """Decorator: ask the provider, by key, whether an unknown compensation happened."""
-        if self.reconcile_fn is not None:
-            raise SagaDefinitionError(
-                f"compensation of step {self.step.name!r} already has a reconcile function"
-            )
-        self.reconcile_fn = fn
+    @overload
+    def reconcile(self, fn: Fn, /) -> Fn: ...
+
+    @overload
+    def reconcile(
+        self, *, window_seconds: float = 0.0, retry: RetryPolicy | None = None
+    ) -> Callable[[Fn], Fn]: ...
+
+    def reconcile(
+        self,
+        fn: Fn | None = None,
+        *,
+        window_seconds: float = 0.0,
+        retry: RetryPolicy | None = None,
+    ) -> Fn | Callable[[Fn], Fn]:
+        """Decorator: ask the provider, by key, whether an unknown attempt happened.
+
+        Args:
+            window_seconds: For how long an `Inconclusive` (or an unsettled `Absent`)
+                answer is asked again, with backoff, before the saga parks; 0 parks
+                at the first inconclusive answer.
+            retry: Backoff between those asks (its delays are used; the window bounds
+                the asks).
+        """
+        if not (isinstance(window_seconds, int | float) and window_seconds >= 0):
+            raise SagaDefinitionError(f"window_seconds must be >= 0, got {window_seconds!r}")
+
+        def register(func: Fn) -> Fn:
+            if self.reconcile_fn is not None:
+                raise SagaDefinitionError(f"{self.label} already has a reconcile function")
+            _check_callable(func, f"reconcile of {self.label}")
+            self.reconcile_fn = func
+            self.reconcile_window_seconds = float(window_seconds)
+            if retry is not None:
+                self.reconcile_retry = retry
+            return func
+
+        return register(fn) if fn is not None else register
+
+    def prepare(self, fn: Fn) -> Fn:
+        """Decorator: compute the request (the typed intent) an attempt acts on.
+
+        It is called before every attempt with the same arguments as the operation;
+        the request and its hash are persisted before the call and the operation
+        reads it as `ctx.request`. A request that changes while an earlier attempt's
+        outcome is unknown parks the saga instead of acting.
+        """
+        if self.prepare_fn is not None:
+            raise SagaDefinitionError(f"{self.label} already has a prepare function")
+        _check_callable(fn, f"prepare of {self.label}")
+        self.prepare_fn = fn
+        self.request_codec = ResultCodec(fn, where=f"request of {self.label}")
         return fn
 
 
-class Step:
+class Compensation(OperationSpec):
+    """The compensating action of one step (see `Step.compensation`)."""
+
+    def __init__(
+        self,
+        step: Step,
+        fn: Callable[..., Any],
+        *,
+        retry: RetryPolicy,
+        idempotent: bool,
+        guards: Guards,
+    ) -> None:
+        self.step = step
+        self.label = f"compensation of step {step.name!r}"
+        super().__init__(fn, retry=retry, idempotent=idempotent, guards=guards)
+
+
+class Step(OperationSpec):
     """One forward step of a saga; use it as a decorator target for its hooks."""
 
     def __init__(
@@ -64,18 +179,15 @@ class Step:
         retry: RetryPolicy,
         idempotent: bool,
         pivot: bool,
+        guards: Guards,
     ) -> None:
         self.saga = saga
-        self.fn = fn
         self.name = name
         self.index = index
-        self.retry = retry
-        self.idempotent = idempotent
         self.pivot = pivot
+        self.label = f"step {name!r}"
         self.compensation_op: Compensation | None = None
-        self.reconcile_fn: Callable[..., Any] | None = None
-        self.is_async = inspect.iscoroutinefunction(fn)
-        self.codec = ResultCodec(fn, where=f"step {name!r}")
+        super().__init__(fn, retry=retry, idempotent=idempotent, guards=guards)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Calling the step calls its function (handy in unit tests of step code)."""
@@ -86,7 +198,15 @@ class Step:
 
     @overload
     def compensation(
-        self, *, retry: RetryPolicy | None = None, idempotent: bool = False
+        self,
+        *,
+        retry: RetryPolicy | None = None,
+        idempotent: bool = False,
+        cost: float | Callable[..., float] | None = None,
+        max_cost: float | None = None,
+        side_effect: bool = True,
+        timeout_seconds: float | None = None,
+        deadline_seconds: float | None = None,
     ) -> Callable[[Callable[..., Any]], Compensation]: ...
 
     def compensation(
@@ -95,8 +215,24 @@ class Step:
         *,
         retry: RetryPolicy | None = None,
         idempotent: bool = False,
+        cost: float | Callable[..., float] | None = None,
+        max_cost: float | None = None,
+        side_effect: bool = True,
+        timeout_seconds: float | None = None,
+        deadline_seconds: float | None = None,
     ) -> Compensation | Callable[[Callable[..., Any]], Compensation]:
-        """Decorator: declare the compensating action of this step (at most one)."""
+        """Decorator: declare the compensating action of this step (at most one).
+
+        The guard options mean what they mean for `Saga.step`; a `cost` function
+        receives the saga input and the step's result.
+        """
+        guards = Guards(
+            cost=cost,
+            max_cost=max_cost,
+            side_effect=side_effect,
+            timeout_seconds=timeout_seconds,
+            deadline_seconds=deadline_seconds,
+        )
 
         def register(func: Callable[..., Any]) -> Compensation:
             if self.compensation_op is not None:
@@ -106,19 +242,11 @@ class Step:
                 )
             _check_callable(func, f"compensation of step {self.name!r}")
             self.compensation_op = Compensation(
-                self, func, retry=retry or RetryPolicy(), idempotent=idempotent
+                self, func, retry=retry or RetryPolicy(), idempotent=idempotent, guards=guards
             )
             return self.compensation_op
 
         return register(fn) if fn is not None else register
-
-    def reconcile(self, fn: Fn) -> Fn:
-        """Decorator: ask the provider, by key, whether an unknown attempt happened."""
-        if self.reconcile_fn is not None:
-            raise SagaDefinitionError(f"step {self.name!r} already has a reconcile function")
-        _check_callable(fn, f"reconcile of step {self.name!r}")
-        self.reconcile_fn = fn
-        return fn
 
 
 class Saga(Generic[InputT]):
@@ -131,6 +259,7 @@ class Saga(Generic[InputT]):
         key: Business key of an instance (e.g. the renewal event id).
         tenant: Tenant of an instance; defaults to the empty tenant.
         volatile: Input fields left out of the request hash (timestamps, trace ids).
+        ceilings: Saga-wide ceilings persisted with every instance (`Ceilings`).
     """
 
     def __init__(
@@ -142,6 +271,7 @@ class Saga(Generic[InputT]):
         key: Callable[[InputT], str],
         tenant: Callable[[InputT], str] | None = None,
         volatile: Sequence[str] = (),
+        ceilings: Ceilings | None = None,
     ) -> None:
         self.name = _check_name("saga", name)
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
@@ -159,6 +289,7 @@ class Saga(Generic[InputT]):
         self.key_fn = key
         self.tenant_fn = tenant
         self.volatile = tuple(volatile)
+        self.ceilings = ceilings or Ceilings()
         self.steps: list[Step] = []
 
     def __repr__(self) -> str:
@@ -175,6 +306,13 @@ class Saga(Generic[InputT]):
         retry: RetryPolicy | None = None,
         idempotent: bool = False,
         pivot: bool = False,
+        cost: float | Callable[..., float] | None = None,
+        max_cost: float | None = None,
+        side_effect: bool = True,
+        timeout_seconds: float | None = None,
+        deadline_seconds: float | None = None,
+        confirm: bool | Callable[[Any], bool] = False,
+        confirm_ttl_seconds: float = 600.0,
     ) -> Callable[[Callable[..., Any]], Step]: ...
 
     def step(
@@ -185,8 +323,44 @@ class Saga(Generic[InputT]):
         retry: RetryPolicy | None = None,
         idempotent: bool = False,
         pivot: bool = False,
+        cost: float | Callable[..., float] | None = None,
+        max_cost: float | None = None,
+        side_effect: bool = True,
+        timeout_seconds: float | None = None,
+        deadline_seconds: float | None = None,
+        confirm: bool | Callable[[Any], bool] = False,
+        confirm_ttl_seconds: float = 600.0,
     ) -> Step | Callable[[Callable[..., Any]], Step]:
-        """Decorator: append a step; it runs after the steps declared before it."""
+        """Decorator: append a step; it runs after the steps declared before it.
+
+        Args:
+            name: Step name (default: the function's name).
+            retry: Retry policy of its attempts.
+            idempotent: The provider dedupes on `ctx.idempotency_key`, so an attempt
+                whose outcome is unknown may be retried with the same key.
+            pivot: Point of no return: a later permanent failure parks the saga
+                instead of compensating.
+            cost: The attempt's cost, a number or a function of the saga input;
+                counted against the saga's spend budget when an attempt starts.
+            max_cost: Per-step limit: an attempt costing more parks the saga.
+            side_effect: Counts against the saga's `max_side_effects`.
+            timeout_seconds: Longest attempt; one past it has an unknown outcome.
+            deadline_seconds: Longest time from the first attempt, retries and waits
+                included, after which no attempt starts.
+            confirm: Pause in `awaiting_confirmation` before each attempt (True), or
+                when this function of the request (the prepared request, else the
+                input) returns True.
+            confirm_ttl_seconds: How long a pending confirmation may be approved.
+        """
+        guards = Guards(
+            cost=cost,
+            max_cost=max_cost,
+            side_effect=side_effect,
+            timeout_seconds=timeout_seconds,
+            deadline_seconds=deadline_seconds,
+            confirm=confirm,
+            confirm_ttl_seconds=confirm_ttl_seconds,
+        )
 
         def register(func: Callable[..., Any]) -> Step:
             _check_callable(func, "step")
@@ -203,6 +377,7 @@ class Saga(Generic[InputT]):
                 retry=retry or RetryPolicy(),
                 idempotent=idempotent,
                 pivot=pivot,
+                guards=guards,
             )
             self.steps.append(step)
             return step
@@ -241,9 +416,3 @@ class Saga(Generic[InputT]):
 def _check_callable(fn: object, what: str) -> None:
     if not callable(fn):
         raise SagaDefinitionError(f"{what} must be a function, got {fn!r}")
-
-
-def iter_registered(sagas: Iterable[Saga[Any]]) -> Iterable[tuple[tuple[str, int], Saga[Any]]]:
-    """(name, version) -> saga pairs, for registries."""
-    for saga in sagas:
-        yield (saga.name, saga.version), saga

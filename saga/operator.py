@@ -116,8 +116,7 @@ def plan_compensation(
         loaded = store.load_txn(conn, state.id)
     if loaded is None:
         return PlannedSaga(state.id, describe(state), [], skip="the saga no longer exists")
-    row, ops = loaded
-    runs, stop = Planner(definition, row, ops).compensation_plan(include_unknown=include_unknown)
+    runs, stop = Planner(definition, *loaded).compensation_plan(include_unknown=include_unknown)
     return PlannedSaga(state.id, describe(state), runs, stop=stop)
 
 

@@ -232,6 +232,9 @@ class Orchestrator:
             direction="forward",
             fence=0,
             run_after=None,
+            max_operations=saga.ceilings.max_operations,
+            spend_budget=saga.ceilings.spend_budget,
+            max_side_effects=saga.ceilings.max_side_effects,
         )
         ops = new_action_rows(saga, tenant, key, business)
         store = self.store
@@ -244,6 +247,7 @@ class Orchestrator:
                 ops,
                 lease_owner=runner.owner if runner is not None else None,
                 lease_seconds=self.lease_seconds,
+                deadline_seconds=saga.ceilings.deadline_seconds,
             )
             if not created:
                 saga_id = self._check_duplicate_txn(conn, saga, row)
@@ -468,11 +472,23 @@ class Orchestrator:
                     )
                 )
                 row.fence, row.lease_owner, row.lease_expires_at = fence, None, None
-            planner = Planner(definition, row, store.operations_txn(conn, saga_id))
+            planner = Planner(
+                definition,
+                row,
+                store.operations_txn(conn, saga_id),
+                store.confirmations_txn(conn, saga_id),
+            )
             planner.events.extend(broken)
             change(planner)
             events = planner.take_events()
-            store.save_txn(conn, planner.saga, planner.ops, events, release=True)
+            store.save_txn(
+                conn,
+                planner.saga,
+                planner.ops,
+                events,
+                release=True,
+                confirmations=planner.confirmations,
+            )
             if planner.saga.status.is_runnable:
                 store.notify_runnable_txn(conn, row.name, row.version)
         log_events(planner, events)

@@ -16,7 +16,14 @@ class Found:
 
 @dataclass(frozen=True, slots=True)
 class Absent:
-    """The provider confirms nothing happened under this key: retrying with it is safe."""
+    """The provider confirms nothing happened under this key: retrying with it is safe.
+
+    `settled=False` says the answer cannot be trusted yet (a provider's reads may lag
+    right after a timeout): it is treated as inconclusive and asked again within the
+    reconcile window.
+    """
+
+    settled: bool = True
 
 
 @dataclass(frozen=True, slots=True)

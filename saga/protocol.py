@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from saga.definition import Compensation, Saga, Step
+from saga.definition import Compensation, OperationSpec, Saga, Step
 from saga.errors import StepStateError
-from saga.keys import operation_key, request_hash
+from saga.keys import canonical_json, operation_key, request_hash
 from saga.state import OperationStatus, SagaState, SagaStatus
 
 Direction = Literal["forward", "backward"]
@@ -40,6 +40,12 @@ class OpRow:
     error: str | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
+    request: Any = None
+    deadline_at: datetime | None = None
+    cost: float | None = None
+    reconcile_started_at: datetime | None = None
+    reconcile_asks: int = 0
+    retrying_unknown: bool = False
     new: bool = False
     dirty: bool = False
 
@@ -64,6 +70,26 @@ class SagaRow:
     lease_expires_at: datetime | None = None
     created_at: datetime | None = None
     updated_at: datetime | None = None
+    max_operations: int | None = None
+    operations_executed: int = 0
+    deadline_at: datetime | None = None
+    spend_budget: float | None = None
+    spent: float = 0.0
+    max_side_effects: int | None = None
+    side_effects: int = 0
+
+
+@dataclass(slots=True)
+class ConfirmationRow:
+    """In-memory mirror of one row of saga.confirmations."""
+
+    step: str
+    request_hash: str
+    preview: dict[str, Any]
+    expires_at: datetime
+    approved_by: str | None = None
+    approved_at: datetime | None = None
+    new: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,11 +132,18 @@ class Stop:
 
 
 @dataclass(frozen=True, slots=True)
+class Prepare:
+    """Call the operation's prepare function; its request is recorded before the attempt."""
+
+    op: OpRow
+
+
+@dataclass(frozen=True, slots=True)
 class Yield:
     """Calls are not allowed now (the worker is shutting down): give the lease back."""
 
 
-Next = Invoke | AskReconcile | Sleep | Stop | Yield
+Next = Invoke | AskReconcile | Prepare | Sleep | Stop | Yield
 
 
 def action_request_hash(step: str, business: dict[str, Any]) -> str:
@@ -148,10 +181,20 @@ def new_action_rows(
 class Planner:
     """Decides the next move of one saga and records every transition as an event."""
 
-    def __init__(self, definition: Saga[Any], saga: SagaRow, ops: list[OpRow]) -> None:
+    def __init__(
+        self,
+        definition: Saga[Any],
+        saga: SagaRow,
+        ops: list[OpRow],
+        confirmations: list[ConfirmationRow] | None = None,
+    ) -> None:
         self.definition = definition
         self.saga = saga
         self.ops = ops
+        self.confirmations = confirmations or []
+        # Operations whose request was prepared in this transaction, ready to start.
+        self.prepared: set[tuple[str, str]] = set()
+        self._input_model: Any = None
         self.events: list[Event] = []
         self.now = datetime.now().astimezone()
         self.may_call = True
@@ -204,6 +247,41 @@ class Planner:
         comp = self.compensation_of(op)
         return comp.reconcile_fn if comp is not None else None
 
+    def spec_of(self, op: OpRow) -> OperationSpec:
+        """The declared step or compensation an operation row runs."""
+        if op.kind == "action":
+            return self.step_of(op)
+        comp = self.compensation_of(op)
+        if comp is None:
+            raise StepStateError(f"step {op.step!r} has no compensation declared")
+        return comp
+
+    def input_model(self) -> Any:
+        """The saga input, validated into its model (once per snapshot)."""
+        if self._input_model is None:
+            self._input_model = self.definition.validate_input(self.saga.input)
+        return self._input_model
+
+    def arguments(self, op: OpRow) -> tuple[Any, ...]:
+        """What the operation's functions receive after the context: the input, and for a
+        compensation its step's result as the step returned it."""
+        if op.kind == "action":
+            return (self.input_model(),)
+        action = self.find(op.step, "action")
+        stored = (
+            action.result
+            if action is not None and action.status == OperationStatus.SUCCEEDED
+            else None
+        )
+        return (self.input_model(), self.step_of(op).codec.decode(stored))
+
+    def request_of(self, op: OpRow) -> Any:
+        """The request an attempt acts on: the prepared request, else the saga input."""
+        spec = self.spec_of(op)
+        if spec.request_codec is not None and op.request is not None:
+            return spec.request_codec.decode(op.request)
+        return self.input_model()
+
     def results(self) -> dict[str, Any]:
         """Stored results of succeeded steps by name (still JSON)."""
         return {o.step: o.result for o in self.actions if o.status == OperationStatus.SUCCEEDED}
@@ -224,7 +302,12 @@ class Planner:
                 self._mark_unknown(op, f"attempt {op.attempts} was running when its lease expired")
         while True:
             status = self.saga.status
-            if status in (SagaStatus.COMPLETED, SagaStatus.COMPENSATED, SagaStatus.NEEDS_REVIEW):
+            if status in (
+                SagaStatus.COMPLETED,
+                SagaStatus.COMPENSATED,
+                SagaStatus.NEEDS_REVIEW,
+                SagaStatus.AWAITING_CONFIRMATION,
+            ):
                 return Stop(status)
             if status == SagaStatus.PENDING:
                 self._set_status(SagaStatus.RUNNING)
@@ -289,21 +372,184 @@ class Planner:
                 "; "
             )
             return None
+        if op.deadline_at is not None and self.now >= op.deadline_at:
+            self._deadline_passed(op)
+            return None
         if not self.may_call:
             return Yield()
         if op.next_attempt_at is not None and op.next_attempt_at > self.now:
             return Sleep(op.next_attempt_at)
+        spec = self.spec_of(op)
+        if spec.prepare_fn is not None and (op.step, op.kind) not in self.prepared:
+            return Prepare(op)
+        cost = self._cost(op, spec)
+        breach = self._ceiling_breach(op, spec, cost)
+        if breach is not None:
+            self.park(breach["reason"], ceiling=breach)
+            return None
+        if self._needs_confirmation(op, spec) and not self._approved(op):
+            self._await_confirmation(op, spec, cost)
+            return None
+        self.prepared.discard((op.step, op.kind))
         op.attempts += 1
         self._touch(op, status=OperationStatus.RUNNING)
         op.next_attempt_at = None
         op.started_at = self.now
         op.finished_at = None
+        op.cost = cost
+        if op.deadline_at is None and spec.guards.deadline_seconds is not None:
+            op.deadline_at = self.now + timedelta(seconds=spec.guards.deadline_seconds)
+        self.saga.operations_executed += 1
+        self.saga.side_effects += 1 if spec.guards.side_effect else 0
+        self.saga.spent += cost or 0.0
         self._event("attempt_started", op)
         return Invoke(op)
 
+    def _deadline_passed(self, op: OpRow) -> None:
+        reason = f"deadline of {_describe(op)} passed at {op.deadline_at:%Y-%m-%d %H:%M:%S%z}"
+        if op.retrying_unknown:
+            # The last attempt may have had its effect: never turn that into a failure.
+            self.park(f"{reason}; the outcome of attempt {op.attempts} is unknown; resolve it")
+            return
+        self._touch(op, status=OperationStatus.FAILED)
+        op.error = f"{reason}; last error: {op.error}" if op.error else reason
+        self._event("deadline_passed", op, deadline_at=str(op.deadline_at))
+
+    def _cost(self, op: OpRow, spec: OperationSpec) -> float | None:
+        cost = spec.guards.cost
+        if cost is None or isinstance(cost, int | float):
+            return None if cost is None else float(cost)
+        return float(cost(*self.arguments(op)))
+
+    def _ceiling_breach(
+        self, op: OpRow, spec: OperationSpec, cost: float | None
+    ) -> dict[str, Any] | None:
+        saga = self.saga
+        what = _describe(op)
+        if saga.deadline_at is not None and self.now >= saga.deadline_at:
+            return {
+                "ceiling": "deadline",
+                "deadline_at": str(saga.deadline_at),
+                "reason": f"ceiling deadline reached: the saga's deadline passed at "
+                f"{saga.deadline_at:%Y-%m-%d %H:%M:%S%z}; {what} not started",
+            }
+        if saga.max_operations is not None and saga.operations_executed >= saga.max_operations:
+            return {
+                "ceiling": "max_operations",
+                "limit": saga.max_operations,
+                "executed": saga.operations_executed,
+                "reason": f"ceiling max_operations reached: {saga.operations_executed} of "
+                f"{saga.max_operations} operations executed; {what} not started",
+            }
+        if (
+            spec.guards.side_effect
+            and saga.max_side_effects is not None
+            and saga.side_effects >= saga.max_side_effects
+        ):
+            return {
+                "ceiling": "max_side_effects",
+                "limit": saga.max_side_effects,
+                "executed": saga.side_effects,
+                "reason": f"ceiling max_side_effects reached: {saga.side_effects} of "
+                f"{saga.max_side_effects} side effects performed; {what} not started",
+            }
+        if cost is not None and spec.guards.max_cost is not None and cost > spec.guards.max_cost:
+            return {
+                "ceiling": "max_cost",
+                "limit": spec.guards.max_cost,
+                "cost": cost,
+                "reason": f"per-step limit max_cost: {what} would cost {cost:g}, above its "
+                f"limit of {spec.guards.max_cost:g}",
+            }
+        if (
+            cost is not None
+            and saga.spend_budget is not None
+            and saga.spent + cost > saga.spend_budget
+        ):
+            return {
+                "ceiling": "spend_budget",
+                "limit": saga.spend_budget,
+                "spent": saga.spent,
+                "cost": cost,
+                "reason": f"ceiling spend_budget reached: {saga.spent:g} spent + {cost:g} "
+                f"for {what} exceeds the budget of {saga.spend_budget:g}",
+            }
+        return None
+
+    def _needs_confirmation(self, op: OpRow, spec: OperationSpec) -> bool:
+        policy = spec.guards.confirm
+        if isinstance(policy, bool):
+            return policy
+        return bool(policy(self.request_of(op)))
+
+    def _approved(self, op: OpRow) -> bool:
+        return any(
+            c.step == op.step and c.request_hash == op.request_hash and c.approved_at is not None
+            for c in self.confirmations
+        )
+
+    def pending_confirmation(self) -> ConfirmationRow | None:
+        """The confirmation the saga waits for (the newest unapproved one), or None."""
+        waiting = [c for c in self.confirmations if c.approved_at is None]
+        return max(waiting, key=lambda c: c.expires_at) if waiting else None
+
+    def _await_confirmation(self, op: OpRow, spec: OperationSpec, cost: float | None) -> None:
+        request = op.request if op.request is not None else self._business_input()
+        checks: list[dict[str, Any]] = [
+            {"check": "confirm", "policy": "always"}
+            if spec.guards.confirm is True
+            else {"check": "confirm", "policy": getattr(spec.guards.confirm, "__name__", "policy")}
+        ]
+        if spec.guards.max_cost is not None:
+            checks.append({"check": "max_cost", "limit": spec.guards.max_cost, "cost": cost})
+        if self.saga.spend_budget is not None:
+            checks.append(
+                {"check": "spend_budget", "limit": self.saga.spend_budget, "spent": self.saga.spent}
+            )
+        preview = {
+            "target": _describe(op),
+            "step": op.step,
+            "idempotency_key": op.idempotency_key,
+            "payload": request,
+            "amount": cost,
+            "request_hash": op.request_hash,
+            "policy_checks": checks,
+        }
+        expires_at = self.now + timedelta(seconds=spec.guards.confirm_ttl_seconds)
+        existing = next(
+            (
+                c
+                for c in self.confirmations
+                if c.step == op.step and c.request_hash == op.request_hash
+            ),
+            None,
+        )
+        if existing is None:
+            self.confirmations.append(
+                ConfirmationRow(op.step, op.request_hash, preview, expires_at, new=True)
+            )
+        else:
+            existing.preview, existing.expires_at, existing.new = preview, expires_at, True
+        self._set_status(SagaStatus.AWAITING_CONFIRMATION)
+        self.saga.error = f"{_describe(op)} waits for confirmation of request {op.request_hash}"
+        self._event(
+            "confirmation_requested",
+            op,
+            request_hash=op.request_hash,
+            preview=preview,
+            expires_at=str(expires_at),
+        )
+
+    def _business_input(self) -> dict[str, Any]:
+        return {k: v for k, v in self.saga.input.items() if k not in self.definition.volatile}
+
     def _settle_unknown(self, op: OpRow) -> Next | None:
         if self.reconcile_fn(op) is not None:
-            return AskReconcile(op) if self.may_call else Yield()
+            if not self.may_call:
+                return Yield()
+            if op.next_attempt_at is not None and op.next_attempt_at > self.now:
+                return Sleep(op.next_attempt_at)  # asking again after the provider's lag
+            return AskReconcile(op)
         if not self.is_idempotent(op):
             self.park(
                 f"outcome of {_describe(op)} attempt {op.attempts} is unknown and it is neither "
@@ -317,6 +563,7 @@ class Planner:
             )
             return None
         self._touch(op, status=OperationStatus.PENDING)
+        op.retrying_unknown = True
         self._event("unknown_retried", op, reason="idempotent: retrying with the same key")
         return None
 
@@ -340,6 +587,7 @@ class Planner:
         op.error = None
         op.provider_reference = provider_reference
         op.finished_at = self.now
+        op.retrying_unknown = False
         self._event("attempt_succeeded", op)
 
     def record_failure(self, op: OpRow, error: str, *, retryable: bool, delay: float) -> None:
@@ -347,6 +595,14 @@ class Planner:
         self._tick()
         op.error = error
         op.finished_at = self.now
+        op.retrying_unknown = False
+        if (
+            retryable
+            and op.deadline_at is not None
+            and self.now + timedelta(seconds=delay) >= op.deadline_at
+        ):
+            retryable = False
+            error = f"{error} (no retry: the deadline of {_describe(op)} would pass first)"
         if retryable and op.attempts < op.max_attempts:
             self._touch(op, status=OperationStatus.PENDING)
             op.next_attempt_at = self.now + timedelta(seconds=delay)
@@ -377,11 +633,23 @@ class Planner:
         op.error = None
         op.provider_reference = provider_reference
         op.finished_at = self.now
+        op.retrying_unknown = False
+        self._settled_reconcile(op)
 
-    def record_absent(self, op: OpRow) -> None:
-        """Reconcile: nothing happened under this key, so a retry with it is safe."""
+    def record_absent(self, op: OpRow, *, settled: bool = True) -> None:
+        """Reconcile: nothing happened under this key, so a retry with it is safe.
+
+        An unsettled answer (the provider's reads may lag) counts as inconclusive.
+        """
         self._tick()
-        self._event("reconcile_absent", op)
+        if not settled:
+            self._ask_again_or_park(
+                op, "reconcile_absent", "the provider reports nothing yet, but may lag"
+            )
+            return
+        self._event("reconcile_absent", op, settled=True)
+        self._settled_reconcile(op)
+        op.retrying_unknown = False
         if op.attempts < op.max_attempts:
             self._touch(op, status=OperationStatus.PENDING)
             op.next_attempt_at = None
@@ -393,10 +661,81 @@ class Planner:
         )
 
     def record_inconclusive(self, op: OpRow, reason: str) -> None:
-        """Reconcile could not tell: a human decides."""
+        """Reconcile could not tell: ask again within the step's window, then park."""
         self._tick()
-        self._event("reconcile_inconclusive", op, reason=reason)
-        self.park(f"outcome of {_describe(op)} attempt {op.attempts} is unknown: {reason}")
+        self._ask_again_or_park(op, "reconcile_inconclusive", reason)
+
+    def _ask_again_or_park(self, op: OpRow, event: str, reason: str) -> None:
+        spec = self.spec_of(op)
+        if op.reconcile_started_at is None:
+            op.reconcile_started_at = self.now
+        op.reconcile_asks += 1
+        op.dirty = True
+        window_ends = op.reconcile_started_at + timedelta(seconds=spec.reconcile_window_seconds)
+        delay = spec.reconcile_retry.delay_after(op.reconcile_asks)
+        if self.now + timedelta(seconds=delay) < window_ends:
+            op.next_attempt_at = self.now + timedelta(seconds=delay)
+            self._event(
+                event,
+                op,
+                reason=reason,
+                settled=False,
+                ask=op.reconcile_asks,
+                ask_again_in_seconds=round(delay, 3),
+            )
+            return
+        self._event(event, op, reason=reason, settled=False, ask=op.reconcile_asks)
+        waited = (self.now - op.reconcile_started_at).total_seconds()
+        self.park(
+            f"outcome of {_describe(op)} attempt {op.attempts} is unknown: {reason} "
+            f"(asked {op.reconcile_asks} times over {waited:.1f}s)"
+        )
+
+    def _settled_reconcile(self, op: OpRow) -> None:
+        op.reconcile_started_at = None
+        op.reconcile_asks = 0
+        op.next_attempt_at = None
+
+    def record_request(self, op: OpRow, request: Any) -> None:
+        """The prepare function computed `request` (JSON) for the next attempt of `op`.
+
+        A request that differs from the one persisted while an earlier attempt's
+        outcome is unknown is not acted on: the saga parks naming both requests.
+        """
+        self._tick()
+        new_hash = request_hash({"kind": op.kind, "step": op.step, "request": request})
+        if op.request is not None and new_hash != op.request_hash and op.retrying_unknown:
+            self._event(
+                "request_changed",
+                op,
+                previous=op.request,
+                current=request,
+                previous_hash=op.request_hash,
+                current_hash=new_hash,
+            )
+            self.park(
+                f"request of {_describe(op)} changed while attempt {op.attempts}'s outcome is "
+                f"unknown: it was {canonical_json(op.request)} ({op.request_hash[:12]}), it is "
+                f"now {canonical_json(request)} ({new_hash[:12]}); not acting on either"
+            )
+            return
+        if op.request is None or new_hash != op.request_hash:
+            self._event("request_prepared", op, request_hash=new_hash)
+        op.request, op.request_hash = request, new_hash
+        op.dirty = True
+        self.prepared.add((op.step, op.kind))
+
+    def record_prepare_failure(
+        self, op: OpRow, error: str, *, retryable: bool, delay: float
+    ) -> None:
+        """The prepare function raised: that counts as an attempt that had no effect."""
+        self._tick()
+        op.attempts += 1
+        self.record_failure(op, f"prepare failed: {error}", retryable=retryable, delay=delay)
+
+    def add_spend(self, amount: float) -> None:
+        """Spend that step code reported with `ctx.spend()` during an attempt."""
+        self.saga.spent += amount
 
     # ----- operator requests ----------------------------------------------------------
 
@@ -620,11 +959,14 @@ class Planner:
 
     # ----- transitions ----------------------------------------------------------------
 
-    def park(self, reason: str) -> None:
+    def park(self, reason: str, *, ceiling: dict[str, Any] | None = None) -> None:
         """Stop in needs_review with the reason recorded; a human decides what comes next."""
         self._set_status(SagaStatus.NEEDS_REVIEW)
         self.saga.error = reason
-        self.events.append(Event("saga_parked", detail={"reason": reason}))
+        detail: dict[str, Any] = {"reason": reason}
+        if ceiling is not None:
+            detail["ceiling"] = {k: v for k, v in ceiling.items() if k != "reason"}
+        self.events.append(Event("saga_parked", detail=detail))
 
     def _begin_compensation(self, reason: str) -> None:
         self.saga.direction = "backward"

@@ -27,6 +27,7 @@ from saga.protocol import (
     Next,
     OpRow,
     Planner,
+    Prepare,
     SagaRow,
     Sleep,
     Stop,
@@ -134,6 +135,8 @@ class Runner:
                     planner, nxt = self._invoke(planner, nxt.op)
                 elif isinstance(nxt, AskReconcile):
                     planner, nxt = self._reconcile(planner, nxt.op)
+                elif isinstance(nxt, Prepare):
+                    planner, nxt = self._prepare(planner, nxt.op)
         except LeaseLost as exc:
             _log.warning("lease_lost", saga_id=saga.id, fence=saga.fence, error=str(exc))
             return None
@@ -160,9 +163,11 @@ class Runner:
     def _begin_txn(
         self, conn: Conn, definition: Saga[Any], row: SagaRow, *, ops: list[OpRow] | None = None
     ) -> tuple[Planner, Next, list[Event]]:
+        confirmations = []
         if ops is None:
             ops = self.store.operations_txn(conn, row.id)
-        planner = Planner(definition, row, ops)
+            confirmations = self.store.confirmations_txn(conn, row.id)
+        planner = Planner(definition, row, ops, confirmations)
         planner.events.append(
             Event("lease_acquired", detail={"owner": self.owner, "fence": row.fence})
         )
@@ -252,7 +257,13 @@ class Runner:
             planner.events.append(Event("lease_released", detail={"owner": self.owner}))
         events = planner.take_events()
         self.store.save_txn(
-            conn, saga, planner.ops, events, release=release, lease_until=lease_until
+            conn,
+            saga,
+            planner.ops,
+            events,
+            release=release,
+            lease_until=lease_until,
+            confirmations=planner.confirmations,
         )
         if isinstance(nxt, Invoke):
             faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
@@ -280,6 +291,7 @@ class Runner:
             attempt=op.attempts,
             fence=saga.fence,
             results=results,
+            request=planner.request_of(op) if planner.spec_of(op).prepare_fn else None,
             log=_log.bind(
                 saga_id=saga.id,
                 step=op.step,
@@ -289,30 +301,40 @@ class Runner:
             ),
         )
 
-    def _arguments(self, planner: Planner, op: OpRow) -> tuple[Any, ...]:
-        data = planner.definition.validate_input(planner.saga.input)
-        if op.kind == "action":
-            return (data,)
-        step = planner.step_of(op)
-        action = planner.find(op.step, "action")
-        stored = action.result if action is not None and action.status == "succeeded" else None
-        return (data, step.codec.decode(stored))
+    def _prepare(self, planner: Planner, op: OpRow) -> tuple[Planner, Next]:
+        spec = planner.spec_of(op)
+        assert spec.prepare_fn is not None and spec.request_codec is not None
+        ctx = self._context(planner, op)
+        mutate: Mutation
+        try:
+            request = spec.request_codec.encode(_call(spec.prepare_fn, ctx, *planner.arguments(op)))
+        except Exception as exc:
+            error = _describe_error(exc)
+            retryable = spec.retry.is_retryable(exc) and not isinstance(exc, TypeError)
+            delay = spec.retry.delay_after(op.attempts + 1) if retryable else 0.0
+            mutate = lambda p: p.record_prepare_failure(  # noqa: E731
+                p.op(op.step, op.kind), error, retryable=retryable, delay=delay
+            )
+        else:
+            mutate = lambda p: p.record_request(p.op(op.step, op.kind), request)  # noqa: E731
+        # Nothing has been called yet: a retried transaction may simply prepare again.
+        return self._transact(planner, mutate, None)
 
     def _invoke(self, planner: Planner, op: OpRow) -> tuple[Planner, Next]:
-        step = planner.step_of(op)
-        if op.kind == "action":
-            fn, codec, policy = step.fn, step.codec, step.retry
-        else:
-            comp = step.compensation_op
-            assert comp is not None
-            fn, codec, policy = comp.fn, comp.codec, comp.retry
+        spec = planner.spec_of(op)
+        fn, codec, policy = spec.fn, spec.codec, spec.retry
         ctx = self._context(planner, op)
         where = {"step": op.step, "kind": op.kind}
         mutate: Mutation
         faults.point("before_call", **where)
         try:
             with _Heartbeat(self, planner.saga):
-                value = _call(fn, ctx, *self._arguments(planner, op))
+                value = _call_with_timeout(
+                    fn, (ctx, *planner.arguments(op)), spec.guards.timeout_seconds
+                )
+        except _AttemptTimedOut as exc:
+            reason = str(exc)
+            mutate = lambda p: p.record_unknown(p.op(op.step, op.kind), reason, park=False)  # noqa: E731
         except Exception as exc:
             error = _describe_error(exc)
             retryable = policy.is_retryable(exc)
@@ -330,6 +352,13 @@ class Runner:
                 mutate = lambda p: p.record_unknown(p.op(op.step, op.kind), reason, park=True)  # noqa: E731
             else:
                 mutate = lambda p: p.record_success(p.op(op.step, op.kind), stored)  # noqa: E731
+        if ctx.spent:
+            recorded, spent = mutate, ctx.spent
+
+            def mutate(p: Planner) -> None:
+                p.add_spend(spent)
+                recorded(p)
+
         faults.point("after_call", **where)
         result = self._transact(planner, mutate, (op.step, op.kind, op.attempts))
         faults.point("after_record", **where)
@@ -342,13 +371,14 @@ class Runner:
         codec = step.codec if op.kind == "action" else step.compensation_op.codec  # type: ignore[union-attr]
         mutate: Mutation
         try:
-            answer = _call(fn, ctx, *self._arguments(planner, op))
+            answer = _call(fn, ctx, *planner.arguments(op))
             if isinstance(answer, Found):
                 stored = codec.encode(answer.result)
                 ref = answer.provider_reference
                 mutate = lambda p: p.record_found(p.op(op.step, op.kind), stored, ref)  # noqa: E731
             elif isinstance(answer, Absent):
-                mutate = lambda p: p.record_absent(p.op(op.step, op.kind))  # noqa: E731
+                settled = answer.settled
+                mutate = lambda p: p.record_absent(p.op(op.step, op.kind), settled=settled)  # noqa: E731
             else:
                 reason = (
                     answer.reason or "the provider's answer was inconclusive"
@@ -401,6 +431,47 @@ class _Heartbeat:
             if not alive:
                 _log.warning("heartbeat_lease_lost", saga_id=self.saga.id, fence=self.saga.fence)
                 return
+
+
+class _AttemptTimedOut(Exception):
+    """The attempt ran past its timeout; its outcome is unknown."""
+
+
+def _call_with_timeout(
+    fn: Callable[..., Any], args: tuple[Any, ...], timeout_seconds: float | None
+) -> Any:
+    """Call `fn`, giving up after `timeout_seconds`: the call may still take effect, so
+    the caller records the outcome as unknown. A coroutine is cancelled; a plain
+    function cannot be stopped and finishes in its own thread, its result ignored."""
+    if timeout_seconds is None:
+        return _call(fn, *args)
+    what = f"attempt exceeded its timeout of {timeout_seconds:g}s; its outcome is unknown"
+    if inspect.iscoroutinefunction(fn):
+
+        async def bounded() -> Any:
+            try:
+                return await asyncio.wait_for(fn(*args), timeout_seconds)
+            except TimeoutError:
+                raise _AttemptTimedOut(what) from None
+
+        return asyncio.run(bounded())
+    outcome: list[Any] = []
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            outcome.append(_call(fn, *args))
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=target, name="saga-attempt", daemon=True)
+    thread.start()
+    thread.join(timeout_seconds)
+    if thread.is_alive():
+        raise _AttemptTimedOut(what)
+    if failure:
+        raise failure[0]
+    return outcome[0]
 
 
 def _call(fn: Callable[..., Any], *args: Any) -> Any:

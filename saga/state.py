@@ -18,6 +18,7 @@ class SagaStatus(StrEnum):
     COMPLETED = "completed"
     COMPENSATED = "compensated"
     NEEDS_REVIEW = "needs_review"
+    AWAITING_CONFIRMATION = "awaiting_confirmation"
 
     @property
     def is_terminal(self) -> bool:
@@ -61,6 +62,10 @@ class OperationState(BaseModel):
     next_attempt_at: datetime | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
+    request: Any = None
+    deadline_at: datetime | None = None
+    cost: float | None = None
+    reconcile_asks: int = 0
 
 
 class SagaState(BaseModel):
@@ -82,6 +87,14 @@ class SagaState(BaseModel):
     lease_owner: str | None = None
     lease_expires_at: datetime | None = None
     fence: int = 0
+    max_operations: int | None = None
+    operations_executed: int = 0
+    deadline_at: datetime | None = None
+    spend_budget: float | None = None
+    spent: float = 0.0
+    max_side_effects: int | None = None
+    side_effects: int = 0
+    finished_at: datetime | None = None
     operations: list[OperationState] = []
 
     def operation(self, step: str, kind: OperationKind = "action") -> OperationState:
@@ -129,3 +142,18 @@ class WorkerInfo(BaseModel):
     started_at: datetime
     heartbeat_at: datetime
     expires_at: datetime
+
+
+class Confirmation(BaseModel):
+    """A step waiting for (or given) a human's approval of its exact request."""
+
+    model_config = ConfigDict(frozen=True)
+
+    saga_id: str
+    step: str
+    request_hash: str
+    preview: dict[str, Any]
+    requested_at: datetime
+    expires_at: datetime
+    approved_by: str | None = None
+    approved_at: datetime | None = None

@@ -16,8 +16,9 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
 from saga.errors import LeaseLost
-from saga.protocol import Event, OpRow, SagaRow
+from saga.protocol import ConfirmationRow, Event, OpRow, SagaRow
 from saga.state import (
+    Confirmation,
     HistoryEvent,
     OperationState,
     OperationStatus,
@@ -79,11 +80,13 @@ class Store:
         *,
         lease_owner: str | None = None,
         lease_seconds: float = 0.0,
+        deadline_seconds: float | None = None,
     ) -> bool:
         """Insert a saga and its operations; False when (tenant, name, key) already exists.
 
         With `lease_owner`, the new saga is leased to it (fence 1) so it can run at once;
-        otherwise listening workers are notified. `saga` receives the stored defaults.
+        otherwise listening workers are notified. `saga` receives the stored defaults;
+        its ceilings are persisted, the deadline counted from now by the database clock.
         """
         row = conn.execute(
             _q("insert_saga"),
@@ -97,6 +100,10 @@ class Store:
                 "input_hash": saga.input_hash,
                 "lease_owner": lease_owner,
                 "lease_seconds": lease_seconds,
+                "max_operations": saga.max_operations,
+                "deadline_seconds": deadline_seconds,
+                "spend_budget": saga.spend_budget,
+                "max_side_effects": saga.max_side_effects,
             },
         ).fetchone()
         if row is None:
@@ -106,7 +113,11 @@ class Store:
             row["created_at"],
             row["updated_at"],
         )
-        saga.fence, saga.lease_owner = row["fence"], lease_owner
+        saga.fence, saga.lease_owner, saga.deadline_at = (
+            row["fence"],
+            lease_owner,
+            row["deadline_at"],
+        )
         self.insert_operations_txn(conn, saga.id, ops)
         if lease_owner is None:
             self.notify_runnable_txn(conn, saga.name, saga.version)
@@ -237,8 +248,10 @@ class Store:
         *,
         release: bool = False,
         lease_until: datetime | None = None,
+        confirmations: Sequence[ConfirmationRow] = (),
     ) -> None:
-        """Persist a planner's changes: new and changed operations, the saga row, events."""
+        """Persist a planner's changes: new and changed operations, the saga row, events,
+        and confirmations asked for."""
         new = [op for op in ops if op.new]
         if new:
             self.insert_operations_txn(conn, saga.id, new)
@@ -258,18 +271,80 @@ class Store:
                 "run_after": saga.run_after,
                 "release": release,
                 "lease_until": lease_until,
+                "operations_executed": saga.operations_executed,
+                "spent": saga.spent,
+                "side_effects": saga.side_effects,
             },
         )
+        for confirmation in confirmations:
+            if confirmation.new:
+                conn.execute(
+                    _q("upsert_confirmation"),
+                    {
+                        "saga_id": saga.id,
+                        "step": confirmation.step,
+                        "request_hash": confirmation.request_hash,
+                        "preview": Jsonb(confirmation.preview),
+                        "expires_at": confirmation.expires_at,
+                    },
+                )
+                confirmation.new = False
         self.append_events_txn(conn, saga.id, events)
 
     # ----- reading ---------------------------------------------------------------------
 
-    def load_txn(self, conn: Conn, saga_id: str) -> tuple[SagaRow, list[OpRow]] | None:
-        """The saga row and its operations."""
+    def load_txn(
+        self, conn: Conn, saga_id: str
+    ) -> tuple[SagaRow, list[OpRow], list[ConfirmationRow]] | None:
+        """The saga row, its operations and its confirmations."""
         row = conn.execute(_q("get_saga"), {"saga_id": saga_id}).fetchone()
         if row is None:
             return None
-        return _saga_row(row), self.operations_txn(conn, saga_id)
+        return (
+            _saga_row(row),
+            self.operations_txn(conn, saga_id),
+            self.confirmations_txn(conn, saga_id),
+        )
+
+    def confirmations_txn(self, conn: Conn, saga_id: str) -> list[ConfirmationRow]:
+        """The confirmation rows of a saga."""
+        rows = conn.execute(_q("get_confirmations"), {"saga_id": saga_id}).fetchall()
+        return [
+            ConfirmationRow(
+                step=r["step"],
+                request_hash=r["request_hash"],
+                preview=r["preview"],
+                expires_at=r["expires_at"],
+                approved_by=r["approved_by"],
+                approved_at=r["approved_at"],
+            )
+            for r in rows
+        ]
+
+    def confirmations(self, saga_id: str) -> list[Confirmation]:
+        """The confirmations of a saga, oldest first."""
+        with self.transaction() as conn:
+            rows = conn.execute(_q("get_confirmations"), {"saga_id": saga_id}).fetchall()
+        return [Confirmation.model_validate({**r, "saga_id": saga_id}) for r in rows]
+
+    def approve_confirmation_txn(
+        self, conn: Conn, saga_id: str, *, step: str, request_hash: str, actor: str
+    ) -> bool:
+        """Approve a pending, unexpired confirmation; False when there is none."""
+        row = conn.execute(
+            _q("approve_confirmation"),
+            {"saga_id": saga_id, "step": step, "request_hash": request_hash, "actor": actor},
+        ).fetchone()
+        return row is not None
+
+    def purge_finished(self, *, retention_seconds: float, batch_size: int) -> int:
+        """Delete one batch of sagas that ended before the retention cutoff; how many."""
+        with self.transaction() as conn:
+            cur = conn.execute(
+                _q("purge_finished_sagas"),
+                {"retention_seconds": retention_seconds, "batch_size": batch_size},
+            )
+            return cur.rowcount
 
     def operations_txn(self, conn: Conn, saga_id: str) -> list[OpRow]:
         """The operation rows of a saga."""
@@ -379,9 +454,14 @@ class Store:
             ).fetchall()
 
 
+def _number(value: Any) -> float | None:
+    # numeric columns arrive as Decimal; ceilings and costs are plain floats in Python.
+    return None if value is None else float(value)
+
+
 def _saga_row(row: dict[str, Any]) -> SagaRow:
     return SagaRow(
-        id=row["id"],
+        id=str(row["id"]),
         name=row["name"],
         version=row["version"],
         tenant_id=row["tenant_id"],
@@ -397,6 +477,13 @@ def _saga_row(row: dict[str, Any]) -> SagaRow:
         lease_expires_at=row["lease_expires_at"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],
+        max_operations=row["max_operations"],
+        operations_executed=row["operations_executed"],
+        deadline_at=row["deadline_at"],
+        spend_budget=_number(row["spend_budget"]),
+        spent=_number(row["spent"]) or 0.0,
+        max_side_effects=row["max_side_effects"],
+        side_effects=row["side_effects"],
     )
 
 
@@ -416,6 +503,12 @@ def _op_row(row: dict[str, Any]) -> OpRow:
         error=row["error"],
         started_at=row["started_at"],
         finished_at=row["finished_at"],
+        request=row["request"],
+        deadline_at=row["deadline_at"],
+        cost=_number(row["cost"]),
+        reconcile_started_at=row["reconcile_started_at"],
+        reconcile_asks=row["reconcile_asks"],
+        retrying_unknown=row["retrying_unknown"],
     )
 
 
@@ -433,12 +526,19 @@ def _op_params(saga_id: str, op: OpRow) -> dict[str, Any]:
         "error": op.error,
         "started_at": op.started_at,
         "finished_at": op.finished_at,
+        "request_hash": op.request_hash,
+        "request": None if op.request is None else Jsonb(op.request),
+        "deadline_at": op.deadline_at,
+        "cost": op.cost,
+        "reconcile_started_at": op.reconcile_started_at,
+        "reconcile_asks": op.reconcile_asks,
+        "retrying_unknown": op.retrying_unknown,
     }
 
 
 def _state(row: dict[str, Any], ops: Sequence[dict[str, Any]]) -> SagaState:
     return SagaState(
-        id=row["id"],
+        id=str(row["id"]),
         saga=row["name"],
         version=row["version"],
         tenant_id=row["tenant_id"],
@@ -452,5 +552,13 @@ def _state(row: dict[str, Any], ops: Sequence[dict[str, Any]]) -> SagaState:
         lease_owner=row["lease_owner"],
         lease_expires_at=row["lease_expires_at"],
         fence=row["fence"],
+        max_operations=row["max_operations"],
+        operations_executed=row["operations_executed"],
+        deadline_at=row["deadline_at"],
+        spend_budget=_number(row["spend_budget"]),
+        spent=_number(row["spent"]) or 0.0,
+        max_side_effects=row["max_side_effects"],
+        side_effects=row["side_effects"],
+        finished_at=row["finished_at"],
         operations=[OperationState.model_validate(op) for op in ops],
     )

@@ -2,14 +2,18 @@
 -- Create a saga instance, leased to %(lease_owner)s when given (start-and-run);
 -- nothing happens when (tenant, name, key) already exists.
 INSERT INTO saga.sagas (id, name, version, tenant_id, key, input, input_hash, status,
-                        lease_owner, lease_expires_at, fence)
+                        lease_owner, lease_expires_at, fence,
+                        max_operations, deadline_at, spend_budget, max_side_effects)
 VALUES (%(id)s, %(name)s, %(version)s, %(tenant_id)s, %(key)s, %(input)s, %(input_hash)s, 'pending',
         %(lease_owner)s::text,
         CASE WHEN %(lease_owner)s::text IS NULL THEN NULL
              ELSE now() + make_interval(secs => %(lease_seconds)s) END,
-        CASE WHEN %(lease_owner)s::text IS NULL THEN 0 ELSE 1 END)
+        CASE WHEN %(lease_owner)s::text IS NULL THEN 0 ELSE 1 END,
+        %(max_operations)s,
+        now() + make_interval(secs => %(deadline_seconds)s::float8),
+        %(spend_budget)s, %(max_side_effects)s)
 ON CONFLICT ON CONSTRAINT sagas_identity DO NOTHING
-RETURNING id::text, run_after, created_at, updated_at, fence
+RETURNING id::text, run_after, created_at, updated_at, fence, deadline_at
 
 -- find_saga_by_identity --
 -- The saga with this (tenant, name, key), with its version and input hash.
@@ -31,15 +35,13 @@ VALUES (%(saga_id)s, %(event)s, %(step)s, %(kind)s, %(attempt)s, %(detail)s)
 
 -- get_saga --
 -- One saga row.
-SELECT id::text, name, version, tenant_id, key, input, input_hash, status, error, direction,
-       lease_owner, lease_expires_at, fence, run_after, created_at, updated_at
+SELECT *
 FROM saga.sagas
 WHERE id = %(saga_id)s
 
 -- lock_saga --
 -- One saga row, locked for an operator's change; live_lease tells whether a worker holds it.
-SELECT id::text, name, version, tenant_id, key, input, input_hash, status, error, direction,
-       lease_owner, lease_expires_at, fence, run_after, created_at, updated_at,
+SELECT *,
        (lease_owner IS NOT NULL AND lease_expires_at > now()) AS live_lease
 FROM saga.sagas
 WHERE id = %(saga_id)s
@@ -47,16 +49,14 @@ FOR UPDATE
 
 -- get_operations --
 -- Every operation of a saga: actions in step order, then compensations.
-SELECT step, kind, position, idempotency_key, request_hash, status, attempts, max_attempts,
-       next_attempt_at, result, provider_reference, error, started_at, finished_at
+SELECT *
 FROM saga.operations
 WHERE saga_id = %(saga_id)s
 ORDER BY kind = 'compensation', CASE WHEN kind = 'action' THEN position ELSE -position END
 
 -- get_operations_many --
 -- Operations of several sagas, for list().
-SELECT saga_id::text, step, kind, position, idempotency_key, request_hash, status, attempts,
-       max_attempts, next_attempt_at, result, provider_reference, error, started_at, finished_at
+SELECT *
 FROM saga.operations
 WHERE saga_id = ANY(%(saga_ids)s::uuid[])
 ORDER BY saga_id, kind = 'compensation',
@@ -65,8 +65,7 @@ ORDER BY saga_id, kind = 'compensation',
 -- list_sagas --
 -- Sagas filtered by status, name, tenant and time since their last change (each
 -- optional), newest first. The age is taken by the database clock, not the caller's.
-SELECT id::text, name, version, tenant_id, key, input, input_hash, status, error, direction,
-       lease_owner, lease_expires_at, fence, run_after, created_at, updated_at
+SELECT *
 FROM saga.sagas
 WHERE (%(status)s::text IS NULL OR status = %(status)s)
   AND (%(name)s::text IS NULL OR name = %(name)s)
@@ -94,8 +93,7 @@ SET lease_owner = %(owner)s,
 WHERE id = %(saga_id)s
   AND status IN ('pending', 'running', 'compensating')
   AND (lease_owner IS NULL OR lease_expires_at <= now())
-RETURNING id::text, name, version, tenant_id, key, input, input_hash, status, error, direction,
-          lease_owner, lease_expires_at, fence, run_after, created_at, updated_at
+RETURNING *
 
 -- claim_next_saga --
 -- Take the lease of the runnable saga that has waited longest, among the given
@@ -117,9 +115,7 @@ FROM (
     FOR UPDATE SKIP LOCKED
 ) AS c
 WHERE s.id = c.id
-RETURNING s.id::text, s.name, s.version, s.tenant_id, s.key, s.input, s.input_hash, s.status,
-          s.error, s.direction, s.lease_owner, s.lease_expires_at, s.fence, s.run_after,
-          s.created_at, s.updated_at
+RETURNING s.*
 
 -- notify_runnable --
 -- Wake listening workers (delivered at commit); the payload is the saga's name:version.
@@ -148,11 +144,17 @@ WHERE id = %(saga_id)s AND fence = %(fence)s AND lease_owner = %(owner)s
 RETURNING fence
 
 -- update_saga --
--- Persist a saga's status, direction, error and next run time; optionally end the lease.
+-- Persist a saga's status, direction, error, counters and next run time; optionally end
+-- the lease. finished_at marks when it became completed or compensated.
 UPDATE saga.sagas
 SET status = %(status)s,
     direction = %(direction)s,
     error = %(error)s,
+    operations_executed = %(operations_executed)s,
+    spent = %(spent)s,
+    side_effects = %(side_effects)s,
+    finished_at = CASE WHEN %(status)s IN ('completed', 'compensated')
+                       THEN COALESCE(finished_at, now()) END,
     run_after = COALESCE(%(run_after)s, run_after),
     lease_owner = CASE WHEN %(release)s THEN NULL ELSE lease_owner END,
     lease_expires_at = CASE
@@ -175,6 +177,13 @@ SET status = %(status)s,
     error = %(error)s,
     started_at = %(started_at)s,
     finished_at = %(finished_at)s,
+    request_hash = %(request_hash)s,
+    request = %(request)s,
+    deadline_at = %(deadline_at)s,
+    cost = %(cost)s,
+    reconcile_started_at = %(reconcile_started_at)s,
+    reconcile_asks = %(reconcile_asks)s,
+    retrying_unknown = %(retrying_unknown)s,
     updated_at = now()
 WHERE saga_id = %(saga_id)s AND kind = %(kind)s AND step = %(step)s
 
@@ -233,3 +242,45 @@ SELECT owner, kinds, concurrency, started_at, heartbeat_at, expires_at
 FROM saga.workers
 WHERE expires_at >= now()
 ORDER BY started_at DESC
+
+-- get_confirmations --
+-- The confirmations of a saga, pending and approved.
+SELECT step, request_hash, preview, requested_at, expires_at, approved_by, approved_at
+FROM saga.confirmations
+WHERE saga_id = %(saga_id)s
+ORDER BY requested_at
+
+-- upsert_confirmation --
+-- Ask (again) for a confirmation of one exact request; a new ask renews its preview and
+-- expiry and withdraws any earlier approval of that request.
+INSERT INTO saga.confirmations (saga_id, step, request_hash, preview, expires_at)
+VALUES (%(saga_id)s, %(step)s, %(request_hash)s, %(preview)s, %(expires_at)s)
+ON CONFLICT (saga_id, step, request_hash) DO UPDATE
+SET preview = EXCLUDED.preview,
+    requested_at = now(),
+    expires_at = EXCLUDED.expires_at,
+    approved_by = NULL,
+    approved_at = NULL
+
+-- approve_confirmation --
+-- Record an approval of a pending, unexpired confirmation; no row when there is none.
+UPDATE saga.confirmations
+SET approved_by = %(actor)s, approved_at = now()
+WHERE saga_id = %(saga_id)s AND step = %(step)s AND request_hash = %(request_hash)s
+  AND approved_at IS NULL AND expires_at > now()
+RETURNING step
+
+-- purge_finished_sagas --
+-- Delete a batch of completed or compensated sagas that ended before the cutoff, with
+-- their operations, events and confirmations; sagas still running or parked are never
+-- touched. SKIP LOCKED lets a purge run beside workers.
+DELETE FROM saga.sagas
+WHERE id IN (
+    SELECT id
+    FROM saga.sagas
+    WHERE status IN ('completed', 'compensated')
+      AND finished_at < now() - make_interval(secs => %(retention_seconds)s::float8)
+    ORDER BY finished_at
+    LIMIT %(batch_size)s
+    FOR UPDATE SKIP LOCKED
+)

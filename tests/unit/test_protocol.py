@@ -599,7 +599,7 @@ def test_reconcile_inconclusive_parks_with_the_reason() -> None:
     assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
     events = planner.take_events()
     assert [e.event for e in events] == ["reconcile_inconclusive", "saga_parked"]
-    assert events[0].detail == {"reason": "provider timed out"}
+    assert events[0].detail == {"reason": "provider timed out", "settled": False, "ask": 1}
 
 
 def test_record_unknown_with_park_parks() -> None:

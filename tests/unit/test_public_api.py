@@ -113,6 +113,7 @@ def test_statuses_are_lowercase_str_enums() -> None:
         "completed",
         "compensated",
         "needs_review",
+        "awaiting_confirmation",
     ]
     assert [s.value for s in saga.OperationStatus] == [
         "pending",
