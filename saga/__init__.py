@@ -1,7 +1,8 @@
 """saga-orchestrator: declared sagas on PostgreSQL that survive crashes and compensate."""
 
+from saga.approvals import ApprovalRejected
 from saga.context import StepContext
-from saga.definition import Compensation, Saga, Step
+from saga.definition import Ceilings, Compensation, Saga, Step
 from saga.errors import (
     DatabaseUnavailable,
     IdempotencyConflict,
@@ -18,6 +19,7 @@ from saga.orchestrator import Orchestrator
 from saga.outcomes import Absent, Found, Inconclusive
 from saga.retry import RetryPolicy
 from saga.state import (
+    Confirmation,
     HistoryEvent,
     OperationState,
     OperationStatus,
@@ -30,7 +32,10 @@ from saga.worker import Worker
 
 __all__ = [
     "Absent",
+    "ApprovalRejected",
+    "Ceilings",
     "Compensation",
+    "Confirmation",
     "DatabaseUnavailable",
     "Found",
     "HistoryEvent",

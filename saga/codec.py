@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError
 
+from saga.errors import SagaDefinitionError
 from saga.keys import check_json
 
 # Return annotations that mean "plain JSON, store and replay as is".
@@ -22,7 +23,7 @@ class ResultCodec:
     def __init__(self, fn: Callable[..., Any], *, where: str) -> None:
         self.where = where
         self._adapter: TypeAdapter[Any] | None = None
-        annotation = _return_annotation(fn)
+        annotation = _return_annotation(fn, where)
         self._annotation_name = getattr(annotation, "__name__", repr(annotation))
         if annotation not in _PLAIN:
             self._adapter = TypeAdapter(annotation)
@@ -60,9 +61,13 @@ def _first_line(exc: Exception) -> str:
     return " ".join(lines[:3])
 
 
-def _return_annotation(fn: Callable[..., Any]) -> Any:
+def _return_annotation(fn: Callable[..., Any], where: str) -> Any:
     try:
         hints = typing.get_type_hints(fn)
-    except Exception:  # unresolvable forward references: treat the result as plain JSON
-        return None
+    except Exception as exc:
+        # Guessing "plain JSON" would hand step code a dict where it expects a model.
+        raise SagaDefinitionError(
+            f"the return annotation of {where} cannot be resolved ({exc}); define the types "
+            "it names at module level"
+        ) from None
     return hints.get("return")

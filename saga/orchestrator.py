@@ -18,7 +18,7 @@ import structlog
 from psycopg_pool import ConnectionPool
 from pydantic import BaseModel
 
-from saga import faults
+from saga import approvals, faults
 from saga.database import check_connection, resolve_database_url, unavailable
 from saga.definition import Saga
 from saga.errors import (
@@ -28,16 +28,26 @@ from saga.errors import (
     SagaNotFound,
     StepStateError,
 )
+from saga.keys import check_saga_input
 from saga.migrate import apply_migrations
 from saga.protocol import Event, Next, Planner, SagaRow, new_action_rows
 from saga.runner import Runner, RunnerOptions, log_events
-from saga.state import HistoryEvent, SagaHandle, SagaState, SagaStatus, WorkerInfo
+from saga.state import (
+    Confirmation,
+    HistoryEvent,
+    SagaHandle,
+    SagaState,
+    SagaStatus,
+    WorkerInfo,
+)
 from saga.store import Conn, Store, parse_id
 
 if TYPE_CHECKING:
     from saga.worker import Worker
 
 _log: structlog.typing.FilteringBoundLogger = structlog.get_logger("saga")
+
+ENV_CONFIRMATION_KEY = "SAGA_CONFIRMATION_KEY"
 
 
 class Orchestrator:
@@ -54,6 +64,10 @@ class Orchestrator:
         auto_migrate: Apply pending migrations on first use.
         owner: Name of this lease owner in the database (defaults to host:pid:random).
         pool_size: Most database connections this orchestrator holds at once.
+        confirmation_key: Key that signs and verifies approval tokens (`confirm`);
+            else `SAGA_CONFIRMATION_KEY`.
+        retention_days: Ended sagas are kept at least this long; `purge` deletes
+            only those older (default 30).
     """
 
     def __init__(
@@ -66,6 +80,8 @@ class Orchestrator:
         auto_migrate: bool = True,
         owner: str | None = None,
         pool_size: int = 10,
+        confirmation_key: str | bytes | None = None,
+        retention_days: float = 30.0,
     ) -> None:
         if not lease_seconds > 0:
             raise ValueError(f"lease_seconds must be positive, got {lease_seconds!r}")
@@ -85,6 +101,11 @@ class Orchestrator:
         self.auto_migrate = auto_migrate
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._pool_size = pool_size
+        if not retention_days >= 0:
+            raise ValueError(f"retention_days must not be negative, got {retention_days!r}")
+        self.retention_days = float(retention_days)
+        key = confirmation_key or os.environ.get(ENV_CONFIRMATION_KEY)
+        self._confirmation_key = key.encode("utf-8") if isinstance(key, str) else key
         self._registry: dict[tuple[str, int], Saga[Any]] = {}
         self._lock = threading.Lock()
         self._pool: ConnectionPool[Any] | None = None
@@ -218,6 +239,9 @@ class Orchestrator:
             self.register(saga)
         model = saga.validate_input(data)
         tenant, key = saga.identity(model)
+        check_saga_input(
+            saga.name, model.model_dump(), model.model_dump(mode="json"), identity=(tenant, key)
+        )
         business = saga.business_fields(model)
         row = SagaRow(
             id=str(uuid.uuid4()),
@@ -304,9 +328,114 @@ class Orchestrator:
         """
         state = self.get(saga_id)
         definition = self.definition(state.saga, state.version)
+        if state.status == SagaStatus.AWAITING_CONFIRMATION:
+            # A confirmation that expired unanswered is asked again, with a fresh preview.
+            reopened: builtins.list[bool] = []
+            self._operator_change(
+                definition, state.id, lambda p: reopened.append(p.reopen_expired_confirmation())
+            )
+            if reopened and reopened[0]:
+                state = self.get(state.id)
         if state.status.is_runnable:
             return self._runner().claim_and_drive(definition, state.id) or self.get(state.id)
         return state
+
+    # ----- confirmations -----------------------------------------------------------------
+
+    def confirmations(self, saga_id: str) -> builtins.list[Confirmation]:
+        """Every confirmation a saga asked for, pending and approved, oldest first."""
+        self.get(saga_id)
+        return self.store.confirmations(saga_id)
+
+    def preview(self, saga_id: str) -> Confirmation | None:
+        """The confirmation a saga waits for (target, payload, amount, request hash and
+        policy checks in `preview`), or None when it waits for none."""
+        state = self.get(saga_id)
+        if state.status != SagaStatus.AWAITING_CONFIRMATION:
+            return None
+        pending = [c for c in self.store.confirmations(saga_id) if c.approved_at is None]
+        return max(pending, key=lambda c: c.requested_at) if pending else None
+
+    def approval(
+        self,
+        saga_id: str,
+        step: str,
+        request_hash: str,
+        *,
+        actor: str,
+        ttl_seconds: float = 600.0,
+    ) -> str:
+        """Sign an approval token for exactly this saga, step and request hash.
+
+        Whoever holds the confirmation key can approve: give it to the approvers'
+        tooling, not to the processes that run step code.
+        """
+        return approvals.sign(
+            self._require_key(),
+            saga_id=saga_id,
+            step=step,
+            request_hash=request_hash,
+            actor=actor,
+            ttl_seconds=ttl_seconds,
+        )
+
+    def confirm(self, saga_id: str, step: str, request_hash: str, approval: str) -> SagaState:
+        """Resume a saga waiting in `awaiting_confirmation` with a signed approval.
+
+        The approval must be signed with this orchestrator's key and bound to this
+        saga, step and the exact pending request hash, and neither the token nor the
+        confirmation may have expired. On resume the step's request is prepared again;
+        if it changed, a new confirmation is asked for. The saga is not driven here:
+        call `run` or leave it to a worker.
+        """
+        granted = approvals.verify(
+            self._require_key(), approval, saga_id=saga_id, step=step, request_hash=request_hash
+        )
+        state = self.get(saga_id)
+        definition = self.definition(state.saga, state.version)
+        self._operator_change(
+            definition,
+            state.id,
+            lambda p: p.approve_confirmation(step, request_hash, actor=granted.actor),
+            actor=granted.actor,
+        )
+        return self.get(state.id)
+
+    def _require_key(self) -> bytes:
+        if not self._confirmation_key:
+            raise StepStateError(
+                "no confirmation key: pass Orchestrator(confirmation_key=...) or set "
+                f"{ENV_CONFIRMATION_KEY}"
+            )
+        return self._confirmation_key
+
+    # ----- retention ---------------------------------------------------------------------
+
+    def purge(self, *, older_than_days: float | None = None, batch_size: int = 1000) -> int:
+        """Delete completed and compensated sagas that ended longer ago than the retention
+        (or `older_than_days`, which may only be longer), in batches; returns how many.
+
+        Sagas that are pending, running, compensating, parked or awaiting confirmation
+        are never deleted, and neither are their operations.
+        """
+        days = self.retention_days if older_than_days is None else older_than_days
+        if days < self.retention_days:
+            raise ValueError(
+                f"older_than_days ({days}) is shorter than the retention of "
+                f"{self.retention_days} days"
+            )
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        total = 0
+        while True:
+            deleted = self.store.purge_finished(
+                retention_seconds=days * 86400.0, batch_size=batch_size
+            )
+            total += deleted
+            if deleted < batch_size:
+                break
+        _log.info("sagas_purged", count=total, older_than_days=days)
+        return total
 
     def compensate(
         self,

@@ -90,6 +90,7 @@ class ConfirmationRow:
     approved_by: str | None = None
     approved_at: datetime | None = None
     new: bool = False
+    dirty: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -602,7 +603,8 @@ class Planner:
             and self.now + timedelta(seconds=delay) >= op.deadline_at
         ):
             retryable = False
-            error = f"{error} (no retry: the deadline of {_describe(op)} would pass first)"
+            error = f"{error} (not retried: the deadline of {_describe(op)} would pass first)"
+            op.error = error
         if retryable and op.attempts < op.max_attempts:
             self._touch(op, status=OperationStatus.PENDING)
             op.next_attempt_at = self.now + timedelta(seconds=delay)
@@ -796,6 +798,62 @@ class Planner:
             self.saga.error = None
             self.saga.run_after = self.now
         return op
+
+    def approve_confirmation(self, step: str, request_hash: str, *, actor: str) -> None:
+        """A verified approval of the pending request of `step`: the saga may go on."""
+        self._tick()
+        if self.saga.status != SagaStatus.AWAITING_CONFIRMATION:
+            raise StepStateError(
+                f"saga {self.saga.id} is {self.saga.status}, not awaiting_confirmation"
+            )
+        pending = [c for c in self.confirmations if c.step == step and c.approved_at is None]
+        match = next((c for c in pending if c.request_hash == request_hash), None)
+        if match is None:
+            hashes = ", ".join(c.request_hash for c in pending) or "none"
+            raise StepStateError(
+                f"request hash {request_hash} does not match the pending request of step "
+                f"{step!r} (pending: {hashes}); approve the request previewed now"
+            )
+        if match.expires_at <= self.now:
+            raise StepStateError(
+                f"the confirmation of step {step!r} expired at {match.expires_at}; run the saga "
+                "again to prepare a new preview"
+            )
+        match.approved_by, match.approved_at, match.dirty = actor, self.now, True
+        self._resume()
+        self.events.append(
+            Event(
+                "confirmation_approved",
+                step=step,
+                kind="action",
+                detail={"actor": actor, "request_hash": request_hash},
+            )
+        )
+
+    def reopen_expired_confirmation(self) -> bool:
+        """Make a saga whose pending confirmation expired runnable, to preview again."""
+        self._tick()
+        pending = self.pending_confirmation()
+        if self.saga.status != SagaStatus.AWAITING_CONFIRMATION or pending is None:
+            return False
+        if pending.expires_at > self.now:
+            return False
+        self._resume()
+        self.events.append(
+            Event(
+                "confirmation_expired",
+                step=pending.step,
+                kind="action",
+                detail={"request_hash": pending.request_hash},
+            )
+        )
+        return True
+
+    def _resume(self) -> None:
+        back = self.saga.direction == "backward"
+        self._set_status(SagaStatus.COMPENSATING if back else SagaStatus.RUNNING)
+        self.saga.error = None
+        self.saga.run_after = self.now
 
     def _resolution_target(self, step: str, kind: Kind | None) -> OpRow:
         if self.definition.step_named(step) is None:

@@ -15,7 +15,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
-from saga.errors import LeaseLost
+from saga.errors import LeaseLost, StepStateError
 from saga.protocol import ConfirmationRow, Event, OpRow, SagaRow
 from saga.state import (
     Confirmation,
@@ -289,6 +289,19 @@ class Store:
                     },
                 )
                 confirmation.new = False
+            elif confirmation.dirty:
+                approved = self.approve_confirmation_txn(
+                    conn,
+                    saga.id,
+                    step=confirmation.step,
+                    request_hash=confirmation.request_hash,
+                    actor=confirmation.approved_by or "",
+                )
+                if not approved:  # expired meanwhile, by the database clock
+                    raise StepStateError(
+                        f"the confirmation of step {confirmation.step!r} is no longer pending"
+                    )
+                confirmation.dirty = False
         self.append_events_txn(conn, saga.id, events)
 
     # ----- reading ---------------------------------------------------------------------

@@ -9,7 +9,10 @@ import saga
 # The exact public API. Adding or removing a name is a deliberate change: update this list.
 EXPECTED_ALL = [
     "Absent",
+    "ApprovalRejected",
+    "Ceilings",
     "Compensation",
+    "Confirmation",
     "DatabaseUnavailable",
     "Found",
     "HistoryEvent",
