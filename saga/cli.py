@@ -28,7 +28,7 @@ from saga.errors import (
     StepStateError,
 )
 from saga.migrate import apply_migrations
-from saga.orchestrator import Orchestrator
+from saga.orchestrator import ENV_CONFIRMATION_KEY, Orchestrator
 from saga.state import SagaState, SagaStatus
 
 EXIT_OK = 0
@@ -82,6 +82,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a number of at least 1, got {value}")
+    return value
+
+
+def _amount(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text!r}")
     return value
 
 
@@ -236,6 +246,49 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="raise that operation's ceiling by N (attempts made still count)",
     )
+    ceilings = retry.add_argument_group(
+        "saga ceilings", "raise the saga's own ceilings instead (never lowered; counters stay)"
+    )
+    ceilings.add_argument("--max-operations", type=_positive, metavar="N")
+    ceilings.add_argument("--spend-budget", type=_amount, metavar="AMOUNT")
+    ceilings.add_argument("--max-side-effects", type=_non_negative, metavar="N")
+    ceilings.add_argument("--extend-deadline", type=_duration, metavar="AGE")
+
+    preview = add("preview", "show what a saga awaiting confirmation would do, and its hash")
+    preview.add_argument("saga_id", metavar="ID")
+    preview.add_argument("--json", action="store_true", help="the preview as one JSON object")
+
+    confirm = add(
+        "confirm",
+        "approve the exact pending request of a step awaiting confirmation, signing the "
+        f"approval with the key in {ENV_CONFIRMATION_KEY}",
+        app,
+        acting,
+        drive,
+    )
+    confirm.add_argument("saga_id", metavar="ID")
+    confirm.add_argument("step", metavar="STEP")
+    confirm.add_argument("request_hash", metavar="REQUEST_HASH", help="as `saga preview` shows")
+
+    purge = add(
+        "purge",
+        "delete completed and compensated sagas older than the retention, in batches; "
+        "sagas still running or parked are never touched",
+    )
+    purge.add_argument(
+        "--retention-days",
+        type=float,
+        default=30.0,
+        metavar="DAYS",
+        help="keep ended sagas at least this long (30)",
+    )
+    purge.add_argument(
+        "--older-than",
+        type=_duration,
+        metavar="AGE",
+        help="delete only sagas ended longer ago than AGE (at least the retention)",
+    )
+    purge.add_argument("--batch-size", type=_positive, default=1000, help="rows per batch (1000)")
 
     cancel = add("cancel", "stop a saga's forward progress and compensate it", app, acting, drive)
     cancel.add_argument("saga_id", metavar="ID")
@@ -519,6 +572,20 @@ def _resolve(args: argparse.Namespace) -> int:
 def _retry(args: argparse.Namespace) -> int:
     orch = _operator(args)
     actor = _actor(args)
+    raising = {
+        "max_operations": args.max_operations,
+        "spend_budget": args.spend_budget,
+        "max_side_effects": args.max_side_effects,
+        "extend_deadline_seconds": args.extend_deadline,
+    }
+    if any(v is not None for v in raising.values()):
+        if args.extra_attempts:
+            raise UsageError("--extra-attempts and the saga ceiling options go in two runs")
+        with orch:
+            state = orch.raise_ceilings(args.saga_id, actor=actor, force=args.force, **raising)
+            given = ", ".join(f"{k}={v:g}" for k, v in raising.items() if v is not None)
+            print(f"raised ceilings of saga {state.id}, by {actor}: {given}")
+            return _after_request(orch, state, args.run)
     with orch:
         state = orch.retry(
             args.saga_id, extra_attempts=args.extra_attempts, actor=actor, force=args.force
@@ -550,6 +617,49 @@ def _cancel(args: argparse.Namespace) -> int:
         else:
             print(f"cancelled saga {state.id}, by {actor}: {args.reason}")
         return _after_request(orch, state, args.run)
+
+
+def _preview(args: argparse.Namespace) -> int:
+    with _reader(args.database_url) as orch:
+        state = orch.get(args.saga_id)
+        pending = orch.preview(state.id)
+    if pending is None:
+        print(f"saga {state.id} is {state.status}: it waits for no confirmation")
+        return EXIT_PARTIAL
+    if args.json:
+        print(pending.model_dump_json())
+        return EXIT_OK
+    view = pending.preview
+    print(f"saga {state.id} ({state.saga} v{state.version}, key {state.key})")
+    print(f"  waits for confirmation of {view.get('target')} until {pending.expires_at}")
+    print(f"  request hash: {pending.request_hash}")
+    print(f"  amount:       {view.get('amount')}")
+    print(f"  payload:      {json.dumps(view.get('payload'), sort_keys=True)}")
+    for check in view.get("policy_checks", []):
+        print(f"  check:        {json.dumps(check, sort_keys=True)}")
+    print(f"approve with: saga confirm {state.id} {pending.step} {pending.request_hash}")
+    return EXIT_OK
+
+
+def _confirm(args: argparse.Namespace) -> int:
+    orch = _operator(args)
+    actor = _actor(args)
+    with orch:
+        token = orch.approval(args.saga_id, args.step, args.request_hash, actor=actor)
+        state = orch.confirm(args.saga_id, args.step, args.request_hash, token)
+        print(f"confirmed {args.step!r} of saga {state.id}, request {args.request_hash}")
+        print(f"approved by {actor}")
+        return _after_request(orch, state, args.run)
+
+
+def _purge(args: argparse.Namespace) -> int:
+    with Orchestrator(
+        args.database_url or None, auto_migrate=False, retention_days=args.retention_days
+    ) as orch:
+        days = None if args.older_than is None else args.older_than / 86400.0
+        deleted = orch.purge(older_than_days=days, batch_size=args.batch_size)
+    print(f"purged {deleted} ended saga(s)")
+    return EXIT_OK
 
 
 def _after_request(orch: Orchestrator, state: SagaState, run: bool) -> int:
@@ -594,6 +704,9 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "retry": _retry,
     "cancel": _cancel,
     "reconcile": _reconcile,
+    "preview": _preview,
+    "confirm": _confirm,
+    "purge": _purge,
 }
 
 

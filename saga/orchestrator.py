@@ -340,6 +340,37 @@ class Orchestrator:
             return self._runner().claim_and_drive(definition, state.id) or self.get(state.id)
         return state
 
+    def raise_ceilings(
+        self,
+        saga_id: str,
+        *,
+        actor: str,
+        max_operations: int | None = None,
+        spend_budget: float | None = None,
+        max_side_effects: int | None = None,
+        extend_deadline_seconds: float | None = None,
+        force: bool = False,
+    ) -> SagaState:
+        """Raise a saga's persisted ceilings (lowering is refused) and, if it was parked,
+        make it runnable again; recorded as `ceilings_raised` with the before and after.
+        The saga is not driven here: call `run` or leave it to a worker."""
+        state = self.get(saga_id)
+        definition = self.definition(state.saga, state.version)
+        self._operator_change(
+            definition,
+            state.id,
+            lambda p: p.raise_ceilings(
+                actor=actor,
+                max_operations=max_operations,
+                spend_budget=spend_budget,
+                max_side_effects=max_side_effects,
+                extend_deadline_seconds=extend_deadline_seconds,
+            ),
+            force=force,
+            actor=actor,
+        )
+        return self.get(state.id)
+
     # ----- confirmations -----------------------------------------------------------------
 
     def confirmations(self, saga_id: str) -> builtins.list[Confirmation]:

@@ -870,6 +870,56 @@ class Planner:
         assert action is not None  # every declared step has its action row
         return action
 
+    def raise_ceilings(
+        self,
+        *,
+        actor: str | None,
+        max_operations: int | None = None,
+        spend_budget: float | None = None,
+        max_side_effects: int | None = None,
+        extend_deadline_seconds: float | None = None,
+    ) -> None:
+        """An operator raises saga ceilings (never lowers them); a saga parked in
+        needs_review becomes runnable again, its counters untouched."""
+        self._tick()
+        saga = self.saga
+        before = {
+            "max_operations": saga.max_operations,
+            "spend_budget": saga.spend_budget,
+            "max_side_effects": saga.max_side_effects,
+            "deadline_at": str(saga.deadline_at) if saga.deadline_at else None,
+        }
+        for name, new, old in (
+            ("max_operations", max_operations, saga.max_operations),
+            ("spend_budget", spend_budget, saga.spend_budget),
+            ("max_side_effects", max_side_effects, saga.max_side_effects),
+        ):
+            if new is not None and old is not None and new < old:
+                raise StepStateError(f"{name} can only be raised: it is {old:g}, not {new:g}")
+        if extend_deadline_seconds is not None and extend_deadline_seconds <= 0:
+            raise ValueError("extend_deadline_seconds must be positive")
+        if max_operations is not None:
+            saga.max_operations = max_operations
+        if spend_budget is not None:
+            saga.spend_budget = spend_budget
+        if max_side_effects is not None:
+            saga.max_side_effects = max_side_effects
+        if extend_deadline_seconds is not None and saga.deadline_at is not None:
+            saga.deadline_at = max(saga.deadline_at, self.now) + timedelta(
+                seconds=extend_deadline_seconds
+            )
+        after = {
+            "max_operations": saga.max_operations,
+            "spend_budget": saga.spend_budget,
+            "max_side_effects": saga.max_side_effects,
+            "deadline_at": str(saga.deadline_at) if saga.deadline_at else None,
+        }
+        self.events.append(
+            Event("ceilings_raised", detail={"actor": actor, "before": before, "after": after})
+        )
+        if saga.status == SagaStatus.NEEDS_REVIEW:
+            self._resume()
+
     def request_retry(self, *, extra_attempts: int, actor: str | None) -> OpRow:
         """Resume a parked saga at the operation that blocks it, its ceiling raised by
         `extra_attempts`; attempts already made still count."""

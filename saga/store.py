@@ -274,6 +274,10 @@ class Store:
                 "operations_executed": saga.operations_executed,
                 "spent": saga.spent,
                 "side_effects": saga.side_effects,
+                "max_operations": saga.max_operations,
+                "spend_budget": saga.spend_budget,
+                "max_side_effects": saga.max_side_effects,
+                "deadline_at": saga.deadline_at,
             },
         )
         for confirmation in confirmations:

@@ -20,7 +20,16 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from saga import Absent, Found, Orchestrator, PermanentError, RetryPolicy, Saga, StepContext
+from saga import (
+    Absent,
+    Ceilings,
+    Found,
+    Orchestrator,
+    PermanentError,
+    RetryPolicy,
+    Saga,
+    StepContext,
+)
 
 ENV_DIR = "CLI_APP_DIR"
 ENV_BLOCK = "CLI_APP_BLOCK"
@@ -155,5 +164,28 @@ def post_letter(ctx: StepContext, job: Job) -> dict[str, Any]:
     return {"posted": True}
 
 
-SAGAS = (shop, parcel, fragile)
+# A refund an operator must approve when it is large; capped in operations.
+refund_saga = Saga(
+    "refund",
+    version=1,
+    input=Job,
+    key=lambda j: j.order_id,
+    tenant=lambda j: j.tenant_id,
+    ceilings=Ceilings(max_operations=1),
+)
+
+
+@refund_saga.step(confirm=lambda job: job.plan == "large")
+def pay_back(ctx: StepContext, job: Job) -> dict[str, Any]:
+    log_call("pay_back", job)
+    return {"refunded": True}
+
+
+@refund_saga.step
+def receipt(ctx: StepContext, job: Job) -> dict[str, Any]:
+    log_call("receipt", job)
+    return {"sent": True}
+
+
+SAGAS = (shop, parcel, fragile, refund_saga)
 orch = Orchestrator(sagas=SAGAS, lease_seconds=LEASE_SECONDS)

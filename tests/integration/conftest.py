@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import cli_app
 import crash_app
 import pytest
 from support import ChildApp, OrchestratorFactory
@@ -46,3 +48,10 @@ def children() -> Iterator[list[ChildApp]]:
     yield started
     for child in started:
         child.kill()
+
+
+@pytest.fixture
+def app_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The directory the CLI app's steps log their calls to, here and in the command."""
+    monkeypatch.setenv(cli_app.ENV_DIR, str(tmp_path))
+    return tmp_path

@@ -24,13 +24,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
 
-@pytest.fixture
-def app_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The directory the app's steps log their calls to, here and in the command."""
-    monkeypatch.setenv(cli_app.ENV_DIR, str(tmp_path))
-    return tmp_path
-
-
 def _env(app_dir: Path | None, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SAGA_", "CLI_APP_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT)])

@@ -50,7 +50,9 @@ def test_max_operations_parks_and_counts_retries(make_orch: OrchestratorFactory)
     @saga.step(retry=RetryPolicy(max_attempts=5, initial_delay=0.01, max_delay=0.01))
     def flaky(ctx: StepContext, order: Order) -> dict[str, Any]:
         calls.append(ctx.attempt)
-        raise TransientError("not yet")
+        if ctx.attempt < 3:
+            raise TransientError("not yet")
+        return {"ok": True}
 
     orch = make_orch(saga)
     state = orch.execute(saga, Order(order_id="o-1"))
@@ -75,6 +77,18 @@ def test_max_operations_parks_and_counts_retries(make_orch: OrchestratorFactory)
     # A fresh orchestrator does not get a fresh allowance.
     again = make_orch(saga).run(state.id)
     assert again.status == "needs_review" and calls == [1, 2]
+
+    # An operator raises the ceiling explicitly (lowering is refused); counters carry on.
+    with pytest.raises(StepStateError, match="only be raised"):
+        orch.raise_ceilings(state.id, actor="ops", max_operations=1)
+    raised = orch.raise_ceilings(state.id, actor="ops", max_operations=5)
+    assert raised.status == "running" and raised.max_operations == 5
+    done = orch.run(state.id)
+    assert done.status == "completed"
+    assert calls == [1, 2, 3] and done.operations_executed == 3
+    raised_event = [e for e in orch.history(state.id) if e.event == "ceilings_raised"][-1]
+    assert raised_event.detail["before"]["max_operations"] == 2
+    assert raised_event.detail["after"]["max_operations"] == 5
 
 
 def test_deadline_of_the_saga_stops_further_steps(make_orch: OrchestratorFactory) -> None:

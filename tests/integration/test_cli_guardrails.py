@@ -1,0 +1,97 @@
+"""The `saga` command's guardrail verbs: preview, confirm, raising ceilings, purge."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import cli_app
+import psycopg
+from cli_app import Job
+from support import OrchestratorFactory
+from test_cli import saga_cmd
+
+KEY = "cli-test-key"
+
+
+def test_preview_then_confirm_runs_the_approved_request(
+    make_orch: OrchestratorFactory, database_url: str, app_dir: Path
+) -> None:
+    """preview shows the pending request and its hash; confirm signs an approval with the
+    configured key and, with --run, the saga goes on; the ceiling then parks it and
+    retry --max-operations raises it."""
+    orch = make_orch(*cli_app.SAGAS)
+    saga_id = orch.execute(cli_app.refund_saga, Job(order_id="r-1", plan="large")).id
+    assert orch.get(saga_id).status == "awaiting_confirmation"
+
+    shown = saga_cmd("preview", "--database-url", database_url, saga_id, "--json")
+    assert shown.returncode == 0, shown.stderr
+    pending = json.loads(shown.stdout)
+    assert pending["step"] == "pay_back"
+    assert pending["preview"]["payload"]["order_id"] == "r-1"
+    request_hash = pending["request_hash"]
+
+    common = ("--database-url", database_url, "--app", "cli_app", "--actor", "ops@example")
+    no_key = saga_cmd("confirm", *common, saga_id, "pay_back", request_hash, app_dir=app_dir)
+    assert no_key.returncode == 1
+    assert "confirmation key" in no_key.stderr and "Traceback" not in no_key.stderr
+    assert cli_app.calls() == []
+
+    wrong = saga_cmd(
+        "confirm",
+        *common,
+        saga_id,
+        "pay_back",
+        "f" * 64,
+        app_dir=app_dir,
+        SAGA_CONFIRMATION_KEY=KEY,
+    )
+    assert wrong.returncode == 1 and "does not match" in wrong.stderr
+
+    confirmed = saga_cmd(
+        "confirm",
+        *common,
+        "--run",
+        saga_id,
+        "pay_back",
+        request_hash,
+        app_dir=app_dir,
+        SAGA_CONFIRMATION_KEY=KEY,
+    )
+    # pay_back runs; receipt would be the second operation: the ceiling of 1 parks it.
+    assert confirmed.returncode == 1, confirmed.stderr
+    assert "max_operations" in confirmed.stdout
+    assert [c[0] for c in cli_app.calls()] == ["pay_back"]
+
+    raised = saga_cmd("retry", *common, "--run", "--max-operations", "2", saga_id, app_dir=app_dir)
+    assert raised.returncode == 0, raised.stderr
+    assert "max_operations=2" in raised.stdout
+    assert orch.get(saga_id).status == "completed"
+    assert [c[0] for c in cli_app.calls()] == ["pay_back", "receipt"]
+
+
+def test_purge_keeps_what_the_retention_protects(
+    make_orch: OrchestratorFactory, database_url: str, app_dir: Path
+) -> None:
+    """purge deletes ended sagas older than the retention and nothing else."""
+    orch = make_orch(*cli_app.SAGAS)
+    old = orch.execute(cli_app.shop, Job(order_id="old")).id
+    assert orch.get(old).status == "completed"
+    parked = orch.execute(cli_app.refund_saga, Job(order_id="parked")).id
+    assert orch.get(parked).status == "needs_review"
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE saga.sagas SET finished_at = now() - interval '40 days',"
+            " updated_at = now() - interval '40 days' WHERE id = %s",
+            (old,),
+        )
+        conn.execute(
+            "UPDATE saga.sagas SET updated_at = now() - interval '400 days' WHERE id = %s",
+            (parked,),
+        )
+    short = saga_cmd("purge", "--database-url", database_url, "--older-than", "1d")
+    assert short.returncode == 2 and "retention" in short.stderr
+    purged = saga_cmd("purge", "--database-url", database_url)
+    assert purged.returncode == 0, purged.stderr
+    assert "purged 1" in purged.stdout
+    assert {s.id for s in orch.list()} == {parked}
