@@ -1,4 +1,4 @@
-"""The renewal example runs end to end against a real PostgreSQL and tells the truth."""
+"""The examples run end to end against a real PostgreSQL and tell the truth."""
 
 from __future__ import annotations
 
@@ -7,22 +7,26 @@ import subprocess
 import sys
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "renewal_saga.py"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def test_renewal_example_tells_its_three_scenes(database_url: str) -> None:
-    """A clean run completes, a crash after the charge leaves exactly one charge, a refused
-    shipment is compensated in reverse order; the script checks each and exits 0."""
+def _run_example(name: str, database_url: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "SAGA_DATABASE_URL": database_url}
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLE)],
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / name)],
         env=env,
-        cwd=EXAMPLE.parent.parent,
+        cwd=EXAMPLES.parent,
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
+
+
+def test_renewal_example_tells_its_three_scenes(database_url: str) -> None:
+    """A clean run completes, a crash after the charge leaves exactly one charge, a refused
+    shipment is compensated in reverse order; the script checks each and exits 0."""
+    proc = _run_example("renewal_saga.py", database_url)
     output = proc.stdout
     assert proc.returncode == 0, f"exit {proc.returncode}\n{output}\n{proc.stderr}"
     assert "FAILED" not in output + proc.stderr
@@ -36,3 +40,15 @@ def test_renewal_example_tells_its_three_scenes(database_url: str) -> None:
     release_at = output.index("release_inventory: released")
     assert refund_at < release_at, "the refund must run before the release"
     assert output.rstrip().endswith("All three scenes ended as told.")
+
+
+def test_refund_example_waits_for_a_signed_approval(database_url: str) -> None:
+    """A small refund runs; a large one waits despite `confirmed: true` in its payload, asks
+    again when the fee changes, and is paid exactly once after the signed approval."""
+    proc = _run_example("refund_with_confirmation.py", database_url)
+    output = proc.stdout
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{output}\n{proc.stderr}"
+    assert "-> awaiting_confirmation; the agent's input said confirmed=true, ignored" in output
+    assert "-> asks again: fee_cents=45" in output
+    assert "exactly one refund at the provider, approved by lead@acme" in output
+    assert output.rstrip().endswith("All scenes ended as told.")
