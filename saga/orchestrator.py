@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import psycopg
 import structlog
 from psycopg_pool import ConnectionPool
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from saga import approvals, faults
 from saga.database import check_connection, resolve_database_url, unavailable
@@ -423,7 +423,8 @@ class Orchestrator:
             self._require_key(), approval, saga_id=saga_id, step=step, request_hash=request_hash
         )
         state = self.get(saga_id)
-        definition = self.definition(state.saga, state.version)
+        # Approving runs no step code, so the approvers' tooling need not register the saga.
+        definition = self._registry.get((state.saga, state.version)) or _opaque(state)
         self._operator_change(
             definition,
             state.id,
@@ -735,3 +736,14 @@ class Orchestrator:
             grace_seconds=grace_seconds,
             short_wait_seconds=short_wait_seconds,
         )
+
+
+class _AnyInput(BaseModel):
+    """Any saga input, unvalidated: for operator changes that run no step code."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def _opaque(state: SagaState) -> Saga[Any]:
+    """A stand-in definition of a saga this orchestrator does not register."""
+    return Saga(state.saga, version=state.version, input=_AnyInput, key=lambda _: state.key)
