@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
+from decimal import Decimal
 from importlib import resources
 from typing import Any, LiteralString, cast
 
@@ -471,62 +473,26 @@ class Store:
             ).fetchall()
 
 
-def _number(value: Any) -> float | None:
-    # numeric columns arrive as Decimal; ceilings and costs are plain floats in Python.
-    return None if value is None else float(value)
+def _columns(cls: type[Any], row: dict[str, Any]) -> dict[str, Any]:
+    """The columns of `row` that are fields of the dataclass `cls`, numerics as floats."""
+    out = {f.name: row[f.name] for f in dataclasses.fields(cls) if f.name in row}
+    for name, value in out.items():
+        if isinstance(value, Decimal):
+            # numeric columns (budgets, costs) are plain floats in Python.
+            out[name] = float(value)
+    return out
 
 
 def _saga_row(row: dict[str, Any]) -> SagaRow:
-    return SagaRow(
-        id=str(row["id"]),
-        name=row["name"],
-        version=row["version"],
-        tenant_id=row["tenant_id"],
-        key=row["key"],
-        input=row["input"],
-        input_hash=row["input_hash"],
-        status=SagaStatus(row["status"]),
-        error=row["error"],
-        direction=row["direction"],
-        fence=row["fence"],
-        run_after=row["run_after"],
-        lease_owner=row["lease_owner"],
-        lease_expires_at=row["lease_expires_at"],
-        created_at=row["created_at"],
-        updated_at=row["updated_at"],
-        max_operations=row["max_operations"],
-        operations_executed=row["operations_executed"],
-        deadline_at=row["deadline_at"],
-        spend_budget=_number(row["spend_budget"]),
-        spent=_number(row["spent"]) or 0.0,
-        max_side_effects=row["max_side_effects"],
-        side_effects=row["side_effects"],
-    )
+    fields = _columns(SagaRow, row)
+    fields["id"], fields["status"] = str(row["id"]), SagaStatus(row["status"])
+    return SagaRow(**fields)
 
 
 def _op_row(row: dict[str, Any]) -> OpRow:
-    return OpRow(
-        step=row["step"],
-        kind=row["kind"],
-        position=row["position"],
-        idempotency_key=row["idempotency_key"],
-        request_hash=row["request_hash"],
-        status=OperationStatus(row["status"]),
-        attempts=row["attempts"],
-        max_attempts=row["max_attempts"],
-        next_attempt_at=row["next_attempt_at"],
-        result=row["result"],
-        provider_reference=row["provider_reference"],
-        error=row["error"],
-        started_at=row["started_at"],
-        finished_at=row["finished_at"],
-        request=row["request"],
-        deadline_at=row["deadline_at"],
-        cost=_number(row["cost"]),
-        reconcile_started_at=row["reconcile_started_at"],
-        reconcile_asks=row["reconcile_asks"],
-        retrying_unknown=row["retrying_unknown"],
-    )
+    fields = _columns(OpRow, row)
+    fields["status"] = OperationStatus(row["status"])
+    return OpRow(**fields)
 
 
 def _op_params(saga_id: str, op: OpRow) -> dict[str, Any]:
@@ -554,28 +520,11 @@ def _op_params(saga_id: str, op: OpRow) -> dict[str, Any]:
 
 
 def _state(row: dict[str, Any], ops: Sequence[dict[str, Any]]) -> SagaState:
-    return SagaState(
-        id=str(row["id"]),
-        saga=row["name"],
-        version=row["version"],
-        tenant_id=row["tenant_id"],
-        key=row["key"],
-        status=SagaStatus(row["status"]),
-        error=row["error"],
-        input=row["input"],
-        created_at=row["created_at"],
-        updated_at=row["updated_at"],
-        run_after=row["run_after"],
-        lease_owner=row["lease_owner"],
-        lease_expires_at=row["lease_expires_at"],
-        fence=row["fence"],
-        max_operations=row["max_operations"],
-        operations_executed=row["operations_executed"],
-        deadline_at=row["deadline_at"],
-        spend_budget=_number(row["spend_budget"]),
-        spent=_number(row["spent"]) or 0.0,
-        max_side_effects=row["max_side_effects"],
-        side_effects=row["side_effects"],
-        finished_at=row["finished_at"],
-        operations=[OperationState.model_validate(op) for op in ops],
+    return SagaState.model_validate(
+        {
+            **row,
+            "id": str(row["id"]),
+            "saga": row["name"],
+            "operations": [OperationState.model_validate(op) for op in ops],
+        }
     )
