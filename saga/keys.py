@@ -55,6 +55,72 @@ def check_json(value: object, *, where: str) -> None:
         )
 
 
+# Largest saga input accepted, in bytes of its canonical JSON (UTF-8): 1 MiB. The input is
+# stored with the saga, hashed into every operation's request hash and read at every
+# step; a bigger payload belongs in object storage, referenced from the input.
+MAX_INPUT_BYTES = 1024 * 1024
+
+
+def check_saga_input(
+    saga: str, value: object, stored: JsonValue, *, identity: tuple[str, str]
+) -> None:
+    """Raise `ValueError` unless a saga input can be stored and replayed exactly.
+
+    `value` is the validated input as Python values and `stored` its JSON form. Refused:
+    NaN and Infinity anywhere (JSON has neither; serializers turn some into null), NUL
+    characters and lone surrogates in any string, tenant or key (PostgreSQL text and
+    jsonb cannot hold them), nesting deeper than `MAX_JSON_DEPTH`, and a canonical JSON
+    form larger than `MAX_INPUT_BYTES`.
+    """
+    where = f"input of saga {saga!r}"
+    for name, part in zip(("tenant", "key"), identity, strict=True):
+        problem = _bad_text(part)
+        if problem:
+            raise ValueError(f"{where}: the {name} {part[:80]!r} {problem}")
+    stack: list[tuple[object, str, int]] = [(value, "", 0)]
+    while stack:
+        item, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"{where}: nested more than {MAX_JSON_DEPTH} levels deep")
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ValueError(
+                f"{where}: {item!r} at {path or '<root>'} is not valid JSON "
+                "(NaN and Infinity are refused)"
+            )
+        if isinstance(item, str):
+            problem = _bad_text(item)
+            if problem:
+                raise ValueError(f"{where}: the string at {path or '<root>'} {problem}")
+        elif isinstance(item, Mapping):
+            for k, child in item.items():
+                if isinstance(k, str) and _bad_text(k):
+                    raise ValueError(
+                        f"{where}: the key {k[:80]!r} at {path or '<root>'} {_bad_text(k)}"
+                    )
+                stack.append((child, f"{path}.{k}", depth + 1))
+        elif isinstance(item, list | tuple | set | frozenset):
+            stack.extend((child, f"{path}[{i}]", depth + 1) for i, child in enumerate(item))
+    try:
+        size = len(canonical_json(stored).encode("utf-8"))
+    except TypeError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    if size > MAX_INPUT_BYTES:
+        raise ValueError(
+            f"{where} is {size:,} bytes of JSON, above the limit of {MAX_INPUT_BYTES:,} bytes "
+            "(saga.keys.MAX_INPUT_BYTES); store large payloads elsewhere and pass a reference"
+        )
+
+
+def _bad_text(text: str) -> str | None:
+    if "\x00" in text:
+        return "contains a NUL character, which PostgreSQL cannot store"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "is not valid Unicode (a lone surrogate?)"
+    return None
+
+
 def canonical_json(value: JsonValue) -> str:
     """Serialize JSON with sorted keys and no insignificant whitespace."""
     check_json(value, where="canonical JSON")
