@@ -1,0 +1,730 @@
+"""Crash-test your sagas: a real PostgreSQL fixture, kills at every fault point, invariants.
+
+Use it from your pytest suite (it needs pytest; testcontainers is optional):
+
+    # conftest.py
+    pytest_plugins = ["saga.testing"]        # the postgres_server_url and postgres_url fixtures
+
+    # test_renewal_crash.py
+    from saga.testing import crash_test
+
+    def test_renewal_survives_kills(postgres_url):
+        report = crash_test(
+            app="myapp:orch", saga="renewal", database_url=postgres_url,
+            input=lambda run: {"tenant_id": "acme", "renewal_event_id": f"evt-{run}", ...},
+        )
+        assert report.killed
+
+`crash_test` runs the saga once without faults in a child process, then once per
+fault point that run went through, in a fresh child armed to SIGKILL itself there
+(`SAGA_FAULT=POINT:KIND:STEP`), resumes every killed saga in another child, and checks
+`check_invariants` on all of them. `check_invariants` and `replay_history` work on any
+database the orchestrator uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+from pydantic import BaseModel
+
+from saga import faults
+from saga.definition import Saga
+from saga.orchestrator import Orchestrator
+from saga.state import HistoryEvent, SagaState
+
+__all__ = [
+    "FAULT_POINTS",
+    "CrashReport",
+    "CrashRun",
+    "InvariantReport",
+    "InvariantViolation",
+    "Replayed",
+    "check_invariants",
+    "crash_test",
+    "postgres_server",
+    "postgres_server_url",
+    "postgres_url",
+    "replay_history",
+]
+
+FAULT_POINTS = faults.POINTS
+ENV_TEST_URL = "SAGA_TEST_DATABASE_URL"
+SETTLED = ("completed", "compensated", "needs_review")
+# How long the Docker probe may take before falling back to the embedded server (seconds).
+DOCKER_PING_TIMEOUT_SECONDS = 2
+_MARK = "SAGA_TESTING "
+
+
+# ----- a real PostgreSQL --------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def postgres_server(data_dir: Path | None = None) -> Iterator[str]:
+    """A PostgreSQL server's maintenance URL: `SAGA_TEST_DATABASE_URL`, else a
+    testcontainers PostgreSQL when a Docker engine answers, else the embedded PostgreSQL
+    (in `data_dir`, or a fresh temporary directory)."""
+    configured = os.environ.get(ENV_TEST_URL)
+    if configured:
+        yield configured
+        return
+    if _docker_answers():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from testcontainers.postgres import PostgresContainer
+
+            container = PostgresContainer("postgres:16-alpine", driver=None)
+            container.start()
+        try:
+            yield str(container.get_connection_url())
+        finally:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                container.stop()
+        return
+    import tempfile
+
+    from saga.database import embedded_database_url
+
+    with contextlib.ExitStack() as stack:
+        if data_dir is None:
+            data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "pgdata"
+        yield embedded_database_url(data_dir)
+
+
+def _docker_answers() -> bool:
+    if not os.environ.get("DOCKER_HOST") and not Path("/var/run/docker.sock").exists():
+        return False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            import docker  # type: ignore[import-untyped]
+
+            client = docker.from_env(timeout=DOCKER_PING_TIMEOUT_SECONDS)
+            try:
+                return bool(client.ping())
+            finally:
+                client.close()
+        except Exception:
+            return False
+        finally:
+            gc.collect()
+
+
+@pytest.fixture(scope="session")
+def postgres_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Maintenance URL of the PostgreSQL server of this test session (see `postgres_server`)."""
+    with postgres_server(tmp_path_factory.mktemp("saga-embedded") / "pgdata") as url:
+        yield url
+
+
+@pytest.fixture
+def postgres_url(postgres_server_url: str) -> Iterator[str]:
+    """URL of a fresh, empty database of this test only (the orchestrator migrates it on
+    first use), dropped afterwards."""
+    name = f"saga_test_{os.getpid()}_{secrets.token_hex(4)}"
+    with psycopg.connect(postgres_server_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield make_conninfo(postgres_server_url, dbname=name)
+    finally:
+        with psycopg.connect(postgres_server_url, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+# ----- replaying the audit trail ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Replayed:
+    """What a saga's audit trail says its state is."""
+
+    status: str
+    error: str | None
+    direction: str
+    # (step, kind) -> (status, attempts)
+    operations: dict[tuple[str, str], tuple[str, int]]
+
+
+def replay_history(
+    events: Sequence[HistoryEvent], *, ceilings: Mapping[tuple[str, str], int] | None = None
+) -> Replayed:
+    """Derive a saga's status and each operation's status and attempts from its events alone.
+
+    `ceilings` are the operations' current `max_attempts`; they tell whether a settled
+    "absent" answer of a reconcile hook at the ceiling failed the operation (earlier
+    ceilings are read from `retry_requested` events).
+    """
+    status, error, direction = "pending", None, "forward"
+    ops: dict[tuple[str, str], list[Any]] = {}
+    ceilings = dict(ceilings or {})
+
+    def ceiling_at(index: int, key: tuple[str, str]) -> int:
+        for later in events[index + 1 :]:
+            if later.event == "retry_requested" and (later.step, later.kind) == key:
+                return int(later.detail.get("previous_max_attempts", ceilings.get(key, 0)))
+        return ceilings.get(key, 0)
+
+    def resume() -> str:
+        return "compensating" if direction == "backward" else "running"
+
+    for index, e in enumerate(events):
+        name, detail = e.event, e.detail
+        if e.step is not None and e.kind is not None:
+            key = (e.step, e.kind)
+            op = ops.setdefault(key, ["pending", 0])
+            if e.attempt is not None:
+                op[1] = max(op[1], e.attempt)
+            if name == "attempt_started":
+                op[0] = "running"
+            elif name in ("attempt_succeeded", "reconcile_found"):
+                op[0] = "succeeded"
+            elif name == "attempt_failed":
+                retrying = detail.get("retryable") and detail.get("retry_in_seconds") is not None
+                op[0] = "pending" if retrying else "failed"
+            elif name == "outcome_unknown":
+                op[0] = "unknown"
+            elif name == "unknown_retried":
+                op[0] = "pending"
+            elif name == "reconcile_absent" and detail.get("settled", True):
+                op[0] = "pending" if op[1] < ceiling_at(index, key) else "failed"
+            elif name == "deadline_passed":
+                op[0] = "failed"
+            elif name == "operation_resolved":
+                op[0] = "succeeded" if detail.get("outcome") == "succeeded" else "failed"
+                if status not in ("completed", "compensated"):
+                    status, error = resume(), None
+            elif name == "retry_requested":
+                if detail.get("previous_status") == "failed":
+                    op[0] = "pending"
+                status, error = resume(), None
+            elif name == "confirmation_requested":
+                status = "awaiting_confirmation"
+            elif name in ("confirmation_approved", "confirmation_expired"):
+                status, error = resume(), None
+            continue
+        if name == "saga_started":
+            status = "pending"
+        elif name == "lease_acquired" and status == "pending":
+            status = "running"
+        elif name == "compensation_started":
+            direction, status, error = "backward", "compensating", detail.get("reason")
+        elif name == "compensation_requested" and status != "compensated":
+            direction, status, error = "backward", "compensating", None
+        elif name == "ceilings_raised" and status == "needs_review":
+            status, error = resume(), None
+        elif name == "saga_parked":
+            status, error = "needs_review", detail.get("reason")
+        elif name == "saga_completed":
+            status, error = "completed", None
+        elif name == "saga_compensated":
+            status = "compensated"
+    return Replayed(
+        status=status,
+        error=error,
+        direction=direction,
+        operations={k: (v[0], v[1]) for k, v in ops.items()},
+    )
+
+
+# ----- invariants ---------------------------------------------------------------------------
+
+
+class InvariantViolation(AssertionError):
+    """A saga broke one of the invariants; the message lists every violation found."""
+
+
+@dataclass
+class InvariantReport:
+    """What `check_invariants` found."""
+
+    sagas: int = 0
+    statuses: Counter[str] = field(default_factory=Counter)
+    # saga id -> the reason it waits for a human
+    parked: dict[str, str] = field(default_factory=dict)
+    violations: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """No violation was found."""
+        return not self.violations
+
+    def raise_if_violated(self) -> None:
+        """Raise `InvariantViolation` listing every violation, if there is any."""
+        if self.violations:
+            shown = "\n  ".join(self.violations[:50])
+            more = (
+                f"\n  ... and {len(self.violations) - 50} more" if len(self.violations) > 50 else ""
+            )
+            raise InvariantViolation(f"{len(self.violations)} violation(s):\n  {shown}{more}")
+
+
+EffectCounter = Callable[[str], int] | Mapping[str, int]
+
+_SUCCESS_EVENTS = ("attempt_succeeded", "reconcile_found")
+
+
+def check_invariants(
+    database_url: str,
+    saga_ids: Iterable[str] | None = None,
+    *,
+    effects: EffectCounter | None = None,
+    sagas: Iterable[Saga[Any]] = (),
+    raise_on_violation: bool = True,
+) -> InvariantReport:
+    """Check the invariants of sagas that should have settled (all sagas by default).
+
+    - each saga is `completed`, `compensated` or `needs_review` with a reason;
+    - no lease is left held;
+    - its audit trail replays to its stored status and to every operation's status and
+      attempt count (`replay_history`);
+    - compensations ran only for sagas that started compensating, only for steps that
+      succeeded (or whose outcome was unknown when `include_unknown` was asked), at most
+      once each, and in reverse step order: none started before the compensation of
+      every later step had succeeded; a compensated saga has all of them succeeded;
+    - with `effects` (a function or mapping from idempotency key to the number of
+      effects your provider performed for it), no key has more than one.
+    - with `sagas` (the definitions), a compensated saga compensated every succeeded
+      step that declares a compensation.
+
+    Raises `InvariantViolation` (an `AssertionError`) unless `raise_on_violation=False`.
+    """
+    report = InvariantReport()
+    definitions = {(s.name, s.version): s for s in sagas}
+    with Orchestrator(database_url, auto_migrate=False, pool_size=2) as orch:
+        if saga_ids is None:
+            states = orch.list(limit=2**31 - 1)
+        else:
+            states = [orch.get(i) for i in saga_ids]
+        for state in states:
+            history = orch.history(state.id)
+            report.sagas += 1
+            report.statuses[str(state.status)] += 1
+            if str(state.status) == "needs_review":
+                report.parked[state.id] = state.error or ""
+            problems = _saga_problems(state, history, effects, definitions)
+            report.violations.extend(f"saga {state.id} ({state.key}): {p}" for p in problems)
+    if raise_on_violation:
+        report.raise_if_violated()
+    return report
+
+
+def _saga_problems(
+    state: SagaState,
+    history: Sequence[HistoryEvent],
+    effects: EffectCounter | None,
+    definitions: Mapping[tuple[str, int], Saga[Any]],
+) -> list[str]:
+    problems: list[str] = []
+    status = str(state.status)
+    if status not in SETTLED:
+        problems.append(f"not settled: {status}")
+    if status == "needs_review" and not state.error:
+        problems.append("needs_review without a reason")
+    if state.lease_owner is not None:
+        problems.append(f"lease still held by {state.lease_owner}")
+
+    ceilings = {(op.step, str(op.kind)): op.max_attempts for op in state.operations}
+    replayed = replay_history(history, ceilings=ceilings)
+    if replayed.status != status:
+        problems.append(f"history replays to status {replayed.status}, stored {status}")
+    if status == "needs_review" and replayed.error != state.error:
+        problems.append(f"history replays to reason {replayed.error!r}, stored {state.error!r}")
+    for op in state.operations:
+        key = (op.step, str(op.kind))
+        stored = (str(op.status), op.attempts)
+        if replayed.operations.get(key, ("pending", 0)) != stored:
+            problems.append(
+                f"{op.kind} {op.step!r}: history replays to {replayed.operations.get(key)}, "
+                f"stored {stored}"
+            )
+    for key in replayed.operations.keys() - ceilings.keys():
+        problems.append(f"history names an operation that does not exist: {key}")
+
+    problems.extend(_compensation_problems(state, history, definitions))
+
+    if effects is not None:
+        count = effects if callable(effects) else effects.get
+        for op in state.operations:
+            performed = count(op.idempotency_key) or 0
+            if performed > 1:
+                problems.append(f"effect performed {performed} times for key {op.idempotency_key}")
+    return problems
+
+
+def _compensation_problems(
+    state: SagaState,
+    history: Sequence[HistoryEvent],
+    definitions: Mapping[tuple[str, int], Saga[Any]],
+) -> list[str]:
+    problems: list[str] = []
+    actions = {op.step: op for op in state.operations if op.kind == "action"}
+    position = {step: i for i, step in enumerate(actions)}  # operations come in step order
+    comps = {op.step: op for op in state.operations if op.kind == "compensation"}
+    names = [e.event for e in history]
+    started = "compensation_started" in names or "compensation_requested" in names
+    include_unknown = any(
+        e.event == "compensation_requested" and e.detail.get("include_unknown") for e in history
+    )
+    if comps and not started:
+        problems.append("compensations exist but the saga never started compensating")
+    for step, comp in comps.items():
+        action = actions.get(step)
+        action_status = str(action.status) if action is not None else "missing"
+        expected = action_status == "succeeded" or (include_unknown and action_status == "unknown")
+        if not expected and comp.attempts > 0:
+            problems.append(f"compensation of {step!r} ran although the step is {action_status}")
+        successes = [
+            e
+            for e in history
+            if e.step == step
+            and e.kind == "compensation"
+            and (
+                e.event in _SUCCESS_EVENTS
+                or (e.event == "operation_resolved" and e.detail.get("outcome") == "succeeded")
+            )
+        ]
+        if len(successes) > 1:
+            problems.append(f"compensation of {step!r} succeeded {len(successes)} times")
+    # Reverse order: a compensation may start only once every later step's has succeeded.
+    succeeded_at: dict[str, int] = {}
+    for index, e in enumerate(history):
+        if e.kind != "compensation" or e.step is None:
+            continue
+        resolved = e.event == "operation_resolved" and e.detail.get("outcome") == "succeeded"
+        if (e.event in _SUCCESS_EVENTS or resolved) and e.step not in succeeded_at:
+            succeeded_at[e.step] = index
+        if e.event == "attempt_started":
+            for later in comps:
+                after = position.get(later, -1) > position.get(e.step, -1)
+                if after and succeeded_at.get(later, len(history)) > index:
+                    problems.append(
+                        f"compensation of {e.step!r} started before the compensation of "
+                        f"later step {later!r} succeeded"
+                    )
+    if str(state.status) == "completed" and any(c.attempts for c in comps.values()):
+        problems.append("completed, yet compensations ran")
+    if str(state.status) == "compensated":
+        for step, comp in comps.items():
+            if str(comp.status) != "succeeded":
+                problems.append(f"compensated, yet the compensation of {step!r} is {comp.status}")
+        definition = definitions.get((state.saga, state.version))
+        if definition is not None:
+            for s in definition.steps:
+                action = actions.get(s.name)
+                needs = s.compensation_op is not None and action is not None
+                if needs and str(action.status) == "succeeded" and s.name not in comps:  # type: ignore[union-attr]
+                    problems.append(f"compensated, yet step {s.name!r} was never compensated")
+    return problems
+
+
+# ----- killing a saga at each fault point ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CrashRun:
+    """One run of `crash_test`: where it was killed, and how the saga ended after resuming."""
+
+    fault: str | None
+    saga_id: str
+    killed: bool
+    status: str
+    error: str | None
+
+
+@dataclass
+class CrashReport:
+    """Every run of `crash_test` and the invariants checked on them."""
+
+    baseline: CrashRun
+    runs: list[CrashRun]
+    invariants: InvariantReport
+
+    @property
+    def killed(self) -> list[CrashRun]:
+        """The runs whose child process was killed at its fault point."""
+        return [r for r in self.runs if r.killed]
+
+    @property
+    def parked(self) -> dict[str, str]:
+        """fault -> reason, for the runs that ended in `needs_review`."""
+        return {r.fault or "": r.error or "" for r in self.runs if r.status == "needs_review"}
+
+    def summary(self) -> str:
+        """One line per run: the fault point, killed or not reached, and the final status."""
+        lines = [f"baseline: {self.baseline.status}"]
+        for r in self.runs:
+            how = "killed" if r.killed else "not reached"
+            reason = f" ({r.error})" if r.status == "needs_review" else ""
+            lines.append(f"{r.fault}: {how} -> {r.status}{reason}")
+        return "\n".join(lines)
+
+
+InputFactory = Callable[[str], BaseModel | Mapping[str, Any]]
+
+
+def crash_test(
+    app: str,
+    saga: str | Saga[Any],
+    input: InputFactory | BaseModel | Mapping[str, Any],
+    *,
+    database_url: str | None = None,
+    points: Sequence[str] = FAULT_POINTS,
+    kinds: Sequence[str] = ("action", "compensation"),
+    lease_seconds: float = 1.0,
+    parallel: int = 2,
+    timeout: float = 120.0,
+    effects: EffectCounter | None = None,
+    allow_review: bool = True,
+) -> CrashReport:
+    """Kill a saga at each fault point in turn, resume it, and check the invariants.
+
+    Args:
+        app: `MODULE[:ATTR]` of the module that registers your sagas and the name of its
+            `Orchestrator` (found by itself when the module has only one), as for
+            `saga worker --app`. It is imported in child processes only, with
+            `SAGA_DATABASE_URL` set to `database_url`.
+        saga: The saga to run: its name (`"renewal"` or `"renewal:2"`) or the `Saga`.
+        input: A function of the run's name (`"baseline"`, `"before_call:action:charge"`,
+            ...) returning that run's input, whose key must differ from run to run; or
+            a fixed input when only one run is made.
+        database_url: The database (else `SAGA_DATABASE_URL`).
+        points: The fault points to try (all of `FAULT_POINTS` by default).
+        kinds: Try the points of `action`s, of `compensation`s, or both.
+        lease_seconds: Lease of the child processes, so a killed run is resumed quickly.
+        parallel: How many armed children run at once.
+        timeout: Longest time (seconds) any child process may take.
+        effects: Your provider's count of performed effects per idempotency key; no key
+            may have more than one.
+        allow_review: Accept `needs_review` as a run's outcome (an unknown outcome of a
+            step with neither a reconcile hook nor idempotency must wait for a human).
+
+    The baseline run goes through without faults; the fault points tried are those it
+    reached (`POINT:KIND:STEP` for every operation it attempted). Every other run must
+    end as the baseline did (or in `needs_review`, with `allow_review`), and every saga
+    must satisfy `check_invariants`; an `InvariantViolation` says which did not.
+    """
+    url = database_url or os.environ.get("SAGA_DATABASE_URL")
+    if not url:
+        raise ValueError("crash_test needs database_url (or SAGA_DATABASE_URL)")
+    saga_name = saga if isinstance(saga, str) else f"{saga.name}:{saga.version}"
+
+    def input_of(run: str) -> Any:
+        value = input(run) if callable(input) else input
+        return value.model_dump(mode="json") if isinstance(value, BaseModel) else dict(value)
+
+    env = _child_env(url)
+    base = _child(
+        env,
+        {
+            "op": "run",
+            "app": app,
+            "saga": saga_name,
+            "input": input_of("baseline"),
+            "lease_seconds": lease_seconds,
+        },
+        timeout=timeout,
+    )
+    if base["code"] != 0 or "finished" not in base:
+        raise RuntimeError(f"the baseline run failed (exit {base['code']}):\n{base['output']}")
+    with Orchestrator(url, auto_migrate=False, pool_size=2) as orch:
+        base_state = orch.get(base["started"])
+        attempted: list[tuple[str, str]] = []
+        for e in orch.history(base_state.id):
+            fresh = e.step and e.kind and (e.step, e.kind) not in attempted
+            if e.event == "attempt_started" and fresh:
+                attempted.append((e.step, e.kind))  # type: ignore[arg-type]
+    baseline = CrashRun(None, base_state.id, False, str(base_state.status), base_state.error)
+    faults_to_try = [
+        f"{point}:{kind}:{step}" for step, kind in attempted if kind in kinds for point in points
+    ]
+    inputs = {fault: input_of(fault) for fault in faults_to_try}
+    if not callable(input) and faults_to_try:
+        raise ValueError("input must be a function of the run's name: each run needs its own key")
+
+    def armed(fault: str) -> dict[str, Any]:
+        request = {
+            "op": "run",
+            "app": app,
+            "saga": saga_name,
+            "input": inputs[fault],
+            "lease_seconds": lease_seconds,
+        }
+        return _child({**env, faults.ENV_FAULT: fault}, request, timeout=timeout)
+
+    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+        outcomes = dict(zip(faults_to_try, pool.map(armed, faults_to_try), strict=True))
+    problems: list[str] = []
+    for fault, out in outcomes.items():
+        if "started" not in out:
+            problems.append(f"{fault}: the child did not start the saga:\n{out['output']}")
+        elif out["code"] not in (0, -9):
+            problems.append(f"{fault}: the child exited with {out['code']}:\n{out['output']}")
+    if problems:
+        raise RuntimeError("\n".join(problems))
+    to_resume = [out["started"] for out in outcomes.values() if "finished" not in out]
+    if to_resume:
+        resumed = _child(
+            env,
+            {
+                "op": "resume",
+                "app": app,
+                "ids": to_resume,
+                "lease_seconds": lease_seconds,
+                "deadline_seconds": timeout / 2,
+            },
+            timeout=timeout,
+        )
+        if resumed["code"] != 0:
+            raise RuntimeError(f"resuming failed (exit {resumed['code']}):\n{resumed['output']}")
+    runs: list[CrashRun] = []
+    with Orchestrator(url, auto_migrate=False, pool_size=2) as orch:
+        for fault, out in outcomes.items():
+            state = orch.get(out["started"])
+            runs.append(
+                CrashRun(fault, state.id, "finished" not in out, str(state.status), state.error)
+            )
+    ids = [baseline.saga_id, *(r.saga_id for r in runs)]
+    invariants = check_invariants(url, ids, effects=effects, raise_on_violation=False)
+    for r in runs:
+        expected = {baseline.status, "needs_review"} if allow_review else {baseline.status}
+        if r.status not in expected:
+            invariants.violations.append(
+                f"{r.fault}: ended {r.status}, the run without faults ended {baseline.status}"
+            )
+    report = CrashReport(baseline, runs, invariants)
+    invariants.raise_if_violated()
+    return report
+
+
+def _child_env(url: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != faults.ENV_FAULT}
+    env["SAGA_DATABASE_URL"] = url
+    # The child imports the app from wherever this process could.
+    paths = [p for p in sys.path if p and Path(p).is_dir()]
+    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def _child(env: Mapping[str, str], request: Mapping[str, Any], *, timeout: float) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "saga.testing", json.dumps(request)],
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    out: dict[str, Any] = {"code": proc.returncode, "output": proc.stdout + proc.stderr}
+    for line in proc.stdout.splitlines():
+        if line.startswith(_MARK):
+            message = json.loads(line[len(_MARK) :])
+            out.update(message)
+    return out
+
+
+# ----- the child process --------------------------------------------------------------------
+
+
+def _say(**message: Any) -> None:
+    print(_MARK + json.dumps(message), flush=True)
+
+
+def load_app(spec: str) -> Orchestrator:
+    """The `Orchestrator` named by `MODULE[:ATTR]` (the only one in MODULE without ATTR)."""
+    module_name, _, attr = spec.partition(":")
+    module = importlib.import_module(module_name)
+    if attr:
+        found: Any = module
+        for part in attr.split("."):
+            found = getattr(found, part)
+        if not isinstance(found, Orchestrator):
+            raise TypeError(f"{spec} is a {type(found).__name__}, not an Orchestrator")
+        return found
+    orchestrators = [v for v in vars(module).values() if isinstance(v, Orchestrator)]
+    if len(orchestrators) != 1:
+        raise LookupError(
+            f"module {module_name} has {len(orchestrators)} Orchestrator objects; name one "
+            f"as {module_name}:ATTR"
+        )
+    return orchestrators[0]
+
+
+def _definition(app: Orchestrator, spec: str) -> Saga[Any]:
+    name, _, version = spec.partition(":")
+    candidates = [s for s in app.registered() if s.name == name]
+    if version:
+        candidates = [s for s in candidates if s.version == int(version)]
+    if not candidates:
+        raise LookupError(f"the app registers no saga {spec!r}")
+    return max(candidates, key=lambda s: s.version)
+
+
+def _child_main(request: Mapping[str, Any]) -> int:
+    app = load_app(request["app"])
+    url = os.environ["SAGA_DATABASE_URL"]
+    with Orchestrator(
+        url, sagas=app.registered(), lease_seconds=float(request["lease_seconds"])
+    ) as orch:
+        if request["op"] == "run":
+            definition = _definition(app, request["saga"])
+            handle = orch.start(definition, request["input"])
+            _say(started=handle.id)
+            state = orch.run(handle.id)
+            _say(finished=str(state.status))
+            return 0
+        deadline = time.monotonic() + float(request["deadline_seconds"])
+        for saga_id in request["ids"]:
+            while True:
+                state = orch.run(saga_id)
+                if not state.status.is_runnable:
+                    break
+                if time.monotonic() > deadline:
+                    _say(stuck=saga_id, status=str(state.status))
+                    return 1
+                # Leased by a killed child until its lease expires (by the database clock).
+                expires = state.lease_expires_at
+                wait = 0.05
+                if expires is not None:
+                    wait = max(
+                        wait, min(1.0, (expires - datetime.now(expires.tzinfo)).total_seconds())
+                    )
+                time.sleep(wait)
+        _say(resumed=len(request["ids"]))
+    return 0
+
+
+def _child_entry(argv: Sequence[str]) -> int:
+    import logging
+
+    import structlog
+
+    # Keep the library's logs quiet in the children; failures show in the exit code.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    return _child_main(json.loads(argv[0]))
+
+
+if __name__ == "__main__":
+    sys.exit(_child_entry(sys.argv[1:]))
