@@ -1,0 +1,1 @@
+"""Fault-injection scenarios: kills, restarts, terminated connections, stalls and races."""
