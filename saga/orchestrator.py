@@ -8,7 +8,7 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
@@ -330,12 +330,7 @@ class Orchestrator:
         definition = self.definition(state.saga, state.version)
         if state.status == SagaStatus.AWAITING_CONFIRMATION:
             # A confirmation that expired unanswered is asked again, with a fresh preview.
-            reopened: builtins.list[bool] = []
-            self._operator_change(
-                definition, state.id, lambda p: reopened.append(p.reopen_expired_confirmation())
-            )
-            if reopened and reopened[0]:
-                state = self.get(state.id)
+            state = self._operator_change(state.id, Planner.reopen_expired_confirmation)
         if state.status.is_runnable:
             return self._runner().claim_and_drive(definition, state.id) or self.get(state.id)
         return state
@@ -354,11 +349,8 @@ class Orchestrator:
         """Raise a saga's persisted ceilings (lowering is refused) and, if it was parked,
         make it runnable again; recorded as `ceilings_raised` with the before and after.
         The saga is not driven here: call `run` or leave it to a worker."""
-        state = self.get(saga_id)
-        definition = self.definition(state.saga, state.version)
-        self._operator_change(
-            definition,
-            state.id,
+        return self._operator_change(
+            saga_id,
             lambda p: p.raise_ceilings(
                 actor=actor,
                 max_operations=max_operations,
@@ -369,7 +361,6 @@ class Orchestrator:
             force=force,
             actor=actor,
         )
-        return self.get(state.id)
 
     # ----- confirmations -----------------------------------------------------------------
 
@@ -422,16 +413,13 @@ class Orchestrator:
         granted = approvals.verify(
             self._require_key(), approval, saga_id=saga_id, step=step, request_hash=request_hash
         )
-        state = self.get(saga_id)
         # Approving runs no step code, so the approvers' tooling need not register the saga.
-        definition = self._registry.get((state.saga, state.version)) or _opaque(state)
-        self._operator_change(
-            definition,
-            state.id,
+        return self._operator_change(
+            saga_id,
             lambda p: p.approve_confirmation(step, request_hash, actor=granted.actor),
             actor=granted.actor,
+            registered=False,
         )
-        return self.get(state.id)
 
     def _require_key(self) -> bytes:
         if not self._confirmation_key:
@@ -484,13 +472,8 @@ class Orchestrator:
         its compensation runs with `result=None`. A saga a live worker holds is refused
         (`StepStateError`) unless `force=True`, which takes its lease over.
         """
-        state = self.get(saga_id)
-        definition = self.definition(state.saga, state.version)
-        if state.status == SagaStatus.COMPENSATED:
-            return state
-        self._operator_change(
-            definition,
-            state.id,
+        state = self._operator_change(
+            saga_id,
             lambda p: p.request_compensation(include_unknown=include_unknown, actor=actor),
             force=force,
             actor=actor,
@@ -531,8 +514,7 @@ class Orchestrator:
             if kind == "compensation" and target.compensation_op is not None:
                 codec = target.compensation_op.codec
             stored = codec.encode(codec.decode(result))
-        self._operator_change(
-            definition,
+        return self._operator_change(
             state.id,
             lambda p: p.resolve(
                 step, kind=kind, outcome=outcome, result=stored, actor=actor, reason=reason
@@ -540,7 +522,6 @@ class Orchestrator:
             force=force,
             actor=actor,
         )
-        return self.get(state.id)
 
     def retry(
         self,
@@ -561,16 +542,12 @@ class Orchestrator:
         """
         if extra_attempts < 0:
             raise ValueError(f"extra_attempts must not be negative, got {extra_attempts}")
-        state = self.get(saga_id)
-        definition = self.definition(state.saga, state.version)
-        self._operator_change(
-            definition,
-            state.id,
+        return self._operator_change(
+            saga_id,
             lambda p: p.request_retry(extra_attempts=extra_attempts, actor=actor),
             force=force,
             actor=actor,
         )
-        return self.get(state.id)
 
     def cancel(
         self,
@@ -590,32 +567,40 @@ class Orchestrator:
         """
         if not reason:
             raise ValueError("cancel() needs a reason")
-        state = self.get(saga_id)
-        definition = self.definition(state.saga, state.version)
-        self._operator_change(
-            definition,
-            state.id,
+        return self._operator_change(
+            saga_id,
             lambda p: p.request_cancel(reason=reason, actor=actor, include_unknown=include_unknown),
             force=force,
             actor=actor,
         )
-        return self.get(state.id)
 
     def _operator_change(
         self,
-        definition: Saga[Any],
         saga_id: str,
-        change: Any,
+        change: Callable[[Planner], object],
         *,
         force: bool = False,
         actor: str | None = None,
-    ) -> None:
+        registered: bool = True,
+    ) -> SagaState:
+        """Apply an operator's change to a saga no live worker holds (or, with `force`,
+        take the lease over), in one transaction; returns the saga's new state.
+
+        `registered=False` allows sagas this orchestrator does not register, for changes
+        that run no step code."""
+        if parse_id(saga_id) is None:
+            raise SagaNotFound(saga_id)
         store = self.store
         with store.transaction() as conn:
             locked = store.lock_saga_txn(conn, saga_id)
             if locked is None:
                 raise SagaNotFound(saga_id)
             row, live = locked
+            definition = self._registry.get((row.name, row.version))
+            if definition is None:
+                if registered:
+                    raise NotRegistered(row.name, row.version)
+                definition = _opaque(row.name, row.version)
             broken: list[Event] = []
             if live and not force:
                 raise StepStateError(
@@ -652,7 +637,10 @@ class Orchestrator:
             )
             if planner.saga.status.is_runnable:
                 store.notify_runnable_txn(conn, row.name, row.version)
+            state = store.get_state_txn(conn, saga_id)
         log_events(planner, events)
+        assert state is not None  # the row is locked in this transaction
+        return state
 
     def runner_options(self, *, max_inline_sleep: float = math.inf) -> RunnerOptions:
         """Lease settings of this orchestrator, for runners."""
@@ -744,6 +732,6 @@ class _AnyInput(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-def _opaque(state: SagaState) -> Saga[Any]:
+def _opaque(name: str, version: int) -> Saga[Any]:
     """A stand-in definition of a saga this orchestrator does not register."""
-    return Saga(state.saga, version=state.version, input=_AnyInput, key=lambda _: state.key)
+    return Saga(name, version=version, input=_AnyInput, key=lambda _: "")
