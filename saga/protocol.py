@@ -284,8 +284,12 @@ class Planner:
         return self.input_model()
 
     def results(self) -> dict[str, Any]:
-        """Stored results of succeeded steps by name (still JSON)."""
-        return {o.step: o.result for o in self.actions if o.status == OperationStatus.SUCCEEDED}
+        """Results of succeeded steps by name, rebuilt as the steps returned them."""
+        return {
+            o.step: self.step_of(o).codec.decode(o.result)
+            for o in self.actions
+            if o.status == OperationStatus.SUCCEEDED
+        }
 
     # ----- the decision loop ----------------------------------------------------------
 

@@ -278,10 +278,6 @@ class Runner:
 
     def _context(self, planner: Planner, op: OpRow) -> StepContext:
         saga = planner.saga
-        results = {
-            name: planner.definition.step_named(name).codec.decode(value)  # type: ignore[union-attr]
-            for name, value in planner.results().items()
-        }
         return StepContext(
             saga_id=saga.id,
             tenant_id=saga.tenant_id,
@@ -290,7 +286,7 @@ class Runner:
             idempotency_key=op.idempotency_key,
             attempt=op.attempts,
             fence=saga.fence,
-            results=results,
+            results=planner.results(),
             request=planner.request_of(op) if planner.spec_of(op).prepare_fn else None,
             log=_log.bind(
                 saga_id=saga.id,
@@ -365,10 +361,10 @@ class Runner:
         return result
 
     def _reconcile(self, planner: Planner, op: OpRow) -> tuple[Planner, Next]:
-        fn = planner.reconcile_fn(op)
+        spec = planner.spec_of(op)
+        fn, codec = spec.reconcile_fn, spec.codec
+        assert fn is not None  # the planner asks only operations that have a hook
         ctx = self._context(planner, op)
-        step = planner.step_of(op)
-        codec = step.codec if op.kind == "action" else step.compensation_op.codec  # type: ignore[union-attr]
         mutate: Mutation
         try:
             answer = _call(fn, ctx, *planner.arguments(op))
