@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 import structlog
+from psycopg import sql
 
 from saga.dbretry import is_transient, retrying
 from saga.protocol import Next, Planner
@@ -201,7 +202,7 @@ class Worker:
         try:
             for attempt in retrying("listen", seconds=math.inf, until=self._stopping):
                 with attempt, psycopg.connect(url, autocommit=True) as conn:
-                    conn.execute(f"LISTEN {CHANNEL}")
+                    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(CHANNEL)))
                     self._wake.set()  # catch up on anything missed while not listening
                     while not self._stopping.is_set():
                         for _ in conn.notifies(timeout=1.0, stop_after=1):
