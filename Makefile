@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint typecheck unit integration wheel-check clean
+.PHONY: demo test lint typecheck unit integration wheel-check soak clean
 
 $(BIN)/.installed-demo: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ test: lint
 
 wheel-check: $(BIN)/.installed-test
 	bash tests/wheel_check.sh $(BIN)/python
+
+# The long fault run: SOAK_SAGAS (default 10000) sagas under random kills and restarts.
+soak: $(BIN)/.installed-test
+	PYTHONPATH=tests $(BIN)/python -m faults.soak
 
 clean:
 	rm -rf $(VENV) dist build .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,158 @@
+"""The long run: thousands of sagas under random kills and PostgreSQL restarts (`make soak`).
+
+Starts `SOAK_SAGAS` sagas (default 10000) drawn from `SOAK_SEED` on a private embedded
+PostgreSQL, runs `SOAK_WORKERS` worker processes on them, and every few seconds
+(`SOAK_KILL_SECONDS` on average) either SIGKILLs a worker or replaces it with one armed
+to kill itself at a random fault point; every `SOAK_RESTART_EVERY` kills the sagas'
+server is restarted. The fake provider lives on a second private server that stays up.
+When every saga has settled, the invariants are checked and a summary printed; its last
+line is `soak: sagas=N kills=K restarts=R duplicates=D lost=L parked=P`. The exit
+status is 1 when anything was duplicated, lost or violated an invariant.
+
+Run it as `make soak`, or `PYTHONPATH=tests python -m faults.soak`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import structlog
+
+from faults import app, invariants
+from faults.harness import (
+    WorkerProcess,
+    private_postgres,
+    quiesce,
+    scalar,
+    start_sagas,
+    terminate_worker_backends,
+)
+from saga.testing import FAULT_POINTS
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name) or default
+
+
+def main() -> int:
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    sagas = int(_env("SOAK_SAGAS", "10000"))
+    seed = int(_env("SOAK_SEED", "1"))
+    n_workers = int(_env("SOAK_WORKERS", "3"))
+    kill_seconds = float(_env("SOAK_KILL_SECONDS", "3"))
+    restart_every = int(_env("SOAK_RESTART_EVERY", "10"))
+    timeout = float(_env("SOAK_TIMEOUT_SECONDS", "7200"))
+    rng = random.Random(seed)
+    started_at = time.monotonic()
+
+    with tempfile.TemporaryDirectory(prefix="saga-soak-") as tmp:
+        root = Path(tmp)
+        os.chmod(root, 0o755)  # the embedded server may run as another system user
+        with private_postgres(root / "sagas") as pg, private_postgres(root / "provider") as prov:
+            app.create_provider(prov.url)
+            os.environ[app.ENV_PROVIDER_URL] = prov.url
+            print(f"soak: starting {sagas} sagas (seed {seed})", flush=True)
+            keys = start_sagas(pg.url, sagas, seed, prefix="soak")
+            logs = root / "logs"
+
+            def spawn(fault: str | None = None) -> WorkerProcess:
+                return WorkerProcess(
+                    pg.url, prov.url, logs, fault=fault, lease_seconds=2.0, until_idle=False
+                )
+
+            fleet = [spawn() for _ in range(n_workers)]
+            kills = armed_kills = terminations = 0
+            next_chaos = time.monotonic() + rng.uniform(0.5, 2 * kill_seconds)
+            last_report = 0.0
+            try:
+                while True:
+                    now = time.monotonic()
+                    if now - started_at > timeout:
+                        raise SystemExit(f"soak: not settled within {timeout:.0f}s")
+                    for i, worker in enumerate(fleet):
+                        code = worker.proc.poll()
+                        if code is None:
+                            continue
+                        if code != -signal.SIGKILL:
+                            print(worker.output()[-3000:], file=sys.stderr)
+                            raise SystemExit(f"soak: a worker exited with {code}")
+                        if worker.fault:
+                            kills += 1
+                            armed_kills += 1
+                        worker.kill()
+                        fleet[i] = spawn()
+                    if now >= next_chaos:
+                        next_chaos = now + rng.uniform(0.5, 2 * kill_seconds)
+                        victim = rng.randrange(len(fleet))
+                        action = rng.random()
+                        if action < 0.6:
+                            fleet[victim].kill()
+                            kills += 1
+                            point = rng.choice(FAULT_POINTS)
+                            kind = rng.choice(("action", "compensation"))
+                            # Half the replacements die at a fault point of their own.
+                            fault = f"{point}:{kind}" if rng.random() < 0.5 else None
+                            fleet[victim] = spawn(fault)
+                        elif action < 0.8:
+                            terminations += 1 if terminate_worker_backends(pg.url) else 0
+                        while pg.restarts < kills // restart_every:
+                            pg.restart()
+                    open_count = int(
+                        scalar(
+                            pg.url,
+                            "SELECT count(*) FROM saga.sagas"
+                            " WHERE status IN ('pending', 'running', 'compensating')",
+                        )
+                    )
+                    if now - last_report >= 10:
+                        last_report = now
+                        print(
+                            f"soak: {time.monotonic() - started_at:6.0f}s open={open_count}"
+                            f" kills={kills} restarts={pg.restarts} terminations={terminations}",
+                            flush=True,
+                        )
+                    if open_count == 0:
+                        break
+                    time.sleep(0.2)
+            finally:
+                for worker in fleet:
+                    worker.signal(signal.SIGTERM)
+                for worker in fleet:
+                    with contextlib.suppress(AssertionError):
+                        worker.wait(timeout=30)
+                    worker.kill()
+            quiesce(pg.url, timeout=120)
+            elapsed = time.monotonic() - started_at
+            print("soak: checking invariants", flush=True)
+            summary = invariants.check(pg.url, prov.url, keys)
+            app.provider.close()
+    parked = sum(summary.parked.values())
+    print()
+    print(
+        invariants.table(
+            summary,
+            kills=f"{kills} ({armed_kills} at a fault point)",
+            restarts=pg.restarts,
+            terminations=terminations,
+            seconds=f"{elapsed:.0f}",
+        )
+    )
+    for violation in summary.violations[:20]:
+        print(f"violation: {violation}")
+    print(
+        f"soak: sagas={summary.sagas} kills={kills} restarts={pg.restarts} "
+        f"duplicates={summary.duplicates} lost={summary.lost} parked={parked}"
+    )
+    return 1 if summary.violations or summary.duplicates or summary.lost else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
