@@ -15,6 +15,17 @@ JsonValue = Any  # None | bool | int | float | str | list[JsonValue] | dict[str,
 MAX_JSON_DEPTH = 256
 
 
+# From 2**53 on, a float's printed digits (all jsonb keeps) no longer name its exact value.
+MAX_EXACT_FLOAT = 2.0**53
+
+
+def _inexact(item: float, path: str) -> str:
+    return (
+        f"the float {item!r} at {path or '<root>'} is too large to store exactly (PostgreSQL "
+        "jsonb keeps its printed digits only); send an int or a string"
+    )
+
+
 def check_json(value: object, *, where: str) -> None:
     """Raise `TypeError` unless `value` is plain JSON that round-trips unchanged.
 
@@ -36,6 +47,8 @@ def check_json(value: object, *, where: str) -> None:
         if isinstance(item, float):
             if not math.isfinite(item):
                 raise TypeError(f"{where}: {item!r} at {path or '<root>'} is not valid JSON")
+            if abs(item) >= MAX_EXACT_FLOAT:
+                raise TypeError(f"{where}: {_inexact(item, path)}")
             continue
         if isinstance(item, list):
             stack.extend((child, f"{path}[{i}]", depth + 1) for i, child in enumerate(item))
@@ -87,6 +100,8 @@ def check_saga_input(
                 f"{where}: {item!r} at {path or '<root>'} is not valid JSON "
                 "(NaN and Infinity are refused)"
             )
+        if isinstance(item, float) and abs(item) >= MAX_EXACT_FLOAT:
+            raise ValueError(f"{where}: {_inexact(item, path)}")
         if isinstance(item, str):
             problem = _bad_text(item)
             if problem:

@@ -1,7 +1,8 @@
 """Real PostgreSQL for the test suite: one server per session, one fresh database per test.
 
-The server comes from `SAGA_TEST_DATABASE_URL`, else a testcontainers PostgreSQL when a
-Docker engine answers, else the embedded PostgreSQL. Migrations are applied once into a
+The server comes from `saga.testing.postgres_server`, as users' suites get it:
+`SAGA_TEST_DATABASE_URL`, else a testcontainers PostgreSQL when a Docker engine answers,
+else the embedded PostgreSQL. Migrations are applied once into a
 template database; each test that asks for `database_url` gets a copy of it
 (`CREATE DATABASE ... TEMPLATE`), dropped after the test. Nothing here runs unless a test
 asks for one of these fixtures, so the unit tests never touch a database.
@@ -9,11 +10,8 @@ asks for one of these fixtures, so the unit tests never touch a database.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 import secrets
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,9 +21,7 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-ENV_TEST_URL = "SAGA_TEST_DATABASE_URL"
-# How long the Docker probe may take before we fall back to the embedded server (seconds).
-DOCKER_PING_TIMEOUT_SECONDS = 2
+from saga.testing import postgres_server
 
 _INTEGRATION_DIR = Path(__file__).resolve().parent / "integration"
 
@@ -36,49 +32,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         path = Path(str(item.path)).resolve()
         if path == _INTEGRATION_DIR or _INTEGRATION_DIR in path.parents:
             item.add_marker(pytest.mark.integration)
-
-
-def _docker_answers() -> bool:
-    """True when a Docker engine answers a ping; quick and silent when there is none."""
-    docker_host = os.environ.get("DOCKER_HOST")
-    if not docker_host and not Path("/var/run/docker.sock").exists():
-        return False
-    # A failed probe may leave a socket for the garbage collector; its ResourceWarning must
-    # not surface later as an unraisable-exception error in some unrelated test.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        answered = _ping_docker()
-        gc.collect()
-    return answered
-
-
-def _ping_docker() -> bool:
-    try:
-        import docker
-
-        client = docker.from_env(timeout=DOCKER_PING_TIMEOUT_SECONDS)
-        try:
-            return bool(client.ping())
-        finally:
-            client.close()
-    except Exception:
-        return False
-
-
-@contextlib.contextmanager
-def _testcontainer_url() -> Iterator[str]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from testcontainers.postgres import PostgresContainer
-
-        container = PostgresContainer("postgres:16-alpine", driver=None)
-        container.start()
-    try:
-        yield str(container.get_connection_url())
-    finally:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            container.stop()
 
 
 def _connect_autocommit(url: str) -> psycopg.Connection[Any]:
@@ -99,17 +52,8 @@ def _drop_database(server: str, name: str) -> None:
 @pytest.fixture(scope="session")
 def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The maintenance URL of the PostgreSQL server used by this test session."""
-    configured = os.environ.get(ENV_TEST_URL)
-    if configured:
-        yield configured
-        return
-    if _docker_answers():
-        with _testcontainer_url() as url:
-            yield url
-        return
-    from saga.database import embedded_database_url
-
-    yield embedded_database_url(tmp_path_factory.mktemp("embedded") / "pgdata")
+    with postgres_server(tmp_path_factory.mktemp("embedded") / "pgdata") as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

@@ -333,3 +333,11 @@ def test_input_hash_is_the_same_in_another_process() -> None:
         saga.input_hash(data),
         operation_key("renewal", 1, "a:b", "evt%1", "charge", "compensation"),
     ]
+
+
+@pytest.mark.parametrize("number", [2.0**53, -(2.0**60), 3.602879701896397e16, 1e300])
+def test_floats_too_large_to_store_exactly_are_refused(number: float) -> None:
+    """jsonb keeps a float's printed digits; from 2**53 on they are not its exact value."""
+    with pytest.raises(TypeError, match="too large to store exactly"):
+        check_json({"amount": number}, where="result of step 'charge'")
+    check_json({"amount": 2.0**53 - 1, "big_int": 2**80}, where="result of step 'charge'")
