@@ -36,3 +36,17 @@ soak: $(BIN)/.installed-test
 
 clean:
 	rm -rf $(VENV) dist build .pytest_cache .mypy_cache .ruff_cache
+
+# The benchmark has an environment of its own: DBOS Transact is measured beside us,
+# it is not a dependency of the project. Figures and command: README, "Benchmarks".
+BENCH_VENV ?= bench/.venv
+
+$(BENCH_VENV)/.installed: pyproject.toml bench/requirements.txt
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install --quiet --upgrade pip
+	$(BENCH_VENV)/bin/pip install --quiet -e . -r bench/requirements.txt
+	touch $@
+
+.PHONY: bench
+bench: $(BENCH_VENV)/.installed
+	$(BENCH_VENV)/bin/python bench/run.py

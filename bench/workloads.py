@@ -1,0 +1,605 @@
+"""The measured workloads, each run in a process of its own by bench/run.py.
+
+    python bench/workloads.py SCENARIO '{"url": ..., ...}'
+
+Each scenario prints one line `RESULT {json}` on stdout: its timings, latencies and the
+peak RSS of its process. Worker processes (`worker`) also speak a small line protocol on
+stdin/stdout (READY, then GO) so their start-up is not part of what is measured.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import structlog
+from pydantic import BaseModel
+
+from saga import Orchestrator, Saga, StepContext
+
+HERE = Path(__file__).resolve().parent
+Result = dict[str, Any]
+
+
+def quiet_logs() -> None:
+    """Both systems are measured with their logs silenced (warnings and errors still pass)."""
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("dbos").setLevel(logging.ERROR)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process, in MiB (ru_maxrss is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def emit(result: Result) -> None:
+    result.setdefault("rss_mb", peak_rss_mb())
+    try:
+        print("RESULT " + json.dumps(result), flush=True)
+    except BrokenPipeError:  # the coordinator has gone (it failed): nobody to tell
+        os._exit(1)
+
+
+def percentiles(samples: Sequence[float]) -> dict[str, float]:
+    """p50 and p99 of latencies in seconds, returned in milliseconds."""
+    if not samples:
+        return {"p50_ms": float("nan"), "p99_ms": float("nan")}
+    ordered = sorted(samples)
+    cuts = statistics.quantiles(ordered, n=100, method="inclusive") if len(ordered) > 1 else None
+    p50 = statistics.median(ordered)
+    p99 = cuts[98] if cuts else ordered[0]
+    return {"p50_ms": p50 * 1000.0, "p99_ms": p99 * 1000.0}
+
+
+# ----- this project's sagas ---------------------------------------------------------------
+
+
+class Item(BaseModel):
+    """Input of the benchmark sagas."""
+
+    id: str
+
+
+def _noop(ctx: StepContext, item: Item) -> None:
+    return None
+
+
+def noop_saga(name: str = "bench") -> Saga[Item]:
+    """A saga of three no-op steps."""
+    saga: Saga[Item] = Saga(name, version=1, input=Item, key=lambda i: i.id)
+    for step in ("s1", "s2", "s3"):
+        saga.step(name=step)(_noop)
+    return saga
+
+
+def slow_saga(seconds: float) -> Saga[Item]:
+    """Three steps, the first sleeping `seconds` (idempotent, so a lost attempt is retried)."""
+    saga: Saga[Item] = Saga("slow", version=1, input=Item, key=lambda i: i.id)
+
+    def sleepy(ctx: StepContext, item: Item) -> None:
+        time.sleep(seconds)
+
+    saga.step(name="s1", idempotent=True)(sleepy)
+    saga.step(name="s2")(_noop)
+    saga.step(name="s3")(_noop)
+    return saga
+
+
+def saga_named(name: str, step_seconds: float) -> Saga[Item]:
+    return slow_saga(step_seconds) if name == "slow" else noop_saga(name)
+
+
+class RoundTrips:
+    """Counts the round trips psycopg makes to the server.
+
+    Every round trip goes through `Connection.wait`; the calls of it that wait for no
+    answer are left out: entering a pipeline, executemany() sending its batch inside one
+    (the answers come with the pipeline's sync, counted), committing an idle connection.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.waits = 0
+        original = psycopg.Connection.wait
+        counter = self
+
+        def wait(conn: Any, *args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1)
+            name = caller.f_code.co_name
+            holder = type(caller.f_locals.get("self")).__name__
+            idle = conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            counter.waits += 1
+            if not (
+                (name == "__enter__" and "Pipeline" in holder)
+                or (name == "executemany" and conn._pipeline is not None)
+                or (name == "commit" and idle)
+            ):
+                counter.count += 1
+            return original(conn, *args, **kwargs)
+
+        psycopg.Connection.wait = wait  # type: ignore[method-assign, assignment]
+
+
+def ours_sequential(args: Result) -> Result:
+    """N sagas one after another in this process, each with execute() (start and drive)."""
+    saga = noop_saga()
+    n = int(args["n"])
+    latencies: list[float] = []
+    trips = RoundTrips() if args.get("count_round_trips") else None
+    with Orchestrator(args["url"], sagas=[saga], auto_migrate=False) as orch:
+        orch.store  # connect before the clock starts  # noqa: B018
+        if trips is not None:
+            trips.count = trips.waits = 0
+        profiler = _profiler(args)
+        started = time.perf_counter()
+        for i in range(n):
+            t0 = time.perf_counter()
+            state = orch.execute(saga, Item(id=f"seq-{i}"))
+            latencies.append(time.perf_counter() - t0)
+            if state.status != "completed":
+                raise RuntimeError(f"saga {state.id} ended {state.status}")
+        elapsed = time.perf_counter() - started
+        if profiler is not None:
+            _write_profile(profiler, Path(args["profile"]))
+    result: Result = {"elapsed": elapsed, "completed": n, **percentiles(latencies)}
+    if trips is not None:
+        result["round_trips_per_saga"] = trips.count / n
+        result["psycopg_waits_per_saga"] = trips.waits / n
+    return result
+
+
+def psycopg_floor(args: Result) -> Result:
+    """What n + 1 commits cost from Python at best: per 'saga', 4 single-statement autocommit
+    transactions (an INSERT, then three UPDATEs of that row) over one psycopg connection."""
+    n = int(args["n"])
+    latencies: list[float] = []
+    with psycopg.connect(args["url"], autocommit=True) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS floor (id bigint PRIMARY KEY, step integer)")
+        started = time.perf_counter()
+        for i in range(n):
+            t0 = time.perf_counter()
+            conn.execute("INSERT INTO floor (id, step) VALUES (%s, 0)", (i,))
+            for step in (1, 2, 3):
+                conn.execute("UPDATE floor SET step = %s WHERE id = %s", (step, i))
+            latencies.append(time.perf_counter() - t0)
+        elapsed = time.perf_counter() - started
+    return {"elapsed": elapsed, "completed": n, **percentiles(latencies)}
+
+
+def _profiler(args: Result) -> Any:
+    if not args.get("profile"):
+        return None
+    from pyinstrument import Profiler
+
+    profiler = Profiler(interval=0.0005)
+    profiler.start()
+    return profiler
+
+
+def _write_profile(profiler: Any, path: Path) -> None:
+    """The call tree (text and HTML), and a table of the functions with the most self time."""
+    session = profiler.stop()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        profiler.output_text(unicode=False, color=False, show_all=False, short_mode=False)
+    )
+    path.with_suffix(".html").write_text(profiler.output_html())
+    own: dict[str, float] = {}
+    stack = [session.root_frame()]
+    while stack:
+        frame = stack.pop()
+        stack.extend(frame.children)
+        if frame.is_synthetic:
+            continue  # "[self]" and the like: counted as their parent's own time
+        inner = sum(c.time for c in frame.children if not c.is_synthetic)
+        where = f"{frame.function}  {frame.file_path_short}:{frame.line_no}"
+        own[where] = own.get(where, 0.0) + frame.time - inner
+    total = session.duration
+    lines = [f"self time of {total:.3f} s wall (CPU {session.cpu_time:.3f} s), top 30:"]
+    for where, seconds in sorted(own.items(), key=lambda kv: -kv[1])[:30]:
+        lines.append(f"{seconds / total:6.1%}  {seconds:7.3f} s  {where}")
+    path.with_name(path.stem + "_self.txt").write_text("\n".join(lines) + "\n")
+
+
+def worker(args: Result) -> Result:
+    """A worker process: connect, say READY, wait for GO, run until no saga is open."""
+    saga = saga_named(args.get("saga", "bench"), float(args.get("step_seconds", 0.0)))
+    kwargs: dict[str, Any] = {}
+    if args.get("lease_seconds"):
+        kwargs["lease_seconds"] = float(args["lease_seconds"])
+    with Orchestrator(
+        args["url"], sagas=[saga], auto_migrate=False, owner=args.get("owner"), **kwargs
+    ) as orch:
+        orch.store  # noqa: B018
+        print("READY", flush=True)
+        if sys.stdin.readline().strip() != "GO":
+            return {"aborted": True}
+        started = time.perf_counter()
+        orch.worker(concurrency=int(args["concurrency"])).run(until_idle=True)
+        elapsed = time.perf_counter() - started
+    return {"elapsed": elapsed}
+
+
+def spawn_worker(args: Result) -> subprocess.Popen[str]:
+    """Start a worker process and wait until it is connected (READY)."""
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "workloads.py"), "worker", json.dumps(args)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if line != "READY":
+        proc.kill()
+        raise RuntimeError(f"worker did not start (said {line!r})")
+    return proc
+
+
+def go(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write("GO\n")
+    proc.stdin.flush()
+
+
+def collect(proc: subprocess.Popen[str]) -> Result:
+    """Wait for a worker process and read its RESULT line."""
+    assert proc.stdout is not None
+    out = proc.stdout.read()
+    if proc.wait() != 0:
+        raise RuntimeError(f"worker exited with {proc.returncode}")
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            parsed: Result = json.loads(line[len("RESULT ") :])
+            return parsed
+    raise RuntimeError("worker printed no result")
+
+
+def start_many(orch: Orchestrator, saga: Saga[Item], ids: Sequence[str], threads: int) -> None:
+    """start() each id, from `threads` threads."""
+    chunks = [ids[i::threads] for i in range(threads)]
+
+    def start_chunk(chunk: Sequence[str]) -> None:
+        for sid in chunk:
+            orch.start(saga, Item(id=sid))
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(start_chunk, chunks))
+
+
+def ours_workers(args: Result) -> Result:
+    """N sagas started first (8 threads), then driven by `procs` worker processes of
+    `concurrency` each; timed by the database clock from the first start to the last
+    completion."""
+    saga = noop_saga()
+    n, procs, conc = int(args["n"]), int(args["procs"]), int(args["concurrency"])
+    url = args["url"]
+    workers = [spawn_worker({"url": url, "concurrency": conc}) for _ in range(procs)]
+    with Orchestrator(url, sagas=[saga], auto_migrate=False, pool_size=8) as orch:
+        t0 = time.perf_counter()
+        start_many(orch, saga, [f"w-{i}" for i in range(n)], threads=8)
+        start_phase = time.perf_counter() - t0
+    starter_rss = peak_rss_mb()
+    for proc in workers:
+        go(proc)
+    results = [collect(proc) for proc in workers]
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            """SELECT count(*) FILTER (WHERE status = 'completed'),
+                      extract(epoch FROM max(updated_at) - min(created_at))
+               FROM saga.sagas"""
+        ).fetchone()
+        assert row is not None
+        completed, db_elapsed = int(row[0]), float(row[1])
+        # Per saga: from its first claim by a worker to its completion (database clock).
+        lat_rows = conn.execute(
+            """SELECT extract(epoch FROM max(at) FILTER (WHERE event = 'saga_completed')
+                                  - min(at) FILTER (WHERE event = 'lease_acquired'))
+               FROM saga.events GROUP BY saga_id"""
+        ).fetchall()
+        # The last completion's own commit is later than its updated_at (transaction start):
+        # take the last event's clock_timestamp() instead.
+        last = conn.execute(
+            "SELECT extract(epoch FROM max(e.at) - min(s.created_at)) "
+            "FROM saga.events e, saga.sagas s"
+        ).fetchone()
+        assert last is not None
+        db_elapsed = max(db_elapsed, float(last[0]))
+    latencies = [float(r[0]) for r in lat_rows if r[0] is not None]
+    return {
+        "elapsed": db_elapsed,
+        "completed": completed,
+        "start_phase": start_phase,
+        "rss_mb": max([starter_rss] + [float(r["rss_mb"]) for r in results]),
+        "worker_rss_mb": [float(r["rss_mb"]) for r in results],
+        **percentiles(latencies),
+    }
+
+
+# ----- DBOS Transact ----------------------------------------------------------------------
+
+
+def dbos_run(args: Result) -> Result:
+    """The same workload as a DBOS workflow of three steps, sequential or from N threads."""
+    from dbos import DBOS, DBOSConfig
+
+    n, threads = int(args["n"]), int(args["threads"])
+    config: DBOSConfig = {
+        "name": "bench",
+        "system_database_url": args["url"],
+        "log_level": "ERROR",
+    }
+    DBOS(config=config)
+
+    @DBOS.step()
+    def s1() -> None:
+        return None
+
+    @DBOS.step()
+    def s2() -> None:
+        return None
+
+    @DBOS.step()
+    def s3() -> None:
+        return None
+
+    @DBOS.workflow()
+    def wf(i: int) -> int:
+        s1()
+        s2()
+        s3()
+        return i
+
+    DBOS.launch()
+    quiet_logs()
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        t0 = time.perf_counter()
+        wf(i)
+        took = time.perf_counter() - t0
+        with lock:
+            latencies.append(took)
+
+    started = time.perf_counter()
+    if threads <= 1:
+        for i in range(n):
+            one(i)
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(one, range(n)))
+    elapsed = time.perf_counter() - started
+    rss = peak_rss_mb()
+    DBOS.destroy()
+    with psycopg.connect(args["url"]) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM dbos.workflow_status WHERE status = 'SUCCESS'"
+        ).fetchone()
+    completed = int(row[0]) if row else 0
+    return {"elapsed": elapsed, "completed": completed, "rss_mb": rss, **percentiles(latencies)}
+
+
+def dbos_setup(args: Result) -> Result:
+    """Launch DBOS once on its database so its migrations are not in the measured run."""
+    from dbos import DBOS
+
+    DBOS(config={"name": "bench", "system_database_url": args["url"], "log_level": "ERROR"})
+    DBOS.launch()
+    DBOS.destroy()
+    return {}
+
+
+# ----- recovery -----------------------------------------------------------------------------
+
+
+def recovery(args: Result) -> Result:
+    """SIGKILL a worker holding `count` in-flight sagas; time until a second worker, already
+    running, has reclaimed them all and completed them all."""
+    url, count = args["url"], int(args["count"])
+    lease = args.get("lease_seconds")
+    step_seconds = float(args["step_seconds"])
+    saga = slow_saga(step_seconds)
+    with Orchestrator(url, sagas=[saga], auto_migrate=False) as orch:
+        for i in range(count):
+            orch.start(saga, Item(id=f"r-{i}"))
+    common = {
+        "url": url,
+        "saga": "slow",
+        "step_seconds": step_seconds,
+        "concurrency": count,
+        "lease_seconds": lease,
+    }
+    first = spawn_worker({**common, "owner": "first"})
+    go(first)
+
+    def counts(conn: psycopg.Connection[Any]) -> tuple[int, int, int]:
+        row = conn.execute(
+            """SELECT count(*) FILTER (WHERE lease_owner = 'first' AND status = 'running'),
+                      count(*) FILTER (WHERE fence >= 2),
+                      count(*) FILTER (WHERE status = 'completed')
+               FROM saga.sagas WHERE name = 'slow'"""
+        ).fetchone()
+        assert row is not None
+        return int(row[0]), int(row[1]), int(row[2])
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        deadline = time.monotonic() + 30.0
+        while counts(conn)[0] < count:
+            if time.monotonic() > deadline:
+                first.kill()
+                raise RuntimeError("the first worker never held all sagas")
+            time.sleep(0.02)
+        # Every saga is now inside its first (slow) step on the first worker.
+        second = spawn_worker({**common, "owner": "second"})
+        go(second)
+        time.sleep(0.2)  # the second worker has looked and found nothing claimable
+        os.kill(first.pid, signal.SIGKILL)
+        killed = time.perf_counter()
+        first.wait()
+        reclaimed_at = completed_at = None
+        deadline = time.monotonic() + 120.0
+        while completed_at is None and time.monotonic() < deadline:
+            _, reclaimed, completed = counts(conn)
+            now = time.perf_counter()
+            if reclaimed_at is None and reclaimed >= count:
+                reclaimed_at = now
+            if completed >= count:
+                completed_at = now
+            time.sleep(0.02)
+    second_result = collect(second)
+    if reclaimed_at is None or completed_at is None:
+        raise RuntimeError("the sagas were not all completed after the kill")
+    return {
+        "reclaimed_s": reclaimed_at - killed,
+        "completed_s": completed_at - killed,
+        "lease_seconds": lease or Orchestrator().lease_seconds,
+        "rss_mb": float(second_result["rss_mb"]),
+    }
+
+
+# ----- claim latency --------------------------------------------------------------------------
+
+FILL_SAGAS = """
+INSERT INTO saga.sagas (id, name, version, tenant_id, key, input, input_hash, status,
+                        direction, fence, run_after, created_at, updated_at)
+SELECT gen_random_uuid(), 'bench', 1, '', 'done-' || g, jsonb_build_object('id', 'done-' || g),
+       md5(g::text), 'completed', 'forward', 1, t, t, t + interval '5 ms'
+FROM generate_series(1, %(rows)s) AS g,
+     LATERAL (SELECT now() - interval '30 days' + g * interval '1 second' AS t) AS ts
+"""
+
+FILL_SAGAS_FINISHED_AT = FILL_SAGAS.replace(
+    "created_at, updated_at)", "created_at, updated_at, finished_at)"
+).replace("t + interval '5 ms'", "t + interval '5 ms', t + interval '5 ms'")
+
+FILL_OPERATIONS = """
+INSERT INTO saga.operations (saga_id, step, kind, position, idempotency_key, request_hash,
+                             status, attempts, max_attempts, result, started_at, finished_at,
+                             updated_at)
+SELECT s.id, st.step, 'action', st.position, 'bench:v1::' || s.key || ':' || st.step,
+       s.input_hash, 'succeeded', 1, 1, 'null'::jsonb, s.created_at, s.updated_at, s.updated_at
+FROM saga.sagas AS s
+CROSS JOIN (VALUES ('s1', 0), ('s2', 1), ('s3', 2)) AS st(step, position)
+WHERE s.key LIKE 'done-%%'
+"""
+
+
+def fill_finished(url: str, rows: int) -> Result:
+    """Insert `rows` completed sagas of the benchmark kind, three succeeded operations each."""
+    t0 = time.perf_counter()
+    with psycopg.connect(url, autocommit=True) as conn:
+        has_finished_at = conn.execute(
+            "SELECT 1 FROM information_schema.columns WHERE table_schema = 'saga' "
+            "AND table_name = 'sagas' AND column_name = 'finished_at'"
+        ).fetchone()
+        # From schema 3 on, a finished saga records when it ended (retention counts from
+        # it, and an index covers it).
+        conn.execute(FILL_SAGAS_FINISHED_AT if has_finished_at else FILL_SAGAS, {"rows": rows})
+        conn.execute(FILL_OPERATIONS)
+        row = conn.execute(
+            "SELECT (SELECT count(*) FROM saga.sagas), (SELECT count(*) FROM saga.operations)"
+        ).fetchone()
+    assert row is not None
+    return {
+        "fill_seconds": time.perf_counter() - t0,
+        "sagas_rows": int(row[0]),
+        "operations_rows": int(row[1]),
+    }
+
+
+def claim_latency(args: Result) -> Result:
+    """Time of one claim transaction (claim_next_saga, committed) on a database holding no
+    finished saga and on one holding `fill` of them, each with `samples` runnable sagas
+    waiting. The two are claimed from in turn, so that outside load hits them alike."""
+    samples, fill = int(args["samples"]), int(args["fill"])
+    saga = noop_saga()
+    kinds = ["bench:1"]
+    out: Result = fill_finished(args["url_full"], fill)
+    orchs = {
+        "empty": Orchestrator(args["url_empty"], sagas=[saga], auto_migrate=False),
+        "full": Orchestrator(args["url_full"], sagas=[saga], auto_migrate=False),
+    }
+    took: dict[str, list[float]] = {"empty": [], "full": []}
+    try:
+        for tag, orch in orchs.items():
+            start_many(orch, saga, [f"{tag}-{i}" for i in range(samples)], threads=1)
+            with orch.store.transaction() as conn:
+                conn.execute("ANALYZE saga.sagas")
+                conn.execute("ANALYZE saga.operations")
+
+        def claim(tag: str) -> None:
+            orch = orchs[tag]
+            store = orch.store
+            t0 = time.perf_counter()
+            with store.transaction() as conn:
+                row = store.claim_next_txn(
+                    conn, kinds=kinds, owner="bench", lease_seconds=orch.lease_seconds
+                )
+            took[tag].append(time.perf_counter() - t0)
+            assert row is not None
+            with store.transaction() as conn:  # out of the runnable set, untimed
+                conn.execute(
+                    "UPDATE saga.sagas SET status = 'completed', lease_owner = NULL, "
+                    "lease_expires_at = NULL WHERE id = %s",
+                    (row.id,),
+                )
+
+        for i in range(samples):
+            for tag in ("empty", "full") if i % 2 == 0 else ("full", "empty"):
+                claim(tag)
+        try:
+            from saga.store import QUERIES
+
+            with orchs["full"].store.transaction() as conn:
+                plan = conn.execute(
+                    "EXPLAIN " + QUERIES["claim_next_saga"],
+                    {"kinds": kinds, "owner": "x", "lease_seconds": 10.0},
+                ).fetchall()
+            out["plan"] = [str(next(iter(r.values()))) for r in plan]
+        except Exception as exc:  # the query's name or parameters changed: no plan, no harm
+            out["plan"] = [f"unavailable: {exc}"]
+    finally:
+        for orch in orchs.values():
+            orch.close()
+    out["before_ms"] = statistics.median(took["empty"]) * 1000.0
+    out["after_ms"] = statistics.median(took["full"]) * 1000.0
+    out["before_p99_ms"] = percentiles(took["empty"])["p99_ms"]
+    out["after_p99_ms"] = percentiles(took["full"])["p99_ms"]
+    return out
+
+
+SCENARIOS: dict[str, Callable[[Result], Result]] = {
+    "ours_sequential": ours_sequential,
+    "psycopg_floor": psycopg_floor,
+    "ours_workers": ours_workers,
+    "worker": worker,
+    "dbos": dbos_run,
+    "dbos_setup": dbos_setup,
+    "recovery": recovery,
+    "claim_latency": claim_latency,
+}
+
+
+def main() -> None:
+    quiet_logs()
+    name, raw = sys.argv[1], sys.argv[2]
+    emit(SCENARIOS[name](json.loads(raw)))
+
+
+if __name__ == "__main__":
+    main()
