@@ -29,6 +29,7 @@ from saga.errors import (
     StepStateError,
 )
 from saga.keys import check_saga_input
+from saga.leases import LeaseKeeper
 from saga.migrate import apply_migrations
 from saga.protocol import Event, Next, Planner, SagaRow, new_action_rows
 from saga.runner import Runner, RunnerOptions, log_events
@@ -109,6 +110,7 @@ class Orchestrator:
         self._registry: dict[tuple[str, int], Saga[Any]] = {}
         self._lock = threading.Lock()
         self._pool: ConnectionPool[Any] | None = None
+        self._keeper: LeaseKeeper | None = None
         self._store: Store | None = None
         for saga in sagas:
             self.register(saga)
@@ -191,7 +193,10 @@ class Orchestrator:
         )
 
     def close(self) -> None:
-        """Close the connection pool."""
+        """Stop the heartbeat and close the connection pool."""
+        if self._keeper is not None:
+            self._keeper.close()
+            self._keeper = None
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -264,7 +269,7 @@ class Orchestrator:
         store = self.store
         claimed: tuple[Planner, Next] | None = None
         events: list[Event] = []
-        with store.transaction() as conn:
+        with store.pipelined() as conn:
             created = store.insert_saga_txn(
                 conn,
                 row,
@@ -652,7 +657,21 @@ class Orchestrator:
         )
 
     def _runner(self) -> Runner:
-        return Runner(self.store, self.runner_options())
+        return Runner(self.store, self.runner_options(), keeper=self.lease_keeper)
+
+    @property
+    def lease_keeper(self) -> LeaseKeeper:
+        """The heartbeat that keeps this orchestrator's leases alive while steps run."""
+        store = self.store
+        with self._lock:
+            if self._keeper is None:
+                self._keeper = LeaseKeeper(
+                    store,
+                    owner=self.owner,
+                    lease_seconds=self.lease_seconds,
+                    heartbeat_seconds=self.heartbeat_seconds,
+                )
+            return self._keeper
 
     # ----- reading -----------------------------------------------------------------------
 

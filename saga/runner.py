@@ -19,6 +19,7 @@ from saga.context import StepContext
 from saga.dbretry import retrying
 from saga.definition import Saga
 from saga.errors import LeaseLost
+from saga.leases import LeaseKeeper
 from saga.outcomes import Absent, Found, Inconclusive
 from saga.protocol import (
     AskReconcile,
@@ -63,9 +64,15 @@ class Runner:
     """Drives claimed sagas under a lease; every write is fenced."""
 
     def __init__(
-        self, store: Store, options: RunnerOptions, *, stopping: threading.Event | None = None
+        self,
+        store: Store,
+        options: RunnerOptions,
+        *,
+        keeper: LeaseKeeper,
+        stopping: threading.Event | None = None,
     ) -> None:
         self.store = store
+        self.keeper = keeper
         self.options = options
         self.owner = options.owner
         self.lease_seconds = options.lease_seconds
@@ -84,7 +91,7 @@ class Runner:
         return self.drive(*claimed)
 
     def _claim_by_id(self, definition: Saga[Any], saga_id: str) -> tuple[Planner, Next] | None:
-        with self.store.transaction() as conn:
+        with self.store.pipelined() as conn:
             row = self.store.claim_txn(
                 conn, saga_id, owner=self.owner, lease_seconds=self.lease_seconds
             )
@@ -99,7 +106,7 @@ class Runner:
     ) -> tuple[Planner, Next] | None:
         """Claim the longest-waiting runnable saga of these name:version kinds and plan its
         first move in the same transaction; None when there is nothing to claim."""
-        with self.store.transaction() as conn:
+        with self.store.pipelined() as conn:
             row = self.store.claim_next_txn(
                 conn, kinds=kinds, owner=self.owner, lease_seconds=self.lease_seconds
             )
@@ -172,7 +179,9 @@ class Runner:
             Event("lease_acquired", detail={"owner": self.owner, "fence": row.fence})
         )
         nxt = planner.advance(may_call=not self.stopping.is_set())
-        events = self._persist_txn(conn, planner, nxt)
+        events, read_state = self._persist_txn(conn, planner, nxt)
+        if read_state is not None:
+            planner.final_state = read_state()
         return planner, nxt, events
 
     def _transact(
@@ -193,8 +202,10 @@ class Runner:
                     if target is not None and not self._still_in_flight(planner, target):
                         mutate = None
                 first = False
-                with self.store.transaction() as conn:
-                    self.store.check_fence_txn(
+                # One round trip: the fence check goes first and fails the transaction,
+                # writes included, if another owner claimed the saga meanwhile.
+                with self.store.pipelined() as conn:
+                    self.store.assert_fence_txn(
                         conn,
                         planner.saga.id,
                         owner=self.owner,
@@ -204,7 +215,9 @@ class Runner:
                     if mutate is not None:
                         mutate(planner)
                     nxt = planner.advance(may_call=not self.stopping.is_set())
-                    events = self._persist_txn(conn, planner, nxt)
+                    events, read_state = self._persist_txn(conn, planner, nxt)
+                if read_state is not None:
+                    planner.final_state = read_state()
                 log_events(planner, events)
         return planner, nxt
 
@@ -233,7 +246,11 @@ class Runner:
         op = planner.find(step, "action" if kind == "action" else "compensation")
         return op is not None and op.status == OperationStatus.RUNNING and op.attempts == attempts
 
-    def _persist_txn(self, conn: Conn, planner: Planner, nxt: Next) -> list[Event]:
+    def _persist_txn(
+        self, conn: Conn, planner: Planner, nxt: Next
+    ) -> tuple[list[Event], Callable[[], SagaState | None] | None]:
+        """Queue the planner's changes; when the saga is handed back, also the read of its
+        state, returned as a function to call once the transaction has committed."""
         saga = planner.saga
         lease_until: datetime | None = None
         release = isinstance(nxt, Stop | Yield)
@@ -271,8 +288,8 @@ class Runner:
             self.store.notify_runnable_txn(conn, saga.name, saga.version)
         if release:
             # The caller's answer, read in the last transaction rather than in one more.
-            planner.final_state = self.store.get_state_txn(conn, saga.id)
-        return events
+            return events, self.store.deferred_state_txn(conn, saga.id)
+        return events, None
 
     # ----- calling user code -------------------------------------------------------------
 
@@ -324,7 +341,7 @@ class Runner:
         mutate: Mutation
         faults.point("before_call", **where)
         try:
-            with _Heartbeat(self, planner.saga):
+            with self.keeper.holding(planner.saga.id, planner.saga.fence):
                 value = _call_with_timeout(
                     fn, (ctx, *planner.arguments(op)), spec.guards.timeout_seconds
                 )
@@ -390,43 +407,6 @@ class Runner:
         result = self._transact(planner, mutate, None)
         faults.point("after_record", step=op.step, kind=op.kind)
         return result
-
-
-class _Heartbeat:
-    """Renews the lease while user code runs, so a long step is not taken for a dead one."""
-
-    def __init__(self, runner: Runner, saga: SagaRow) -> None:
-        self.runner = runner
-        self.saga = saga
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(
-            target=self._beat, name=f"saga-heartbeat-{saga.id}", daemon=True
-        )
-
-    def __enter__(self) -> _Heartbeat:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stopped.set()
-        self.thread.join()
-
-    def _beat(self) -> None:
-        options = self.runner.options
-        while not self.stopped.wait(options.heartbeat_seconds):
-            try:
-                alive = self.runner.store.renew_lease(
-                    self.saga.id,
-                    owner=options.owner,
-                    fence=self.saga.fence,
-                    lease_seconds=options.lease_seconds,
-                )
-            except Exception as exc:  # the outcome write will find out; keep trying meanwhile
-                _log.warning("heartbeat_failed", saga_id=self.saga.id, error=str(exc))
-                continue
-            if not alive:
-                _log.warning("heartbeat_lease_lost", saga_id=self.saga.id, fence=self.saga.fence)
-                return
 
 
 class _AttemptTimedOut(Exception):

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from decimal import Decimal
@@ -30,6 +31,8 @@ from saga.state import (
 )
 
 Conn = psycopg.Connection[dict[str, Any]]
+# SQLSTATE raised by saga.assert_fence when the lease is no longer the caller's.
+FENCE_SQLSTATE = "SG001"
 _HEADER = re.compile(r"^-- ([a-z_]+) --$", re.MULTILINE)
 
 
@@ -71,6 +74,31 @@ class Store:
         with self.pool.connection() as conn, conn.transaction():
             conn.row_factory = dict_row
             yield cast(Conn, conn)
+
+    @contextmanager
+    def pipelined(self) -> Iterator[Conn]:
+        """One transaction sent in a pipeline: statements go out without waiting, and the
+        whole of it (BEGIN to COMMIT) costs one round trip unless a result is fetched
+        inside. Results of deferred reads are fetched after the block. A failed
+        `assert_fence_txn` becomes `LeaseLost`, with everything queued rolled back."""
+        try:
+            with self.pool.connection() as conn, conn.pipeline(), conn.transaction():
+                conn.row_factory = dict_row
+                yield cast(Conn, conn)
+        except psycopg.Error as exc:
+            if exc.sqlstate == FENCE_SQLSTATE:
+                raise LeaseLost(str(exc.diag.message_primary or exc)) from None
+            raise
+
+    def assert_fence_txn(
+        self, conn: Conn, saga_id: str, *, owner: str, fence: int, lease_seconds: float
+    ) -> None:
+        """Queue the fence check (and lease renewal) that fails the transaction when the
+        saga is no longer ours; see `pipelined`."""
+        conn.execute(
+            _q("assert_fence"),
+            {"saga_id": saga_id, "owner": owner, "fence": fence, "lease_seconds": lease_seconds},
+        )
 
     # ----- creating --------------------------------------------------------------------
 
@@ -164,21 +192,17 @@ class Store:
         """Append audit events."""
         if not events:
             return
-        with conn.cursor() as cur:
-            cur.executemany(
-                _q("insert_event"),
-                [
-                    {
-                        "saga_id": saga_id,
-                        "event": e.event,
-                        "step": e.step,
-                        "kind": e.kind,
-                        "attempt": e.attempt,
-                        "detail": Jsonb(e.detail),
-                    }
-                    for e in events
-                ],
-            )
+        rows = [
+            {
+                "event": e.event,
+                "step": e.step,
+                "kind": e.kind,
+                "attempt": e.attempt,
+                "detail": e.detail,
+            }
+            for e in events
+        ]
+        conn.execute(_q("insert_events"), {"saga_id": saga_id, "events": _jsonb(rows)})
 
     # ----- leases ----------------------------------------------------------------------
 
@@ -213,19 +237,21 @@ class Store:
         if row is None:
             raise LeaseLost(f"lease of saga {saga_id} (fence {fence}) was taken over")
 
-    def renew_lease(self, saga_id: str, *, owner: str, fence: int, lease_seconds: float) -> bool:
-        """Heartbeat; False when the lease is no longer ours."""
+    def renew_leases(
+        self, held: Mapping[str, int], *, owner: str, lease_seconds: float
+    ) -> set[str]:
+        """Heartbeat of several leases (saga id -> fence); the ids still held."""
         with self.transaction() as conn:
-            row = conn.execute(
-                _q("renew_lease"),
+            rows = conn.execute(
+                _q("renew_leases"),
                 {
-                    "saga_id": saga_id,
+                    "saga_ids": list(held),
+                    "fences": list(held.values()),
                     "owner": owner,
-                    "fence": fence,
                     "lease_seconds": lease_seconds,
                 },
-            ).fetchone()
-        return row is not None
+            ).fetchall()
+        return {r["id"] for r in rows}
 
     def release_lease(self, saga_id: str, *, owner: str, fence: int) -> None:
         """Give the lease back if still ours (error paths)."""
@@ -259,8 +285,10 @@ class Store:
             self.insert_operations_txn(conn, saga.id, new)
         changed = [op for op in ops if op.dirty]
         if changed:
-            with conn.cursor() as cur:
-                cur.executemany(_q("update_operation"), [_op_params(saga.id, op) for op in changed])
+            conn.execute(
+                _q("update_operations"),
+                {"saga_id": saga.id, "ops": _jsonb([_op_params(op) for op in changed])},
+            )
             for op in changed:
                 op.dirty = False
         conn.execute(
@@ -374,6 +402,18 @@ class Store:
         """The user-facing state of one saga, or None."""
         with self.transaction() as conn:
             return self.get_state_txn(conn, saga_id)
+
+    def deferred_state_txn(self, conn: Conn, saga_id: str) -> Callable[[], SagaState | None]:
+        """Queue the reads of a saga's state; the returned function builds it once the
+        (pipelined) transaction's results have arrived."""
+        saga_cur = conn.execute(_q("get_saga"), {"saga_id": saga_id})
+        ops_cur = conn.execute(_q("get_operations"), {"saga_id": saga_id})
+
+        def read() -> SagaState | None:
+            row = saga_cur.fetchone()
+            return None if row is None else _state(row, ops_cur.fetchall())
+
+        return read
 
     def get_state_txn(self, conn: Conn, saga_id: str) -> SagaState | None:
         """The user-facing state of one saga as this transaction sees it, or None."""
@@ -495,28 +535,42 @@ def _op_row(row: dict[str, Any]) -> OpRow:
     return OpRow(**fields)
 
 
-def _op_params(saga_id: str, op: OpRow) -> dict[str, Any]:
+def _op_params(op: OpRow) -> dict[str, Any]:
     return {
-        "saga_id": saga_id,
-        "step": op.step,
         "kind": op.kind,
+        "step": op.step,
         "status": op.status.value,
         "attempts": op.attempts,
         "max_attempts": op.max_attempts,
         "next_attempt_at": op.next_attempt_at,
-        "result": None if op.result is None else Jsonb(op.result),
+        "result": op.result,
         "provider_reference": op.provider_reference,
         "error": op.error,
         "started_at": op.started_at,
         "finished_at": op.finished_at,
         "request_hash": op.request_hash,
-        "request": None if op.request is None else Jsonb(op.request),
+        "request": op.request,
         "deadline_at": op.deadline_at,
         "cost": op.cost,
         "reconcile_started_at": op.reconcile_started_at,
         "reconcile_asks": op.reconcile_asks,
         "retrying_unknown": op.retrying_unknown,
     }
+
+
+def _jsonb(rows: list[dict[str, Any]]) -> Jsonb:
+    # Rows travel as one JSON array (jsonb_to_recordset): one statement however many.
+    return Jsonb(rows, dumps=_dumps)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, default=_encode_extra, separators=(",", ":"))
+
+
+def _encode_extra(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    raise TypeError(f"cannot store {type(value).__name__} in a batch row")
 
 
 def _state(row: dict[str, Any], ops: Sequence[dict[str, Any]]) -> SagaState:

@@ -102,7 +102,7 @@ class Worker:
         # Each saga in flight may hold two connections (its transaction and its heartbeat).
         orch.ensure_pool_size(2 * self.concurrency + 2)
         options = orch.runner_options(max_inline_sleep=self.short_wait_seconds)
-        runner = Runner(orch.store, options, stopping=self._stopping)
+        runner = Runner(orch.store, options, keeper=orch.lease_keeper, stopping=self._stopping)
         if handle_signals is None:
             handle_signals = threading.current_thread() is threading.main_thread()
         listener = threading.Thread(

@@ -28,10 +28,15 @@ INSERT INTO saga.operations (saga_id, step, kind, position, idempotency_key, req
 VALUES (%(saga_id)s, %(step)s, %(kind)s, %(position)s, %(idempotency_key)s, %(request_hash)s,
         %(status)s, %(attempts)s, %(max_attempts)s)
 
--- insert_event --
--- Append one entry to the audit trail.
+-- insert_events --
+-- Append entries to the audit trail, in the order given, in one statement.
 INSERT INTO saga.events (saga_id, event, step, kind, attempt, detail)
-VALUES (%(saga_id)s, %(event)s, %(step)s, %(kind)s, %(attempt)s, %(detail)s)
+SELECT %(saga_id)s, x.event, x.step, x.kind, x.attempt, COALESCE(x.detail, '{}'::jsonb)
+FROM ROWS FROM (
+         jsonb_to_recordset(%(events)s)
+         AS (event text, step text, kind text, attempt integer, detail jsonb)
+     ) WITH ORDINALITY AS x(event, step, kind, attempt, detail, n)
+ORDER BY x.n
 
 -- get_saga --
 -- One saga row.
@@ -169,34 +174,42 @@ SET status = %(status)s,
     updated_at = now()
 WHERE id = %(saga_id)s
 
--- update_operation --
--- Persist an operation's mutable columns.
-UPDATE saga.operations
-SET status = %(status)s,
-    attempts = %(attempts)s,
-    max_attempts = %(max_attempts)s,
-    next_attempt_at = %(next_attempt_at)s,
-    result = %(result)s,
-    provider_reference = %(provider_reference)s,
-    error = %(error)s,
-    started_at = %(started_at)s,
-    finished_at = %(finished_at)s,
-    request_hash = %(request_hash)s,
-    request = %(request)s,
-    deadline_at = %(deadline_at)s,
-    cost = %(cost)s,
-    reconcile_started_at = %(reconcile_started_at)s,
-    reconcile_asks = %(reconcile_asks)s,
-    retrying_unknown = %(retrying_unknown)s,
+-- update_operations --
+-- Persist the mutable columns of several operations of one saga in one statement.
+UPDATE saga.operations AS o
+SET status = x.status,
+    attempts = x.attempts,
+    max_attempts = x.max_attempts,
+    next_attempt_at = x.next_attempt_at,
+    result = x.result,
+    provider_reference = x.provider_reference,
+    error = x.error,
+    started_at = x.started_at,
+    finished_at = x.finished_at,
+    request_hash = x.request_hash,
+    request = x.request,
+    deadline_at = x.deadline_at,
+    cost = x.cost,
+    reconcile_started_at = x.reconcile_started_at,
+    reconcile_asks = x.reconcile_asks,
+    retrying_unknown = x.retrying_unknown,
     updated_at = now()
-WHERE saga_id = %(saga_id)s AND kind = %(kind)s AND step = %(step)s
+FROM jsonb_to_recordset(%(ops)s) AS x(
+    kind text, step text, status text, attempts integer, max_attempts integer,
+    next_attempt_at timestamptz, result jsonb, provider_reference text, error text,
+    started_at timestamptz, finished_at timestamptz, request_hash text, request jsonb,
+    deadline_at timestamptz, cost numeric, reconcile_started_at timestamptz,
+    reconcile_asks integer, retrying_unknown boolean)
+WHERE o.saga_id = %(saga_id)s AND o.kind = x.kind AND o.step = x.step
 
--- renew_lease --
--- Heartbeat while a step runs: extend the lease if this owner still holds it.
-UPDATE saga.sagas
-SET lease_expires_at = now() + make_interval(secs => %(lease_seconds)s)
-WHERE id = %(saga_id)s AND fence = %(fence)s AND lease_owner = %(owner)s
-RETURNING fence
+-- renew_leases --
+-- Heartbeat of the attempts in flight: extend each lease this owner still holds at that
+-- fence; the ids returned are the leases still ours.
+UPDATE saga.sagas AS s
+SET lease_expires_at = GREATEST(s.lease_expires_at, now() + make_interval(secs => %(lease_seconds)s))
+FROM unnest(%(saga_ids)s::uuid[], %(fences)s::bigint[]) AS h(id, fence)
+WHERE s.id = h.id AND s.fence = h.fence AND s.lease_owner = %(owner)s
+RETURNING s.id::text
 
 -- release_lease --
 -- Give the lease back (on error paths), if still ours.
@@ -288,3 +301,8 @@ WHERE id IN (
     LIMIT %(batch_size)s
     FOR UPDATE SKIP LOCKED
 )
+
+-- assert_fence --
+-- The fence check of a pipelined transition: fails the transaction (SQLSTATE SG001) when
+-- another owner has claimed the saga, so the writes queued after it are rolled back.
+SELECT saga.assert_fence(%(saga_id)s, %(owner)s, %(fence)s, %(lease_seconds)s)

@@ -1,0 +1,74 @@
+"""Keeping leases alive while user code runs: one heartbeat thread per orchestrator."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import structlog
+
+from saga.store import Store
+
+_log: structlog.typing.FilteringBoundLogger = structlog.get_logger("saga")
+
+
+class LeaseKeeper:
+    """Renews, every `heartbeat_seconds`, the lease of each saga whose attempt is in flight,
+    in one statement for all of them, so a long step is not taken for a dead one. A lease
+    found lost is logged; the attempt's outcome write will then be refused by its fence."""
+
+    def __init__(
+        self, store: Store, *, owner: str, lease_seconds: float, heartbeat_seconds: float
+    ) -> None:
+        self.store = store
+        self.owner = owner
+        self.lease_seconds = lease_seconds
+        self.heartbeat_seconds = heartbeat_seconds
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @contextmanager
+    def holding(self, saga_id: str, fence: int) -> Iterator[None]:
+        """Keep the lease of `saga_id` at `fence` alive for the duration of the block."""
+        with self._lock:
+            self._held[saga_id] = fence
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._beat, name=f"saga-heartbeat-{self.owner}", daemon=True
+                )
+                self._thread.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held.pop(saga_id, None)
+
+    def close(self) -> None:
+        """Stop the heartbeat thread (leases then expire unless renewed by writes)."""
+        self._stopped.set()
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def _beat(self) -> None:
+        while not self._stopped.wait(self.heartbeat_seconds):
+            with self._lock:
+                held = dict(self._held)
+            if not held:
+                continue
+            try:
+                alive = self.store.renew_leases(
+                    held, owner=self.owner, lease_seconds=self.lease_seconds
+                )
+            except Exception as exc:  # outcome writes will find out; keep trying meanwhile
+                _log.warning("heartbeat_failed", error=f"{type(exc).__name__}: {exc}")
+                continue
+            for saga_id in held.keys() - alive:
+                with self._lock:
+                    if self._held.get(saga_id) != held[saga_id]:
+                        continue  # released meanwhile
+                    self._held.pop(saga_id, None)  # no use renewing it again
+                _log.warning("heartbeat_lease_lost", saga_id=saga_id, fence=held[saga_id])
