@@ -9,7 +9,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -41,7 +41,7 @@ from saga.state import (
     SagaStatus,
     WorkerInfo,
 )
-from saga.store import Conn, Store, parse_id
+from saga.store import Store, parse_id
 
 if TYPE_CHECKING:
     from saga.worker import Worker
@@ -248,6 +248,7 @@ class Orchestrator:
             saga.name, model.model_dump(), model.model_dump(mode="json"), identity=(tenant, key)
         )
         business = saga.business_fields(model)
+        deadline = saga.ceilings.deadline_seconds
         row = SagaRow(
             id=str(uuid.uuid4()),
             name=saga.name,
@@ -259,44 +260,47 @@ class Orchestrator:
             status=SagaStatus.PENDING,
             error=None,
             direction="forward",
-            fence=0,
+            fence=0 if runner is None else 1,
             run_after=None,
+            lease_owner=None if runner is None else runner.owner,
             max_operations=saga.ceilings.max_operations,
+            deadline_at=None
+            if deadline is None
+            else datetime.now().astimezone() + timedelta(seconds=deadline),
             spend_budget=saga.ceilings.spend_budget,
             max_side_effects=saga.ceilings.max_side_effects,
         )
         ops = new_action_rows(saga, tenant, key, business)
-        store = self.store
+        events = [Event("saga_started", detail={"input_hash": row.input_hash})]
         claimed: tuple[Planner, Next] | None = None
-        events: list[Event] = []
-        with store.pipelined() as conn:
-            created = store.insert_saga_txn(
-                conn,
-                row,
-                ops,
-                lease_owner=runner.owner if runner is not None else None,
-                lease_seconds=self.lease_seconds,
-                deadline_seconds=saga.ceilings.deadline_seconds,
-            )
-            if not created:
-                saga_id = self._check_duplicate_txn(conn, saga, row)
-            else:
-                saga_id = row.id
-                store.append_events_txn(
-                    conn, row.id, [Event("saga_started", detail={"input_hash": row.input_hash})]
-                )
-                if runner is not None:
-                    planner, nxt, events = runner.begin_new_txn(conn, saga, row, ops)
-                    claimed = (planner, nxt)
-        _log.info(
-            "saga_started" if created else "saga_start_deduplicated",
-            saga_id=saga_id,
-            saga=saga.name,
-            tenant_id=tenant,
-            key=key,
+        if runner is not None:
+            planner, nxt, released = runner.plan_new(saga, row, ops)
+            if any(c.new for c in planner.confirmations):
+                # Confirmation rows are not written at start: start plainly, then run.
+                return self._start(saga, model, runner=None)
+            if released:
+                row.lease_owner = None
+            events += planner.take_events()
+            claimed = (planner, nxt)
+        outcome = self.store.start_saga(
+            row, ops, events, lease_seconds=self.lease_seconds, notify=runner is None
         )
-        if claimed is not None:
-            log_events(claimed[0], events)
+        created = bool(outcome["created"])
+        if created:
+            saga_id = row.id
+            _log.info("saga_started", saga_id=saga_id, saga=saga.name, tenant_id=tenant, key=key)
+            if claimed is not None:
+                log_events(claimed[0], events[1:])
+        else:
+            claimed = None
+            saga_id = self._check_duplicate(saga, row, outcome)
+            _log.info(
+                "saga_start_deduplicated",
+                saga_id=saga_id,
+                saga=saga.name,
+                tenant_id=tenant,
+                key=key,
+            )
         handle = SagaHandle(
             id=saga_id,
             saga=saga.name,
@@ -307,11 +311,7 @@ class Orchestrator:
         )
         return handle, claimed
 
-    def _check_duplicate_txn(self, conn: Conn, saga: Saga[Any], row: SagaRow) -> str:
-        found = self.store.find_by_identity_txn(
-            conn, tenant_id=row.tenant_id, name=saga.name, key=row.key
-        )
-        assert found is not None  # the insert conflicted on this identity
+    def _check_duplicate(self, saga: Saga[Any], row: SagaRow, found: dict[str, Any]) -> str:
         if found["version"] != saga.version or found["input_hash"] != row.input_hash:
             raise IdempotencyConflict(
                 f"saga {saga.name!r} with key {row.key!r} (tenant {row.tenant_id!r}) already "

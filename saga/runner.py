@@ -116,14 +116,20 @@ class Runner:
         log_events(planner, events)
         return planner, nxt
 
-    def begin_new_txn(
-        self, conn: Conn, definition: Saga[Any], row: SagaRow, ops: list[OpRow]
-    ) -> tuple[Planner, Next, list[Event]]:
-        """Plan the first move of a saga inserted in this transaction under our lease.
-
-        The caller logs the returned events (`log_events`) once the transaction commits.
-        """
-        return self._begin_txn(conn, definition, row, ops=ops)
+    def plan_new(
+        self, definition: Saga[Any], row: SagaRow, ops: list[OpRow]
+    ) -> tuple[Planner, Next, bool]:
+        """Plan the first move of a saga about to be created under our lease (nothing is
+        written here); returns the planner, its move, and whether the lease ends at once."""
+        planner = Planner(definition, row, ops)
+        planner.events.append(
+            Event("lease_acquired", detail={"owner": self.owner, "fence": row.fence})
+        )
+        nxt = planner.advance(may_call=not self.stopping.is_set())
+        release, _ = self._hand_over(planner, nxt)
+        if isinstance(nxt, Invoke):
+            faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
+        return planner, nxt, release
 
     def drive(self, planner: Planner, nxt: Next) -> SagaState | None:
         """Carry out `nxt` and every move after it until the saga stops or is handed back.
@@ -168,12 +174,10 @@ class Runner:
     # ----- transactions ------------------------------------------------------------------
 
     def _begin_txn(
-        self, conn: Conn, definition: Saga[Any], row: SagaRow, *, ops: list[OpRow] | None = None
+        self, conn: Conn, definition: Saga[Any], row: SagaRow
     ) -> tuple[Planner, Next, list[Event]]:
-        confirmations = []
-        if ops is None:
-            ops = self.store.operations_txn(conn, row.id)
-            confirmations = self.store.confirmations_txn(conn, row.id)
+        ops = self.store.operations_txn(conn, row.id)
+        confirmations = self.store.confirmations_txn(conn, row.id)
         planner = Planner(definition, row, ops, confirmations)
         planner.events.append(
             Event("lease_acquired", detail={"owner": self.owner, "fence": row.fence})
@@ -202,24 +206,53 @@ class Runner:
                     if target is not None and not self._still_in_flight(planner, target):
                         mutate = None
                 first = False
-                # One round trip: the fence check goes first and fails the transaction,
-                # writes included, if another owner claimed the saga meanwhile.
-                with self.store.pipelined() as conn:
-                    self.store.assert_fence_txn(
-                        conn,
-                        planner.saga.id,
-                        owner=self.owner,
-                        fence=planner.saga.fence,
-                        lease_seconds=self.lease_seconds,
-                    )
-                    if mutate is not None:
-                        mutate(planner)
-                    nxt = planner.advance(may_call=not self.stopping.is_set())
-                    events, read_state = self._persist_txn(conn, planner, nxt)
-                if read_state is not None:
-                    planner.final_state = read_state()
+                if mutate is not None:
+                    mutate(planner)
+                nxt = planner.advance(may_call=not self.stopping.is_set())
+                if any(c.new or c.dirty for c in planner.confirmations):
+                    events = self._transact_pipelined(planner, nxt)
+                else:
+                    events = self._transact_at_once(planner, nxt)
                 log_events(planner, events)
         return planner, nxt
+
+    def _transact_at_once(self, planner: Planner, nxt: Next) -> list[Event]:
+        """The common transition: one statement, one round trip (saga.apply_transition),
+        which fails as a whole when the lease is no longer ours."""
+        release, lease_until = self._hand_over(planner, nxt)
+        events = planner.take_events()
+        if isinstance(nxt, Invoke):
+            faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
+        state = self.store.apply_transition(
+            planner.saga,
+            planner.ops,
+            events,
+            owner=self.owner,
+            lease_seconds=self.lease_seconds,
+            release=release,
+            lease_until=lease_until,
+            notify=isinstance(nxt, Yield),
+            return_state=release,
+        )
+        if release:
+            planner.final_state = state
+        return events
+
+    def _transact_pipelined(self, planner: Planner, nxt: Next) -> list[Event]:
+        """A transition that also writes confirmations, as one pipelined transaction whose
+        fence check goes first and fails it, writes included, if the lease was lost."""
+        with self.store.pipelined() as conn:
+            self.store.assert_fence_txn(
+                conn,
+                planner.saga.id,
+                owner=self.owner,
+                fence=planner.saga.fence,
+                lease_seconds=self.lease_seconds,
+            )
+            events, read_state = self._persist_txn(conn, planner, nxt)
+        if read_state is not None:
+            planner.final_state = read_state()
+        return events
 
     def _reload(
         self, planner: Planner, target: tuple[str, str, int] | None
@@ -252,6 +285,30 @@ class Runner:
         """Queue the planner's changes; when the saga is handed back, also the read of its
         state, returned as a function to call once the transaction has committed."""
         saga = planner.saga
+        release, lease_until = self._hand_over(planner, nxt)
+        events = planner.take_events()
+        self.store.save_txn(
+            conn,
+            saga,
+            planner.ops,
+            events,
+            release=release,
+            lease_until=lease_until,
+            confirmations=planner.confirmations,
+        )
+        if isinstance(nxt, Invoke):
+            faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
+        if isinstance(nxt, Yield):
+            self.store.notify_runnable_txn(conn, saga.name, saga.version)
+        if release:
+            # The caller's answer, read in the last transaction rather than in one more.
+            return events, self.store.deferred_state_txn(conn, saga.id)
+        return events, None
+
+    def _hand_over(self, planner: Planner, nxt: Next) -> tuple[bool, datetime | None]:
+        """Whether the lease ends with this transition, and until when it must last
+        otherwise; records the matching events and run_after on the planner."""
+        saga = planner.saga
         lease_until: datetime | None = None
         release = isinstance(nxt, Stop | Yield)
         if isinstance(nxt, Sleep):
@@ -272,24 +329,7 @@ class Runner:
             )
         elif isinstance(nxt, Stop):
             planner.events.append(Event("lease_released", detail={"owner": self.owner}))
-        events = planner.take_events()
-        self.store.save_txn(
-            conn,
-            saga,
-            planner.ops,
-            events,
-            release=release,
-            lease_until=lease_until,
-            confirmations=planner.confirmations,
-        )
-        if isinstance(nxt, Invoke):
-            faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
-        if isinstance(nxt, Yield):
-            self.store.notify_runnable_txn(conn, saga.name, saga.version)
-        if release:
-            # The caller's answer, read in the last transaction rather than in one more.
-            return events, self.store.deferred_state_txn(conn, saga.id)
-        return events, None
+        return release, lease_until
 
     # ----- calling user code -------------------------------------------------------------
 

@@ -102,57 +102,6 @@ class Store:
 
     # ----- creating --------------------------------------------------------------------
 
-    def insert_saga_txn(
-        self,
-        conn: Conn,
-        saga: SagaRow,
-        ops: Sequence[OpRow],
-        *,
-        lease_owner: str | None = None,
-        lease_seconds: float = 0.0,
-        deadline_seconds: float | None = None,
-    ) -> bool:
-        """Insert a saga and its operations; False when (tenant, name, key) already exists.
-
-        With `lease_owner`, the new saga is leased to it (fence 1) so it can run at once;
-        otherwise listening workers are notified. `saga` receives the stored defaults;
-        its ceilings are persisted, the deadline counted from now by the database clock.
-        """
-        row = conn.execute(
-            _q("insert_saga"),
-            {
-                "id": saga.id,
-                "name": saga.name,
-                "version": saga.version,
-                "tenant_id": saga.tenant_id,
-                "key": saga.key,
-                "input": Jsonb(saga.input),
-                "input_hash": saga.input_hash,
-                "lease_owner": lease_owner,
-                "lease_seconds": lease_seconds,
-                "max_operations": saga.max_operations,
-                "deadline_seconds": deadline_seconds,
-                "spend_budget": saga.spend_budget,
-                "max_side_effects": saga.max_side_effects,
-            },
-        ).fetchone()
-        if row is None:
-            return False
-        saga.run_after, saga.created_at, saga.updated_at = (
-            row["run_after"],
-            row["created_at"],
-            row["updated_at"],
-        )
-        saga.fence, saga.lease_owner, saga.deadline_at = (
-            row["fence"],
-            lease_owner,
-            row["deadline_at"],
-        )
-        self.insert_operations_txn(conn, saga.id, ops)
-        if lease_owner is None:
-            self.notify_runnable_txn(conn, saga.name, saga.version)
-        return True
-
     def notify_runnable_txn(self, conn: Conn, name: str, version: int) -> None:
         """Tell listening workers, at commit, that a saga of this kind can be claimed."""
         conn.execute(_q("notify_runnable"), {"kind": f"{name}:{version}"})
@@ -180,29 +129,13 @@ class Store:
         for op in ops:
             op.new = False
 
-    def find_by_identity_txn(
-        self, conn: Conn, *, tenant_id: str, name: str, key: str
-    ) -> dict[str, Any] | None:
-        """id, name, version and input_hash of the saga with this identity, or None."""
-        return conn.execute(
-            _q("find_saga_by_identity"), {"tenant_id": tenant_id, "name": name, "key": key}
-        ).fetchone()
-
     def append_events_txn(self, conn: Conn, saga_id: str, events: Sequence[Event]) -> None:
         """Append audit events."""
         if not events:
             return
-        rows = [
-            {
-                "event": e.event,
-                "step": e.step,
-                "kind": e.kind,
-                "attempt": e.attempt,
-                "detail": e.detail,
-            }
-            for e in events
-        ]
-        conn.execute(_q("insert_events"), {"saga_id": saga_id, "events": _jsonb(rows)})
+        conn.execute(
+            _q("insert_events"), {"saga_id": saga_id, "events": _jsonb(_event_rows(events))}
+        )
 
     # ----- leases ----------------------------------------------------------------------
 
@@ -337,6 +270,134 @@ class Store:
                     )
                 confirmation.dirty = False
         self.append_events_txn(conn, saga.id, events)
+
+    def start_saga(
+        self,
+        saga: SagaRow,
+        ops: Sequence[OpRow],
+        events: Sequence[Event],
+        *,
+        lease_seconds: float,
+        notify: bool,
+    ) -> dict[str, Any]:
+        """Create a saga, its operations (in their planned state) and first events in one
+        statement. Returns `{"created": True, ...}`, or, when (tenant, name, key) exists,
+        `{"created": False, "id", "version", "input_hash"}` of the existing saga."""
+        start = {
+            "lease_seconds": lease_seconds,
+            "notify": f"{saga.name}:{saga.version}" if notify else None,
+            "saga": {
+                "id": saga.id,
+                "name": saga.name,
+                "version": saga.version,
+                "tenant_id": saga.tenant_id,
+                "key": saga.key,
+                "input": saga.input,
+                "input_hash": saga.input_hash,
+                "status": saga.status.value,
+                "direction": saga.direction,
+                "error": saga.error,
+                "lease_owner": saga.lease_owner,
+                "fence": saga.fence,
+                "max_operations": saga.max_operations,
+                "deadline_at": saga.deadline_at,
+                "spend_budget": saga.spend_budget,
+                "max_side_effects": saga.max_side_effects,
+                "operations_executed": saga.operations_executed,
+                "spent": saga.spent,
+                "side_effects": saga.side_effects,
+            },
+            "ops": [
+                {**_op_params(op), "position": op.position, "idempotency_key": op.idempotency_key}
+                for op in ops
+            ],
+            "events": _event_rows(events),
+        }
+        with self.pool.connection() as conn:
+            conn.row_factory = dict_row
+            row = conn.execute(_q("start_saga"), {"start": Jsonb(start, dumps=_dumps)}).fetchone()
+        assert row is not None
+        outcome: dict[str, Any] = row["outcome"]
+        if outcome["created"]:
+            for op in ops:
+                op.new = op.dirty = False
+            saga.run_after = datetime.fromisoformat(outcome["run_after"])
+            saga.created_at = datetime.fromisoformat(outcome["created_at"])
+            saga.updated_at = datetime.fromisoformat(outcome["updated_at"])
+        return outcome
+
+    def apply_transition(
+        self,
+        saga: SagaRow,
+        ops: Sequence[OpRow],
+        events: Sequence[Event],
+        *,
+        owner: str,
+        lease_seconds: float,
+        release: bool,
+        lease_until: datetime | None,
+        notify: bool,
+        return_state: bool,
+    ) -> SagaState | None:
+        """Persist a lease holder's transition in one statement and one round trip; the
+        saga's new state when asked for. `LeaseLost` when the fence no longer matches."""
+        new = [op for op in ops if op.new]
+        changed = [op for op in ops if op.dirty and not op.new]
+        transition = {
+            "saga_id": saga.id,
+            "owner": owner,
+            "fence": saga.fence,
+            "lease_seconds": lease_seconds,
+            "release": release,
+            "lease_until": lease_until,
+            "notify": f"{saga.name}:{saga.version}" if notify else None,
+            "return_state": return_state,
+            "saga": {
+                "status": saga.status.value,
+                "direction": saga.direction,
+                "error": saga.error,
+                "run_after": saga.run_after,
+                "operations_executed": saga.operations_executed,
+                "spent": saga.spent,
+                "side_effects": saga.side_effects,
+                "max_operations": saga.max_operations,
+                "spend_budget": saga.spend_budget,
+                "max_side_effects": saga.max_side_effects,
+                "deadline_at": saga.deadline_at,
+            },
+            "new_ops": [
+                {
+                    "step": op.step,
+                    "kind": op.kind,
+                    "position": op.position,
+                    "idempotency_key": op.idempotency_key,
+                    "request_hash": op.request_hash,
+                    "status": op.status.value,
+                    "attempts": op.attempts,
+                    "max_attempts": op.max_attempts,
+                }
+                for op in new
+            ],
+            # A new row is inserted as pending, then brought up to date like any other.
+            "ops": [_op_params(op) for op in (*new, *changed)],
+            "events": _event_rows(events),
+        }
+        try:
+            with self.pool.connection() as conn:
+                conn.row_factory = dict_row
+                row = conn.execute(
+                    _q("apply_transition"), {"transition": Jsonb(transition, dumps=_dumps)}
+                ).fetchone()
+        except psycopg.Error as exc:
+            if exc.sqlstate == FENCE_SQLSTATE:
+                raise LeaseLost(str(exc.diag.message_primary or exc)) from None
+            raise
+        for op in (*new, *changed):
+            op.new = op.dirty = False
+        state = row["state"] if row else None
+        if state is None:
+            return None
+        return _state(state["saga"], state["operations"])
 
     # ----- reading ---------------------------------------------------------------------
 
@@ -556,6 +617,13 @@ def _op_params(op: OpRow) -> dict[str, Any]:
         "reconcile_asks": op.reconcile_asks,
         "retrying_unknown": op.retrying_unknown,
     }
+
+
+def _event_rows(events: Sequence[Event]) -> list[dict[str, Any]]:
+    return [
+        {"event": e.event, "step": e.step, "kind": e.kind, "attempt": e.attempt, "detail": e.detail}
+        for e in events
+    ]
 
 
 def _jsonb(rows: list[dict[str, Any]]) -> Jsonb:

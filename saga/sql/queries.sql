@@ -1,26 +1,3 @@
--- insert_saga --
--- Create a saga instance, leased to %(lease_owner)s when given (start-and-run);
--- nothing happens when (tenant, name, key) already exists.
-INSERT INTO saga.sagas (id, name, version, tenant_id, key, input, input_hash, status,
-                        lease_owner, lease_expires_at, fence,
-                        max_operations, deadline_at, spend_budget, max_side_effects)
-VALUES (%(id)s, %(name)s, %(version)s, %(tenant_id)s, %(key)s, %(input)s, %(input_hash)s, 'pending',
-        %(lease_owner)s::text,
-        CASE WHEN %(lease_owner)s::text IS NULL THEN NULL
-             ELSE now() + make_interval(secs => %(lease_seconds)s) END,
-        CASE WHEN %(lease_owner)s::text IS NULL THEN 0 ELSE 1 END,
-        %(max_operations)s,
-        now() + make_interval(secs => %(deadline_seconds)s::float8),
-        %(spend_budget)s, %(max_side_effects)s)
-ON CONFLICT ON CONSTRAINT sagas_identity DO NOTHING
-RETURNING id::text, run_after, created_at, updated_at, fence, deadline_at
-
--- find_saga_by_identity --
--- The saga with this (tenant, name, key), with its version and input hash.
-SELECT id::text, name, version, input_hash
-FROM saga.sagas
-WHERE tenant_id = %(tenant_id)s AND name = %(name)s AND key = %(key)s
-
 -- insert_operation --
 -- Create one operation row (a step or a compensation).
 INSERT INTO saga.operations (saga_id, step, kind, position, idempotency_key, request_hash,
@@ -306,3 +283,11 @@ WHERE id IN (
 -- The fence check of a pipelined transition: fails the transaction (SQLSTATE SG001) when
 -- another owner has claimed the saga, so the writes queued after it are rolled back.
 SELECT saga.assert_fence(%(saga_id)s, %(owner)s, %(fence)s, %(lease_seconds)s)
+
+-- apply_transition --
+-- A lease holder's step transition in one statement (see migration 0005).
+SELECT saga.apply_transition(%(transition)s) AS state
+
+-- start_saga --
+-- Create a saga with its operations and first events in one statement (migration 0006).
+SELECT saga.start_saga(%(start)s) AS outcome
