@@ -458,11 +458,12 @@ def _list(args: argparse.Namespace) -> int:
             limit=args.limit,
             older_than=None if args.older_than is None else timedelta(seconds=args.older_than),
         )
+        known = {kind for worker in orch.workers() for kind in worker.kinds}
     if args.json:
         for state in states:
-            print(fmt.to_json(state))
+            print(fmt.to_json(state, known_kinds=known))
     elif states:
-        print(fmt.saga_list(states))
+        print(fmt.saga_list(states, known))
     else:
         print("no sagas match", file=sys.stderr)
     return EXIT_OK

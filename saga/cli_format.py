@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import datetime
 from typing import Any, TextIO
 
@@ -69,8 +69,17 @@ def seconds(start: datetime | None, end: datetime | None) -> str:
     return f"{(end - start).total_seconds():.3f}s"
 
 
-def saga_list(states: Sequence[SagaState]) -> str:
-    """The table of `saga list`."""
+def waiting_for_worker(state: SagaState, known_kinds: Collection[str]) -> bool:
+    """A runnable saga that no live worker runs the kind of: it waits for one."""
+    return (
+        state.status.is_runnable
+        and state.lease_owner is None
+        and f"{state.saga}:{state.version}" not in known_kinds
+    )
+
+
+def saga_list(states: Sequence[SagaState], known_kinds: Collection[str]) -> str:
+    """The table of `saga list`; `known_kinds` are the name:version pairs live workers run."""
     rows = [
         [
             s.id,
@@ -79,16 +88,26 @@ def saga_list(states: Sequence[SagaState]) -> str:
             s.key,
             str(s.status),
             age(s.updated_at),
-            one_line(s.error, 60),
+            f"waiting for a worker: no live worker runs {s.saga} v{s.version}"
+            if waiting_for_worker(s, known_kinds)
+            else one_line(s.error, 60),
         ]
         for s in states
     ]
     return table(rows, ["ID", "SAGA", "TENANT", "KEY", "STATUS", "UPDATED", "REASON"])
 
 
-def to_json(state: SagaState, history: Sequence[HistoryEvent] | None = None) -> str:
-    """A saga (and its history) as one line of JSON."""
+def to_json(
+    state: SagaState,
+    history: Sequence[HistoryEvent] | None = None,
+    *,
+    known_kinds: Collection[str] | None = None,
+) -> str:
+    """A saga (and its history) as one line of JSON; with `known_kinds`, also whether it
+    waits for a worker that knows its kind."""
     data: dict[str, Any] = state.model_dump(mode="json")
+    if known_kinds is not None:
+        data["waiting_for_worker"] = waiting_for_worker(state, known_kinds)
     if history is not None:
         data["history"] = [e.model_dump(mode="json") for e in history]
     return json.dumps(data, sort_keys=False, separators=(",", ":"))

@@ -95,3 +95,22 @@ def test_purge_keeps_what_the_retention_protects(
     assert purged.returncode == 0, purged.stderr
     assert "purged 1" in purged.stdout
     assert {s.id for s in orch.list()} == {parked}
+
+
+def test_list_says_which_sagas_wait_for_a_worker_that_knows_them(
+    make_orch: OrchestratorFactory, database_url: str
+) -> None:
+    """A saga whose kind no live worker runs is shown as waiting for a worker."""
+    orch = make_orch(*cli_app.SAGAS)
+    saga_id = orch.start(cli_app.parcel, Job(order_id="p-1")).id
+
+    table = saga_cmd("list", "--database-url", database_url)
+    assert table.returncode == 0, table.stderr
+    line = next(row for row in table.stdout.splitlines() if row.startswith(saga_id))
+    assert "waiting for a worker: no live worker runs parcel v1" in line
+
+    rows = [
+        json.loads(row)
+        for row in saga_cmd("list", "--database-url", database_url, "--json").stdout.splitlines()
+    ]
+    assert [(r["id"], r["waiting_for_worker"]) for r in rows] == [(saga_id, True)]
