@@ -111,20 +111,7 @@ class Store:
         with conn.cursor() as cur:
             cur.executemany(
                 _q("insert_operation"),
-                [
-                    {
-                        "saga_id": saga_id,
-                        "step": op.step,
-                        "kind": op.kind,
-                        "position": op.position,
-                        "idempotency_key": op.idempotency_key,
-                        "request_hash": op.request_hash,
-                        "status": op.status.value,
-                        "attempts": op.attempts,
-                        "max_attempts": op.max_attempts,
-                    }
-                    for op in ops
-                ],
+                [{"saga_id": saga_id, **_new_op_params(op)} for op in ops],
             )
         for op in ops:
             op.new = False
@@ -307,10 +294,7 @@ class Store:
                 "spent": saga.spent,
                 "side_effects": saga.side_effects,
             },
-            "ops": [
-                {**_op_params(op), "position": op.position, "idempotency_key": op.idempotency_key}
-                for op in ops
-            ],
+            "ops": [{**_new_op_params(op), **_op_params(op)} for op in ops],
             "events": _event_rows(events),
         }
         with self.pool.connection() as conn:
@@ -365,19 +349,7 @@ class Store:
                 "max_side_effects": saga.max_side_effects,
                 "deadline_at": saga.deadline_at,
             },
-            "new_ops": [
-                {
-                    "step": op.step,
-                    "kind": op.kind,
-                    "position": op.position,
-                    "idempotency_key": op.idempotency_key,
-                    "request_hash": op.request_hash,
-                    "status": op.status.value,
-                    "attempts": op.attempts,
-                    "max_attempts": op.max_attempts,
-                }
-                for op in new
-            ],
+            "new_ops": [_new_op_params(op) for op in new],
             # A new row is inserted as pending, then brought up to date like any other.
             "ops": [_op_params(op) for op in (*new, *changed)],
             "events": _event_rows(events),
@@ -596,7 +568,22 @@ def _op_row(row: dict[str, Any]) -> OpRow:
     return OpRow(**fields)
 
 
+def _new_op_params(op: OpRow) -> dict[str, Any]:
+    """The columns an operation row is created with."""
+    return {
+        "step": op.step,
+        "kind": op.kind,
+        "position": op.position,
+        "idempotency_key": op.idempotency_key,
+        "request_hash": op.request_hash,
+        "status": op.status.value,
+        "attempts": op.attempts,
+        "max_attempts": op.max_attempts,
+    }
+
+
 def _op_params(op: OpRow) -> dict[str, Any]:
+    """The mutable columns of an operation row."""
     return {
         "kind": op.kind,
         "step": op.step,
