@@ -1049,18 +1049,7 @@ class Planner:
                         f"compensation of step {act.step!r} failed ({comp.error}); retry it with "
                         "a raised ceiling"
                     )
-                key = (
-                    comp.idempotency_key
-                    if comp is not None
-                    else operation_key(
-                        self.saga.name,
-                        self.saga.version,
-                        self.saga.tenant_id,
-                        self.saga.key,
-                        act.step,
-                        "compensation",
-                    )
-                )
+                key = comp.idempotency_key if comp is not None else self._compensation_key(act.step)
                 runs.append((act.step, key))
             elif unknown:
                 return runs, (
@@ -1099,23 +1088,21 @@ class Planner:
         op.error = reason
         self._event("outcome_unknown", op, reason=reason)
 
+    def _compensation_key(self, step: str) -> str:
+        saga = self.saga
+        return operation_key(
+            saga.name, saga.version, saga.tenant_id, saga.key, step, "compensation"
+        )
+
     def _add_compensation(self, act: OpRow) -> OpRow:
         comp_def = self.compensation_of(act)
         assert comp_def is not None
-        business = {k: v for k, v in self.saga.input.items() if k not in self.definition.volatile}
         comp = OpRow(
             step=act.step,
             kind="compensation",
             position=act.position,
-            idempotency_key=operation_key(
-                self.saga.name,
-                self.saga.version,
-                self.saga.tenant_id,
-                self.saga.key,
-                act.step,
-                "compensation",
-            ),
-            request_hash=compensation_request_hash(act.step, business, act.result),
+            idempotency_key=self._compensation_key(act.step),
+            request_hash=compensation_request_hash(act.step, self._business_input(), act.result),
             status=OperationStatus.PENDING,
             attempts=0,
             max_attempts=comp_def.retry.max_attempts,

@@ -259,8 +259,8 @@ class Runner:
     ) -> tuple[Planner, Next | None]:
         """A fresh planner from the database, and the move already committed, if any."""
         saga = planner.saga
-        with self.store.transaction() as conn:
-            self.store.check_fence_txn(
+        with self.store.pipelined() as conn:
+            self.store.assert_fence_txn(
                 conn, saga.id, owner=self.owner, fence=saga.fence, lease_seconds=self.lease_seconds
             )
             loaded = self.store.load_txn(conn, saga.id)

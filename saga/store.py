@@ -146,17 +146,6 @@ class Store:
         ).fetchone()
         return _saga_row(row) if row else None
 
-    def check_fence_txn(
-        self, conn: Conn, saga_id: str, *, owner: str, fence: int, lease_seconds: float
-    ) -> None:
-        """Lock the saga row and renew the lease; `LeaseLost` when another owner claimed it."""
-        row = conn.execute(
-            _q("check_fence"),
-            {"saga_id": saga_id, "owner": owner, "fence": fence, "lease_seconds": lease_seconds},
-        ).fetchone()
-        if row is None:
-            raise LeaseLost(f"lease of saga {saga_id} (fence {fence}) was taken over")
-
     def renew_leases(
         self, held: Mapping[str, int], *, owner: str, lease_seconds: float
     ) -> set[str]:
