@@ -5,6 +5,54 @@
 -- writes them. A lease that is no longer the caller's raises SQLSTATE SG001 and nothing
 -- is written.
 
+-- saga.write_operations and saga.append_events are the one place where operation rows
+-- are updated and audit events appended from a JSON array, for every write path
+-- (PL/pgSQL rather than SQL functions, so that their plans are cached per session).
+
+CREATE FUNCTION saga.write_operations(p_saga_id uuid, p_ops jsonb) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE saga.operations AS o
+    SET status = x.status,
+        attempts = x.attempts,
+        max_attempts = x.max_attempts,
+        next_attempt_at = x.next_attempt_at,
+        result = x.result,
+        provider_reference = x.provider_reference,
+        error = x.error,
+        started_at = x.started_at,
+        finished_at = x.finished_at,
+        request_hash = x.request_hash,
+        request = x.request,
+        deadline_at = x.deadline_at,
+        cost = x.cost,
+        reconcile_started_at = x.reconcile_started_at,
+        reconcile_asks = x.reconcile_asks,
+        retrying_unknown = x.retrying_unknown,
+        updated_at = now()
+    FROM jsonb_to_recordset(COALESCE(p_ops, '[]'::jsonb)) AS x(
+        kind text, step text, status text, attempts integer, max_attempts integer,
+        next_attempt_at timestamptz, result jsonb, provider_reference text, error text,
+        started_at timestamptz, finished_at timestamptz, request_hash text, request jsonb,
+        deadline_at timestamptz, cost numeric, reconcile_started_at timestamptz,
+        reconcile_asks integer, retrying_unknown boolean)
+    WHERE o.saga_id = p_saga_id AND o.kind = x.kind AND o.step = x.step;
+END
+$$;
+
+CREATE FUNCTION saga.append_events(p_saga_id uuid, p_events jsonb) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO saga.events (saga_id, event, step, kind, attempt, detail)
+    SELECT p_saga_id, x.event, x.step, x.kind, x.attempt, COALESCE(x.detail, '{}'::jsonb)
+    FROM ROWS FROM (
+             jsonb_to_recordset(COALESCE(p_events, '[]'::jsonb))
+             AS (event text, step text, kind text, attempt integer, detail jsonb)
+         ) WITH ORDINALITY AS x(event, step, kind, attempt, detail, n)
+    ORDER BY x.n;
+END
+$$;
+
 CREATE FUNCTION saga.apply_transition(p jsonb) RETURNS jsonb
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -50,39 +98,9 @@ BEGIN
         step text, kind text, position integer, idempotency_key text, request_hash text,
         status text, attempts integer, max_attempts integer);
 
-    UPDATE saga.operations AS o
-    SET status = x.status,
-        attempts = x.attempts,
-        max_attempts = x.max_attempts,
-        next_attempt_at = x.next_attempt_at,
-        result = x.result,
-        provider_reference = x.provider_reference,
-        error = x.error,
-        started_at = x.started_at,
-        finished_at = x.finished_at,
-        request_hash = x.request_hash,
-        request = x.request,
-        deadline_at = x.deadline_at,
-        cost = x.cost,
-        reconcile_started_at = x.reconcile_started_at,
-        reconcile_asks = x.reconcile_asks,
-        retrying_unknown = x.retrying_unknown,
-        updated_at = now()
-    FROM jsonb_to_recordset(COALESCE(p->'ops', '[]'::jsonb)) AS x(
-        kind text, step text, status text, attempts integer, max_attempts integer,
-        next_attempt_at timestamptz, result jsonb, provider_reference text, error text,
-        started_at timestamptz, finished_at timestamptz, request_hash text, request jsonb,
-        deadline_at timestamptz, cost numeric, reconcile_started_at timestamptz,
-        reconcile_asks integer, retrying_unknown boolean)
-    WHERE o.saga_id = v_id AND o.kind = x.kind AND o.step = x.step;
+    PERFORM saga.write_operations(v_id, p->'ops');
 
-    INSERT INTO saga.events (saga_id, event, step, kind, attempt, detail)
-    SELECT v_id, x.event, x.step, x.kind, x.attempt, COALESCE(x.detail, '{}'::jsonb)
-    FROM ROWS FROM (
-             jsonb_to_recordset(COALESCE(p->'events', '[]'::jsonb))
-             AS (event text, step text, kind text, attempt integer, detail jsonb)
-         ) WITH ORDINALITY AS x(event, step, kind, attempt, detail, n)
-    ORDER BY x.n;
+    PERFORM saga.append_events(v_id, p->'events');
 
     IF p->>'notify' IS NOT NULL THEN
         PERFORM pg_notify('saga_runnable', p->>'notify');

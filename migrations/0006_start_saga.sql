@@ -50,13 +50,7 @@ BEGIN
         status text, attempts integer, max_attempts integer, next_attempt_at timestamptz,
         started_at timestamptz, request jsonb, deadline_at timestamptz, cost numeric);
 
-    INSERT INTO saga.events (saga_id, event, step, kind, attempt, detail)
-    SELECT v_id, x.event, x.step, x.kind, x.attempt, COALESCE(x.detail, '{}'::jsonb)
-    FROM ROWS FROM (
-             jsonb_to_recordset(COALESCE(p->'events', '[]'::jsonb))
-             AS (event text, step text, kind text, attempt integer, detail jsonb)
-         ) WITH ORDINALITY AS x(event, step, kind, attempt, detail, n)
-    ORDER BY x.n;
+    PERFORM saga.append_events(v_id, p->'events');
 
     IF p->>'notify' IS NOT NULL THEN
         PERFORM pg_notify('saga_runnable', p->>'notify');

@@ -7,13 +7,7 @@ VALUES (%(saga_id)s, %(step)s, %(kind)s, %(position)s, %(idempotency_key)s, %(re
 
 -- insert_events --
 -- Append entries to the audit trail, in the order given, in one statement.
-INSERT INTO saga.events (saga_id, event, step, kind, attempt, detail)
-SELECT %(saga_id)s, x.event, x.step, x.kind, x.attempt, COALESCE(x.detail, '{}'::jsonb)
-FROM ROWS FROM (
-         jsonb_to_recordset(%(events)s)
-         AS (event text, step text, kind text, attempt integer, detail jsonb)
-     ) WITH ORDINALITY AS x(event, step, kind, attempt, detail, n)
-ORDER BY x.n
+SELECT saga.append_events(%(saga_id)s, %(events)s)
 
 -- get_saga --
 -- One saga row.
@@ -117,14 +111,6 @@ FROM saga.sagas
 WHERE status IN ('pending', 'running', 'compensating')
   AND name || ':' || version = ANY(%(kinds)s::text[])
 
--- check_fence --
--- Every write of a lease holder starts here: it renews the lease, and finds no row
--- (so the write is refused) once another owner has claimed the saga.
-UPDATE saga.sagas
-SET lease_expires_at = GREATEST(lease_expires_at, now() + make_interval(secs => %(lease_seconds)s))
-WHERE id = %(saga_id)s AND fence = %(fence)s AND lease_owner = %(owner)s
-RETURNING fence
-
 -- update_saga --
 -- Persist a saga's status, direction, error, counters and next run time; optionally end
 -- the lease. finished_at marks when it became completed or compensated.
@@ -153,31 +139,7 @@ WHERE id = %(saga_id)s
 
 -- update_operations --
 -- Persist the mutable columns of several operations of one saga in one statement.
-UPDATE saga.operations AS o
-SET status = x.status,
-    attempts = x.attempts,
-    max_attempts = x.max_attempts,
-    next_attempt_at = x.next_attempt_at,
-    result = x.result,
-    provider_reference = x.provider_reference,
-    error = x.error,
-    started_at = x.started_at,
-    finished_at = x.finished_at,
-    request_hash = x.request_hash,
-    request = x.request,
-    deadline_at = x.deadline_at,
-    cost = x.cost,
-    reconcile_started_at = x.reconcile_started_at,
-    reconcile_asks = x.reconcile_asks,
-    retrying_unknown = x.retrying_unknown,
-    updated_at = now()
-FROM jsonb_to_recordset(%(ops)s) AS x(
-    kind text, step text, status text, attempts integer, max_attempts integer,
-    next_attempt_at timestamptz, result jsonb, provider_reference text, error text,
-    started_at timestamptz, finished_at timestamptz, request_hash text, request jsonb,
-    deadline_at timestamptz, cost numeric, reconcile_started_at timestamptz,
-    reconcile_asks integer, retrying_unknown boolean)
-WHERE o.saga_id = %(saga_id)s AND o.kind = x.kind AND o.step = x.step
+SELECT saga.write_operations(%(saga_id)s, %(ops)s)
 
 -- renew_leases --
 -- Heartbeat of the attempts in flight: extend each lease this owner still holds at that
