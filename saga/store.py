@@ -325,19 +325,21 @@ class Store:
             "lease_until": lease_until,
             "notify": f"{saga.name}:{saga.version}" if notify else None,
             "return_state": return_state,
-            "saga": {
-                "status": saga.status.value,
-                "direction": saga.direction,
-                "error": saga.error,
-                "run_after": saga.run_after,
-                "operations_executed": saga.operations_executed,
-                "spent": saga.spent,
-                "side_effects": saga.side_effects,
-                "max_operations": saga.max_operations,
-                "spend_budget": saga.spend_budget,
-                "max_side_effects": saga.max_side_effects,
-                "deadline_at": saga.deadline_at,
-            },
+            "saga": _compact(
+                {
+                    "status": saga.status.value,
+                    "direction": saga.direction,
+                    "error": saga.error,
+                    "run_after": saga.run_after,
+                    "operations_executed": saga.operations_executed,
+                    "spent": saga.spent,
+                    "side_effects": saga.side_effects,
+                    "max_operations": saga.max_operations,
+                    "spend_budget": saga.spend_budget,
+                    "max_side_effects": saga.max_side_effects,
+                    "deadline_at": saga.deadline_at,
+                }
+            ),
             "new_ops": [_new_op_params(op) for op in new],
             # A new row is inserted as pending, then brought up to date like any other.
             "ops": [_op_params(op) for op in (*new, *changed)],
@@ -409,11 +411,11 @@ class Store:
     def purge_finished(self, *, retention_seconds: float, batch_size: int) -> int:
         """Delete one batch of sagas that ended before the retention cutoff; how many."""
         with self.transaction() as conn:
-            cur = conn.execute(
+            row = conn.execute(
                 _q("purge_finished_sagas"),
                 {"retention_seconds": retention_seconds, "batch_size": batch_size},
-            )
-            return cur.rowcount
+            ).fetchone()
+        return int(row["purged"]) if row else 0
 
     def operations_txn(self, conn: Conn, saga_id: str) -> list[OpRow]:
         """The operation rows of a saga."""
@@ -572,8 +574,9 @@ def _new_op_params(op: OpRow) -> dict[str, Any]:
 
 
 def _op_params(op: OpRow) -> dict[str, Any]:
-    """The mutable columns of an operation row."""
-    return {
+    """The mutable columns of an operation row, for a JSON batch. A missing key reads as
+    NULL there (jsonb_to_recordset), so NULL columns are left out of what is sent."""
+    row = {
         "kind": op.kind,
         "step": op.step,
         "status": op.status.value,
@@ -593,13 +596,28 @@ def _op_params(op: OpRow) -> dict[str, Any]:
         "reconcile_asks": op.reconcile_asks,
         "retrying_unknown": op.retrying_unknown,
     }
+    return _compact(row)
+
+
+def _compact(row: dict[str, Any]) -> dict[str, Any]:
+    # For JSON read by jsonb_to_recordset or ->>, where a missing key is NULL.
+    return {k: v for k, v in row.items() if v is not None}
 
 
 def _event_rows(events: Sequence[Event]) -> list[dict[str, Any]]:
-    return [
-        {"event": e.event, "step": e.step, "kind": e.kind, "attempt": e.attempt, "detail": e.detail}
-        for e in events
-    ]
+    """Audit events for a JSON batch; NULL columns and an empty detail are left out."""
+    rows: list[dict[str, Any]] = []
+    for e in events:
+        row: dict[str, Any] = {"event": e.event}
+        if e.step is not None:
+            row["step"] = e.step
+            row["kind"] = e.kind
+        if e.attempt is not None:
+            row["attempt"] = e.attempt
+        if e.detail:
+            row["detail"] = e.detail
+        rows.append(row)
+    return rows
 
 
 def _jsonb(rows: list[dict[str, Any]]) -> Jsonb:

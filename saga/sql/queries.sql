@@ -229,9 +229,9 @@ RETURNING step
 -- purge_finished_sagas --
 -- Delete a batch of completed or compensated sagas that ended before the cutoff, with
 -- their operations, events and confirmations; sagas still running or parked are never
--- touched. SKIP LOCKED lets a purge run beside workers.
-DELETE FROM saga.sagas
-WHERE id IN (
+-- touched. SKIP LOCKED lets a purge run beside workers. Events have no foreign key
+-- (migration 0007), so they are deleted here with their sagas. Returns how many.
+WITH doomed AS (
     SELECT id
     FROM saga.sagas
     WHERE status IN ('completed', 'compensated')
@@ -239,7 +239,12 @@ WHERE id IN (
     ORDER BY finished_at
     LIMIT %(batch_size)s
     FOR UPDATE SKIP LOCKED
+), gone AS (
+    DELETE FROM saga.sagas WHERE id IN (SELECT id FROM doomed) RETURNING id
+), gone_events AS (
+    DELETE FROM saga.events WHERE saga_id IN (SELECT id FROM gone)
 )
+SELECT count(*) AS purged FROM gone
 
 -- assert_fence --
 -- The fence check of a pipelined transition: fails the transaction (SQLSTATE SG001) when

@@ -540,5 +540,7 @@ def test_purge_deletes_only_ended_sagas_past_the_retention(make_orch: Orchestrat
     remaining = {s.id for s in orch.list()}
     assert remaining == {recent_done, pending}
     assert count_rows(url, "operations", old_done) == 0
+    assert count_rows(url, "events", old_done) == 0  # no foreign key: purged explicitly
     assert count_rows(url, "operations", pending) == 1
+    assert count_rows(url, "events", recent_done) > 0
     assert orch.purge() == 0
