@@ -28,6 +28,19 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, psycopg.OperationalError)
 
 
+def log_retry(
+    what: str, exc: BaseException | None, *, attempt: int = 1, retry_in: float = 0.0
+) -> None:
+    """Log a transient failure of database work that is about to be retried."""
+    _log.warning(
+        "database_retry",
+        what=what,
+        attempt=attempt,
+        error=f"{type(exc).__name__}: {exc}".strip(),
+        retry_in_seconds=round(retry_in, 3),
+    )
+
+
 def retrying(
     what: str,
     *,
@@ -41,13 +54,7 @@ def retrying(
 
     def log(state: tenacity.RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome is not None else None
-        _log.warning(
-            "database_retry",
-            what=what,
-            attempt=state.attempt_number,
-            error=f"{type(exc).__name__}: {exc}".strip(),
-            retry_in_seconds=round(state.upcoming_sleep, 3),
-        )
+        log_retry(what, exc, attempt=state.attempt_number, retry_in=state.upcoming_sleep)
 
     stop: tenacity.stop.stop_base = tenacity.stop_after_delay(seconds)
     sleep: Callable[[float], None] = time.sleep

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import math
 import threading
 import traceback
@@ -16,7 +17,7 @@ import structlog
 
 from saga import faults
 from saga.context import StepContext
-from saga.dbretry import retrying
+from saga.dbretry import is_transient, log_retry, retrying
 from saga.definition import Saga
 from saga.errors import LeaseLost
 from saga.leases import LeaseKeeper
@@ -194,27 +195,35 @@ class Runner:
         """Record an outcome and plan the next move in one fenced transaction.
 
         A transient database error is retried with a fresh snapshot; if the failed
-        commit had in fact landed, the recorded outcome is not applied twice.
+        commit had in fact landed, the recorded outcome is not applied twice. The first
+        try runs without the retry machinery, which only a failure needs.
         """
-        first = True
+        try:
+            return planner, self._record(planner, mutate)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            log_retry("record_transition", exc)
         for attempt in retrying("record_transition"):
             with attempt:
-                if not first:
-                    planner, landed = self._reload(planner, target)
-                    if landed is not None:
-                        return planner, landed
-                    if target is not None and not self._still_in_flight(planner, target):
-                        mutate = None
-                first = False
-                if mutate is not None:
-                    mutate(planner)
-                nxt = planner.advance(may_call=not self.stopping.is_set())
-                if any(c.new or c.dirty for c in planner.confirmations):
-                    events = self._transact_pipelined(planner, nxt)
-                else:
-                    events = self._transact_at_once(planner, nxt)
-                log_events(planner, events)
+                planner, landed = self._reload(planner, target)
+                if landed is not None:
+                    return planner, landed
+                if target is not None and not self._still_in_flight(planner, target):
+                    mutate = None
+                nxt = self._record(planner, mutate)
         return planner, nxt
+
+    def _record(self, planner: Planner, mutate: Mutation | None) -> Next:
+        if mutate is not None:
+            mutate(planner)
+        nxt = planner.advance(may_call=not self.stopping.is_set())
+        if any(c.new or c.dirty for c in planner.confirmations):
+            events = self._transact_pipelined(planner, nxt)
+        else:
+            events = self._transact_at_once(planner, nxt)
+        log_events(planner, events)
+        return nxt
 
     def _transact_at_once(self, planner: Planner, nxt: Next) -> list[Event]:
         """The common transition: one statement, one round trip (saga.apply_transition),
@@ -345,7 +354,9 @@ class Runner:
             fence=saga.fence,
             results=planner.results(),
             request=planner.request_of(op) if planner.spec_of(op).prepare_fn else None,
-            log=_log.bind(
+            # Bound lazily, on the step's first log call.
+            log=structlog.get_logger(
+                "saga",
                 saga_id=saga.id,
                 step=op.step,
                 kind=op.kind,
@@ -507,9 +518,17 @@ def _describe_error(exc: BaseException) -> str:
 
 
 def log_events(planner: Planner, events: Sequence[Event]) -> None:
-    """Log audit events once their transaction has committed."""
-    for event in events:
-        log_event(planner.saga, planner, event)
+    """Log audit events once their transaction has committed (skipped, unbuilt, when the
+    configured logger drops info events)."""
+    if events and _info_enabled():
+        for event in events:
+            log_event(planner.saga, planner, event)
+
+
+def _info_enabled() -> bool:
+    # The logger as configured now; a wrapper class without the check logs everything.
+    check = getattr(_log.bind(), "is_enabled_for", None)
+    return True if check is None else bool(check(logging.INFO))
 
 
 def log_event(saga: SagaRow, planner: Planner, event: Event) -> None:
