@@ -36,7 +36,7 @@ from saga.protocol import (
     Yield,
 )
 from saga.state import OperationStatus, SagaState
-from saga.store import Conn, Store
+from saga.store import Conn, Loaded, Store
 
 _log: structlog.typing.FilteringBoundLogger = structlog.get_logger("saga")
 
@@ -93,12 +93,12 @@ class Runner:
 
     def _claim_by_id(self, definition: Saga[Any], saga_id: str) -> tuple[Planner, Next] | None:
         with self.store.pipelined() as conn:
-            row = self.store.claim_txn(
+            loaded = self.store.claim_txn(
                 conn, saga_id, owner=self.owner, lease_seconds=self.lease_seconds
             )
-            if row is None:
+            if loaded is None:
                 return None
-            planner, nxt, events = self._begin_txn(conn, definition, row)
+            planner, nxt, events = self._begin_txn(conn, definition, loaded)
         log_events(planner, events)
         return planner, nxt
 
@@ -108,12 +108,13 @@ class Runner:
         """Claim the longest-waiting runnable saga of these name:version kinds and plan its
         first move in the same transaction; None when there is nothing to claim."""
         with self.store.pipelined() as conn:
-            row = self.store.claim_next_txn(
+            loaded = self.store.claim_next_txn(
                 conn, kinds=kinds, owner=self.owner, lease_seconds=self.lease_seconds
             )
-            if row is None:
+            if loaded is None:
                 return None
-            planner, nxt, events = self._begin_txn(conn, lookup(row.name, row.version), row)
+            row = loaded[0]
+            planner, nxt, events = self._begin_txn(conn, lookup(row.name, row.version), loaded)
         log_events(planner, events)
         return planner, nxt
 
@@ -175,11 +176,10 @@ class Runner:
     # ----- transactions ------------------------------------------------------------------
 
     def _begin_txn(
-        self, conn: Conn, definition: Saga[Any], row: SagaRow
+        self, conn: Conn, definition: Saga[Any], loaded: Loaded
     ) -> tuple[Planner, Next, list[Event]]:
-        ops = self.store.operations_txn(conn, row.id)
-        confirmations = self.store.confirmations_txn(conn, row.id)
-        planner = Planner(definition, row, ops, confirmations)
+        row = loaded[0]
+        planner = Planner(definition, *loaded)
         planner.events.append(
             Event("lease_acquired", detail={"owner": self.owner, "fence": row.fence})
         )

@@ -31,6 +31,8 @@ from saga.state import (
 )
 
 Conn = psycopg.Connection[dict[str, Any]]
+# A saga as read for its lease holder: its row, operations and confirmations.
+Loaded = tuple[SagaRow, list[OpRow], list[ConfirmationRow]]
 # SQLSTATE raised by saga.assert_fence when the lease is no longer the caller's.
 FENCE_SQLSTATE = "SG001"
 _HEADER = re.compile(r"^-- ([a-z_]+) --$", re.MULTILINE)
@@ -128,23 +130,38 @@ class Store:
 
     def claim_txn(
         self, conn: Conn, saga_id: str, *, owner: str, lease_seconds: float
-    ) -> SagaRow | None:
-        """Take the lease of a runnable saga no live owner holds; None otherwise."""
-        row = conn.execute(
+    ) -> Loaded | None:
+        """Take the lease of a runnable saga no live owner holds, and read what it has;
+        None otherwise. In a pipeline, the claim and its reads cost one round trip."""
+        claim = conn.execute(
             _q("claim_saga"),
             {"saga_id": saga_id, "owner": owner, "lease_seconds": lease_seconds},
-        ).fetchone()
-        return _saga_row(row) if row else None
+        )
+        return self._claimed_txn(conn, claim)
 
     def claim_next_txn(
         self, conn: Conn, *, kinds: Sequence[str], owner: str, lease_seconds: float
-    ) -> SagaRow | None:
-        """Take the lease of the longest-waiting runnable saga of the given name:version kinds."""
-        row = conn.execute(
+    ) -> Loaded | None:
+        """Take the lease of the longest-waiting runnable saga of the given name:version
+        kinds, and read what it has; None when there is none (one round trip)."""
+        claim = conn.execute(
             _q("claim_next_saga"),
             {"kinds": list(kinds), "owner": owner, "lease_seconds": lease_seconds},
-        ).fetchone()
-        return _saga_row(row) if row else None
+        )
+        return self._claimed_txn(conn, claim)
+
+    def _claimed_txn(self, conn: Conn, claim: psycopg.Cursor[dict[str, Any]]) -> Loaded | None:
+        # Queued behind the claim before its row is fetched: they read the saga it claimed.
+        ops = conn.execute(_q("claimed_operations"))
+        confirmations = conn.execute(_q("claimed_confirmations"))
+        row = claim.fetchone()
+        if row is None:
+            return None
+        return (
+            _saga_row(row),
+            [_op_row(r) for r in ops.fetchall()],
+            [_confirmation_row(r) for r in confirmations.fetchall()],
+        )
 
     def renew_leases(
         self, held: Mapping[str, int], *, owner: str, lease_seconds: float
@@ -364,9 +381,7 @@ class Store:
 
     # ----- reading ---------------------------------------------------------------------
 
-    def load_txn(
-        self, conn: Conn, saga_id: str
-    ) -> tuple[SagaRow, list[OpRow], list[ConfirmationRow]] | None:
+    def load_txn(self, conn: Conn, saga_id: str) -> Loaded | None:
         """The saga row, its operations and its confirmations."""
         row = conn.execute(_q("get_saga"), {"saga_id": saga_id}).fetchone()
         if row is None:
@@ -380,17 +395,7 @@ class Store:
     def confirmations_txn(self, conn: Conn, saga_id: str) -> list[ConfirmationRow]:
         """The confirmation rows of a saga."""
         rows = conn.execute(_q("get_confirmations"), {"saga_id": saga_id}).fetchall()
-        return [
-            ConfirmationRow(
-                step=r["step"],
-                request_hash=r["request_hash"],
-                preview=r["preview"],
-                expires_at=r["expires_at"],
-                approved_by=r["approved_by"],
-                approved_at=r["approved_at"],
-            )
-            for r in rows
-        ]
+        return [_confirmation_row(r) for r in rows]
 
     def confirmations(self, saga_id: str) -> list[Confirmation]:
         """The confirmations of a saga, oldest first."""
@@ -551,6 +556,17 @@ def _saga_row(row: dict[str, Any]) -> SagaRow:
     fields = _columns(SagaRow, row)
     fields["id"], fields["status"] = str(row["id"]), SagaStatus(row["status"])
     return SagaRow(**fields)
+
+
+def _confirmation_row(row: dict[str, Any]) -> ConfirmationRow:
+    return ConfirmationRow(
+        step=row["step"],
+        request_hash=row["request_hash"],
+        preview=row["preview"],
+        expires_at=row["expires_at"],
+        approved_by=row["approved_by"],
+        approved_at=row["approved_at"],
+    )
 
 
 def _op_row(row: dict[str, Any]) -> OpRow:

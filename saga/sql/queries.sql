@@ -30,6 +30,14 @@ FROM saga.operations
 WHERE saga_id = %(saga_id)s
 ORDER BY kind = 'compensation', CASE WHEN kind = 'action' THEN position ELSE -position END
 
+-- claimed_operations --
+-- get_operations of the saga the current transaction has just claimed (saga.claimed, set
+-- by claim_saga or claim_next_saga); none when nothing was claimed.
+SELECT *
+FROM saga.operations
+WHERE saga_id = NULLIF(current_setting('saga.claimed', true), '')::uuid
+ORDER BY kind = 'compensation', CASE WHEN kind = 'action' THEN position ELSE -position END
+
 -- get_operations_many --
 -- Operations of several sagas, for list().
 SELECT *
@@ -69,11 +77,13 @@ SET lease_owner = %(owner)s,
 WHERE id = %(saga_id)s
   AND status IN ('pending', 'running', 'compensating')
   AND (lease_owner IS NULL OR lease_expires_at <= now())
-RETURNING *
+RETURNING *, set_config('saga.claimed', id::text, true) AS claimed
 
 -- claim_next_saga --
 -- Take the lease of the runnable saga that has waited longest, among the given
 -- (name:version) pairs; SKIP LOCKED lets many workers claim without blocking each other.
+-- Like claim_saga, it names the claimed saga in the transaction-local setting
+-- saga.claimed, so the reads of its operations can be sent before its id is known.
 UPDATE saga.sagas AS s
 SET lease_owner = %(owner)s,
     lease_expires_at = now() + make_interval(secs => %(lease_seconds)s),
@@ -91,7 +101,7 @@ FROM (
     FOR UPDATE SKIP LOCKED
 ) AS c
 WHERE s.id = c.id
-RETURNING s.*
+RETURNING s.*, set_config('saga.claimed', s.id::text, true) AS claimed
 
 -- notify_runnable --
 -- Wake listening workers (delivered at commit); the payload is the saga's name:version.
@@ -204,6 +214,13 @@ ORDER BY started_at DESC
 SELECT step, request_hash, preview, requested_at, expires_at, approved_by, approved_at
 FROM saga.confirmations
 WHERE saga_id = %(saga_id)s
+ORDER BY requested_at
+
+-- claimed_confirmations --
+-- get_confirmations of the saga the current transaction has just claimed.
+SELECT step, request_hash, preview, requested_at, expires_at, approved_by, approved_at
+FROM saga.confirmations
+WHERE saga_id = NULLIF(current_setting('saga.claimed', true), '')::uuid
 ORDER BY requested_at
 
 -- upsert_confirmation --
