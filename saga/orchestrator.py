@@ -637,11 +637,11 @@ class Orchestrator:
                 planner.saga,
                 planner.ops,
                 events,
+                owner=None,  # an operator's change, made under the row lock
                 release=True,
+                notify=planner.saga.status.is_runnable,
                 confirmations=planner.confirmations,
             )
-            if planner.saga.status.is_runnable:
-                store.notify_runnable_txn(conn, row.name, row.version)
             state = store.get_state_txn(conn, saga_id)
         log_events(planner, events)
         assert state is not None  # the row is locked in this transaction

@@ -226,8 +226,8 @@ class Runner:
         return nxt
 
     def _transact_at_once(self, planner: Planner, nxt: Next) -> list[Event]:
-        """The common transition: one statement, one round trip (saga.apply_transition),
-        which fails as a whole when the lease is no longer ours."""
+        """The common transition: one statement, one round trip (saga.write_saga), which
+        fails as a whole when the lease is no longer ours."""
         release, lease_until = self._hand_over(planner, nxt)
         events = planner.take_events()
         if isinstance(nxt, Invoke):
@@ -249,15 +249,8 @@ class Runner:
 
     def _transact_pipelined(self, planner: Planner, nxt: Next) -> list[Event]:
         """A transition that also writes confirmations, as one pipelined transaction whose
-        fence check goes first and fails it, writes included, if the lease was lost."""
+        fenced saga write goes first and fails it, writes included, if the lease was lost."""
         with self.store.pipelined() as conn:
-            self.store.assert_fence_txn(
-                conn,
-                planner.saga.id,
-                owner=self.owner,
-                fence=planner.saga.fence,
-                lease_seconds=self.lease_seconds,
-            )
             events, read_state = self._persist_txn(conn, planner, nxt)
         if read_state is not None:
             planner.final_state = read_state()
@@ -301,14 +294,15 @@ class Runner:
             saga,
             planner.ops,
             events,
+            owner=self.owner,
+            lease_seconds=self.lease_seconds,
             release=release,
             lease_until=lease_until,
+            notify=isinstance(nxt, Yield),
             confirmations=planner.confirmations,
         )
         if isinstance(nxt, Invoke):
             faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
-        if isinstance(nxt, Yield):
-            self.store.notify_runnable_txn(conn, saga.name, saga.version)
         if release:
             # The caller's answer, read in the last transaction rather than in one more.
             return events, self.store.deferred_state_txn(conn, saga.id)

@@ -33,7 +33,8 @@ from saga.state import (
 Conn = psycopg.Connection[dict[str, Any]]
 # A saga as read for its lease holder: its row, operations and confirmations.
 Loaded = tuple[SagaRow, list[OpRow], list[ConfirmationRow]]
-# SQLSTATE raised by saga.assert_fence when the lease is no longer the caller's.
+# SQLSTATE raised by saga.assert_fence and saga.write_saga when the lease is no longer
+# the caller's.
 FENCE_SQLSTATE = "SG001"
 _HEADER = re.compile(r"^-- ([a-z_]+) --$", re.MULTILINE)
 
@@ -81,8 +82,9 @@ class Store:
     def pipelined(self) -> Iterator[Conn]:
         """One transaction sent in a pipeline: statements go out without waiting, and the
         whole of it (BEGIN to COMMIT) costs one round trip unless a result is fetched
-        inside. Results of deferred reads are fetched after the block. A failed
-        `assert_fence_txn` becomes `LeaseLost`, with everything queued rolled back."""
+        inside. Results of deferred reads are fetched after the block. A failed fence check
+        (`assert_fence_txn`, or a fenced `save_txn`) becomes `LeaseLost`, with everything
+        queued rolled back."""
         try:
             with self.pool.connection() as conn, conn.pipeline(), conn.transaction():
                 conn.row_factory = dict_row
@@ -100,30 +102,6 @@ class Store:
         conn.execute(
             _q("assert_fence"),
             {"saga_id": saga_id, "owner": owner, "fence": fence, "lease_seconds": lease_seconds},
-        )
-
-    # ----- creating --------------------------------------------------------------------
-
-    def notify_runnable_txn(self, conn: Conn, name: str, version: int) -> None:
-        """Tell listening workers, at commit, that a saga of this kind can be claimed."""
-        conn.execute(_q("notify_runnable"), {"kind": f"{name}:{version}"})
-
-    def insert_operations_txn(self, conn: Conn, saga_id: str, ops: Sequence[OpRow]) -> None:
-        """Insert new operation rows."""
-        with conn.cursor() as cur:
-            cur.executemany(
-                _q("insert_operation"),
-                [{"saga_id": saga_id, **_new_op_params(op)} for op in ops],
-            )
-        for op in ops:
-            op.new = False
-
-    def append_events_txn(self, conn: Conn, saga_id: str, events: Sequence[Event]) -> None:
-        """Append audit events."""
-        if not events:
-            return
-        conn.execute(
-            _q("insert_events"), {"saga_id": saga_id, "events": _jsonb(_event_rows(events))}
         )
 
     # ----- leases ----------------------------------------------------------------------
@@ -200,42 +178,28 @@ class Store:
         ops: Sequence[OpRow],
         events: Sequence[Event],
         *,
+        owner: str | None,
+        lease_seconds: float | None = None,
         release: bool = False,
         lease_until: datetime | None = None,
+        notify: bool = False,
         confirmations: Sequence[ConfirmationRow] = (),
     ) -> None:
-        """Persist a planner's changes: new and changed operations, the saga row, events,
-        and confirmations asked for."""
-        new = [op for op in ops if op.new]
-        if new:
-            self.insert_operations_txn(conn, saga.id, new)
-        changed = [op for op in ops if op.dirty]
-        if changed:
-            conn.execute(
-                _q("update_operations"),
-                {"saga_id": saga.id, "ops": _jsonb([_op_params(op) for op in changed])},
-            )
-            for op in changed:
-                op.dirty = False
-        conn.execute(
-            _q("update_saga"),
-            {
-                "saga_id": saga.id,
-                "status": saga.status.value,
-                "direction": saga.direction,
-                "error": saga.error,
-                "run_after": saga.run_after,
-                "release": release,
-                "lease_until": lease_until,
-                "operations_executed": saga.operations_executed,
-                "spent": saga.spent,
-                "side_effects": saga.side_effects,
-                "max_operations": saga.max_operations,
-                "spend_budget": saga.spend_budget,
-                "max_side_effects": saga.max_side_effects,
-                "deadline_at": saga.deadline_at,
-            },
+        """Queue a planner's changes in a transaction: the saga row, new and changed
+        operations and events (saga.write_saga, fenced when `owner` holds the lease; an
+        operator passes None and holds the row lock instead), then confirmations asked
+        for or approved. A lost fence fails the transaction with everything in it."""
+        write = _write(
+            saga,
+            ops,
+            events,
+            owner=owner,
+            lease_seconds=lease_seconds,
+            release=release,
+            lease_until=lease_until,
+            notify=notify,
         )
+        conn.execute(_q("write_saga"), {"write": Jsonb(write, dumps=_dumps)})
         for confirmation in confirmations:
             if confirmation.new:
                 conn.execute(
@@ -262,7 +226,6 @@ class Store:
                         f"the confirmation of step {confirmation.step!r} is no longer pending"
                     )
                 confirmation.dirty = False
-        self.append_events_txn(conn, saga.id, events)
 
     def start_saga(
         self,
@@ -279,7 +242,7 @@ class Store:
         start = {
             "lease_seconds": lease_seconds,
             "notify": f"{saga.name}:{saga.version}" if notify else None,
-            "saga": {
+            "row": {
                 "id": saga.id,
                 "name": saga.name,
                 "version": saga.version,
@@ -300,7 +263,7 @@ class Store:
                 "spent": saga.spent,
                 "side_effects": saga.side_effects,
             },
-            "ops": [{**_new_op_params(op), **_op_params(op)} for op in ops],
+            "new_ops": [_new_op_params(op) for op in ops],
             "events": _event_rows(events),
         }
         with self.pool.connection() as conn:
@@ -331,49 +294,27 @@ class Store:
     ) -> SagaState | None:
         """Persist a lease holder's transition in one statement and one round trip; the
         saga's new state when asked for. `LeaseLost` when the fence no longer matches."""
-        new = [op for op in ops if op.new]
-        changed = [op for op in ops if op.dirty and not op.new]
-        transition = {
-            "saga_id": saga.id,
-            "owner": owner,
-            "fence": saga.fence,
-            "lease_seconds": lease_seconds,
-            "release": release,
-            "lease_until": lease_until,
-            "notify": f"{saga.name}:{saga.version}" if notify else None,
-            "return_state": return_state,
-            "saga": _compact(
-                {
-                    "status": saga.status.value,
-                    "direction": saga.direction,
-                    "error": saga.error,
-                    "run_after": saga.run_after,
-                    "operations_executed": saga.operations_executed,
-                    "spent": saga.spent,
-                    "side_effects": saga.side_effects,
-                    "max_operations": saga.max_operations,
-                    "spend_budget": saga.spend_budget,
-                    "max_side_effects": saga.max_side_effects,
-                    "deadline_at": saga.deadline_at,
-                }
-            ),
-            "new_ops": [_new_op_params(op) for op in new],
-            # A new row is inserted as pending, then brought up to date like any other.
-            "ops": [_op_params(op) for op in (*new, *changed)],
-            "events": _event_rows(events),
-        }
+        write = _write(
+            saga,
+            ops,
+            events,
+            owner=owner,
+            lease_seconds=lease_seconds,
+            release=release,
+            lease_until=lease_until,
+            notify=notify,
+        )
+        write["return_state"] = return_state
         try:
             with self.pool.connection() as conn:
                 conn.row_factory = dict_row
                 row = conn.execute(
-                    _q("apply_transition"), {"transition": Jsonb(transition, dumps=_dumps)}
+                    _q("write_saga"), {"write": Jsonb(write, dumps=_dumps)}
                 ).fetchone()
         except psycopg.Error as exc:
             if exc.sqlstate == FENCE_SQLSTATE:
                 raise LeaseLost(str(exc.diag.message_primary or exc)) from None
             raise
-        for op in (*new, *changed):
-            op.new = op.dirty = False
         state = row["state"] if row else None
         if state is None:
             return None
@@ -575,17 +516,61 @@ def _op_row(row: dict[str, Any]) -> OpRow:
     return OpRow(**fields)
 
 
+def _write(
+    saga: SagaRow,
+    ops: Sequence[OpRow],
+    events: Sequence[Event],
+    *,
+    owner: str | None,
+    lease_seconds: float | None,
+    release: bool,
+    lease_until: datetime | None,
+    notify: bool,
+) -> dict[str, Any]:
+    """The argument of saga.write_saga (migration 0008) for a planner's changes; the
+    operations sent are marked clean, as the caller's transaction will have written them."""
+    new = [op for op in ops if op.new]
+    changed = [op for op in ops if op.dirty and not op.new]
+    write = _compact(
+        {
+            "saga_id": saga.id,
+            "owner": owner,
+            "fence": saga.fence if owner is not None else None,
+            "lease_seconds": lease_seconds,
+            "release": release,
+            "lease_until": lease_until,
+            "notify": f"{saga.name}:{saga.version}" if notify else None,
+            "saga": _compact(
+                {
+                    "status": saga.status.value,
+                    "direction": saga.direction,
+                    "error": saga.error,
+                    "run_after": saga.run_after,
+                    "operations_executed": saga.operations_executed,
+                    "spent": saga.spent,
+                    "side_effects": saga.side_effects,
+                    "max_operations": saga.max_operations,
+                    "spend_budget": saga.spend_budget,
+                    "max_side_effects": saga.max_side_effects,
+                    "deadline_at": saga.deadline_at,
+                }
+            ),
+            "new_ops": [_new_op_params(op) for op in new] or None,
+            "ops": [_op_params(op) for op in changed] or None,
+            "events": _event_rows(events) or None,
+        }
+    )
+    for op in (*new, *changed):
+        op.new = op.dirty = False
+    return write
+
+
 def _new_op_params(op: OpRow) -> dict[str, Any]:
-    """The columns an operation row is created with."""
+    """Every column of an operation row to create, for a JSON batch (NULLs left out)."""
     return {
-        "step": op.step,
-        "kind": op.kind,
         "position": op.position,
         "idempotency_key": op.idempotency_key,
-        "request_hash": op.request_hash,
-        "status": op.status.value,
-        "attempts": op.attempts,
-        "max_attempts": op.max_attempts,
+        **_op_params(op),
     }
 
 

@@ -1,14 +1,3 @@
--- insert_operation --
--- Create one operation row (a step or a compensation).
-INSERT INTO saga.operations (saga_id, step, kind, position, idempotency_key, request_hash,
-                             status, attempts, max_attempts)
-VALUES (%(saga_id)s, %(step)s, %(kind)s, %(position)s, %(idempotency_key)s, %(request_hash)s,
-        %(status)s, %(attempts)s, %(max_attempts)s)
-
--- insert_events --
--- Append entries to the audit trail, in the order given, in one statement.
-SELECT saga.append_events(%(saga_id)s, %(events)s)
-
 -- get_saga --
 -- One saga row.
 SELECT *
@@ -103,10 +92,6 @@ FROM (
 WHERE s.id = c.id
 RETURNING s.*, set_config('saga.claimed', s.id::text, true) AS claimed
 
--- notify_runnable --
--- Wake listening workers (delivered at commit); the payload is the saga's name:version.
-SELECT pg_notify('saga_runnable', %(kind)s)
-
 -- next_claimable_at --
 -- When the earliest saga of these kinds becomes claimable (backoff over, lease expired).
 SELECT min(GREATEST(run_after, COALESCE(lease_expires_at, run_after))) AS at
@@ -120,36 +105,6 @@ SELECT count(*)
 FROM saga.sagas
 WHERE status IN ('pending', 'running', 'compensating')
   AND name || ':' || version = ANY(%(kinds)s::text[])
-
--- update_saga --
--- Persist a saga's status, direction, error, counters and next run time; optionally end
--- the lease. finished_at marks when it became completed or compensated.
-UPDATE saga.sagas
-SET status = %(status)s,
-    direction = %(direction)s,
-    error = %(error)s,
-    operations_executed = %(operations_executed)s,
-    spent = %(spent)s,
-    side_effects = %(side_effects)s,
-    max_operations = %(max_operations)s,
-    spend_budget = %(spend_budget)s,
-    max_side_effects = %(max_side_effects)s,
-    deadline_at = %(deadline_at)s,
-    finished_at = CASE WHEN %(status)s IN ('completed', 'compensated')
-                       THEN COALESCE(finished_at, now()) END,
-    run_after = COALESCE(%(run_after)s, run_after),
-    lease_owner = CASE WHEN %(release)s THEN NULL ELSE lease_owner END,
-    lease_expires_at = CASE
-        WHEN %(release)s THEN NULL
-        WHEN %(lease_until)s::timestamptz IS NULL THEN lease_expires_at
-        ELSE GREATEST(lease_expires_at, %(lease_until)s::timestamptz)
-    END,
-    updated_at = now()
-WHERE id = %(saga_id)s
-
--- update_operations --
--- Persist the mutable columns of several operations of one saga in one statement.
-SELECT saga.write_operations(%(saga_id)s, %(ops)s)
 
 -- renew_leases --
 -- Heartbeat of the attempts in flight: extend each lease this owner still holds at that
@@ -268,10 +223,11 @@ SELECT count(*) AS purged FROM gone
 -- another owner has claimed the saga, so the writes queued after it are rolled back.
 SELECT saga.assert_fence(%(saga_id)s, %(owner)s, %(fence)s, %(lease_seconds)s)
 
--- apply_transition --
--- A lease holder's step transition in one statement (see migration 0005).
-SELECT saga.apply_transition(%(transition)s) AS state
+-- write_saga --
+-- A saga's decisions in one statement: its row (fenced for a lease holder), operations,
+-- events, wake-up and, when asked, its state as it now stands (see migration 0008).
+SELECT saga.write_saga(%(write)s) AS state
 
 -- start_saga --
--- Create a saga with its operations and first events in one statement (migration 0006).
+-- Create a saga with its operations and first events in one statement (migration 0008).
 SELECT saga.start_saga(%(start)s) AS outcome
