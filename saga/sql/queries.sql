@@ -71,26 +71,8 @@ RETURNING *, set_config('saga.claimed', id::text, true) AS claimed
 -- claim_next_saga --
 -- Take the lease of the runnable saga that has waited longest, among the given
 -- (name:version) pairs; SKIP LOCKED lets many workers claim without blocking each other.
--- Like claim_saga, it names the claimed saga in the transaction-local setting
--- saga.claimed, so the reads of its operations can be sent before its id is known.
-UPDATE saga.sagas AS s
-SET lease_owner = %(owner)s,
-    lease_expires_at = now() + make_interval(secs => %(lease_seconds)s),
-    fence = s.fence + 1,
-    updated_at = now()
-FROM (
-    SELECT id
-    FROM saga.sagas
-    WHERE status IN ('pending', 'running', 'compensating')
-      AND run_after <= now()
-      AND (lease_owner IS NULL OR lease_expires_at <= now())
-      AND name || ':' || version = ANY(%(kinds)s::text[])
-    ORDER BY run_after
-    LIMIT 1
-    FOR UPDATE SKIP LOCKED
-) AS c
-WHERE s.id = c.id
-RETURNING s.*, set_config('saga.claimed', s.id::text, true) AS claimed
+-- The claimed saga is named in saga.claimed, as by claim_saga (see migration 0009).
+SELECT * FROM saga.claim_next(%(kinds)s::text[], %(owner)s, %(lease_seconds)s::float8)
 
 -- next_claimable_at --
 -- When the earliest saga of these kinds becomes claimable (backoff over, lease expired).

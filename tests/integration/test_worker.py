@@ -246,3 +246,47 @@ def test_live_workers_say_which_kinds_they_run(make_orch: OrchestratorFactory) -
         live = wait_until(lambda: orch.workers(), timeout=10)
         assert [(w.owner, w.kinds, w.concurrency) for w in live] == [(orch.owner, ["listed:2"], 3)]
     assert orch.workers() == []
+
+
+def _buffers_of(conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...]) -> int:
+    plan = conn.execute(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {query}", params).fetchone()
+    assert plan is not None
+    top = plan[0][0]["Plan"]
+    return int(top["Shared Hit Blocks"]) + int(top["Shared Read Blocks"])
+
+
+def test_a_claim_reads_the_head_of_a_long_queue_not_all_of_it(
+    make_orch: OrchestratorFactory,
+) -> None:
+    """With 6,000 sagas queued and the table's statistics not caught up with them (as after
+    a burst), a claim walks the runnable index in order and stops at the first saga it can
+    take, rather than reading the whole backlog: its cost must not grow with the queue."""
+    saga = order_saga("queued")
+
+    @saga.step
+    def only(ctx: StepContext, order: Order) -> dict[str, Any]:
+        return {}
+
+    orch = make_orch(saga)
+    first = orch.start(saga, Order(order_id="first")).id
+    with psycopg.connect(orch.database_url, autocommit=True) as conn:
+        conn.execute("UPDATE saga.sagas SET run_after = now() - interval '1 day'")
+        conn.execute(
+            "INSERT INTO saga.sagas (id, name, version, tenant_id, key, input, input_hash,"
+            " run_after)"
+            " SELECT gen_random_uuid(), 'queued', 1, 't', 'k' || i, '{}', 'h',"
+            "        now() - make_interval(secs => 6001 - i)"
+            " FROM generate_series(1, 6000) AS i"
+        )
+        backlog = _buffers_of(
+            conn,
+            "SELECT count(*) FROM saga.sagas WHERE status = 'pending' AND name = %s",
+            ("queued",),
+        )
+        # A first call in the session reads the catalogs; it claims nothing (no such kind).
+        conn.execute("SELECT * FROM saga.claim_next(%s, 'probe', 10)", (["other:1"],))
+        claim = _buffers_of(conn, "SELECT * FROM saga.claim_next(%s, 'probe', 10)", (["queued:1"],))
+        claimed = scalar(orch.database_url, "SELECT id FROM saga.sagas WHERE lease_owner = 'probe'")
+    assert str(claimed) == first  # the one that has waited longest
+    # Reading the queue costs `backlog` pages (about 190); the claim, a few dozen at most.
+    assert claim * 4 < backlog, f"a claim read {claim} buffers with {backlog} pages queued"
