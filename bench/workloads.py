@@ -314,8 +314,8 @@ def ours_workers(args: Result) -> Result:
         # The last completion's own commit is later than its updated_at (transaction start):
         # take the last event's clock_timestamp() instead.
         last = conn.execute(
-            "SELECT extract(epoch FROM max(e.at) - min(s.created_at)) "
-            "FROM saga.events e, saga.sagas s"
+            "SELECT extract(epoch FROM (SELECT max(at) FROM saga.events)"
+            " - (SELECT min(created_at) FROM saga.sagas))"
         ).fetchone()
         assert last is not None
         db_elapsed = max(db_elapsed, float(last[0]))
@@ -523,9 +523,10 @@ def fill_finished(url: str, rows: int) -> Result:
 
 
 def claim_latency(args: Result) -> Result:
-    """Time of one claim transaction (claim_next_saga, committed) on a database holding no
-    finished saga and on one holding `fill` of them, each with `samples` runnable sagas
-    waiting. The two are claimed from in turn, so that outside load hits them alike."""
+    """Time of one claim transaction as a worker runs it (claim_next_saga and the reads of
+    the claimed saga's operations, pipelined, committed) on a database holding no finished
+    saga and on one holding `fill` of them, each with `samples` runnable sagas waiting.
+    The two are claimed from in turn, so that outside load hits them alike."""
     samples, fill = int(args["samples"]), int(args["fill"])
     saga = noop_saga()
     kinds = ["bench:1"]
@@ -546,12 +547,13 @@ def claim_latency(args: Result) -> Result:
             orch = orchs[tag]
             store = orch.store
             t0 = time.perf_counter()
-            with store.transaction() as conn:
-                row = store.claim_next_txn(
+            with store.pipelined() as conn:
+                claimed = store.claim_next_txn(
                     conn, kinds=kinds, owner="bench", lease_seconds=orch.lease_seconds
                 )
             took[tag].append(time.perf_counter() - t0)
-            assert row is not None
+            assert claimed is not None
+            row = claimed[0]
             with store.transaction() as conn:  # out of the runnable set, untimed
                 conn.execute(
                     "UPDATE saga.sagas SET status = 'completed', lease_owner = NULL, "
