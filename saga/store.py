@@ -483,9 +483,16 @@ class Store:
             ).fetchall()
 
 
+_FIELD_NAMES: dict[type[Any], tuple[str, ...]] = {}
+
+
 def _columns(cls: type[Any], row: dict[str, Any]) -> dict[str, Any]:
     """The columns of `row` that are fields of the dataclass `cls`, numerics as floats."""
-    out = {f.name: row[f.name] for f in dataclasses.fields(cls) if f.name in row}
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        # dataclasses.fields() rebuilds its answer on every call; rows come by the thousand.
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    out = {name: row[name] for name in names if name in row}
     for name, value in out.items():
         if isinstance(value, Decimal):
             # numeric columns (budgets, costs) are plain floats in Python.
