@@ -632,7 +632,7 @@ class Orchestrator:
             planner.events.extend(broken)
             change(planner)
             events = planner.take_events()
-            store.save_txn(
+            state = store.save_txn(
                 conn,
                 planner.saga,
                 planner.ops,
@@ -640,9 +640,9 @@ class Orchestrator:
                 owner=None,  # an operator's change, made under the row lock
                 release=True,
                 notify=planner.saga.status.is_runnable,
+                return_state=True,
                 confirmations=planner.confirmations,
-            )
-            state = store.get_state_txn(conn, saga_id)
+            )()
         log_events(planner, events)
         assert state is not None  # the row is locked in this transaction
         return state

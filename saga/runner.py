@@ -286,12 +286,11 @@ class Runner:
     ) -> tuple[list[Event], Callable[[], SagaState | None] | None]:
         """Queue the planner's changes; when the saga is handed back, also the read of its
         state, returned as a function to call once the transaction has committed."""
-        saga = planner.saga
         release, lease_until = self._hand_over(planner, nxt)
         events = planner.take_events()
-        self.store.save_txn(
+        read_state = self.store.save_txn(
             conn,
-            saga,
+            planner.saga,
             planner.ops,
             events,
             owner=self.owner,
@@ -299,14 +298,13 @@ class Runner:
             release=release,
             lease_until=lease_until,
             notify=isinstance(nxt, Yield),
+            # The caller's answer, read in the last transaction rather than in one more.
+            return_state=release,
             confirmations=planner.confirmations,
         )
         if isinstance(nxt, Invoke):
             faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
-        if release:
-            # The caller's answer, read in the last transaction rather than in one more.
-            return events, self.store.deferred_state_txn(conn, saga.id)
-        return events, None
+        return events, read_state if release else None
 
     def _hand_over(self, planner: Planner, nxt: Next) -> tuple[bool, datetime | None]:
         """Whether the lease ends with this transition, and until when it must last

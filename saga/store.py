@@ -57,6 +57,18 @@ def _q(name: str) -> LiteralString:
     return QUERIES[name]
 
 
+@contextmanager
+def _fenced() -> Iterator[None]:
+    """Turn a failed fence check (SQLSTATE SG001, from saga.assert_fence or a fenced
+    saga.write_saga) into `LeaseLost`; the transaction is rolled back with it."""
+    try:
+        yield
+    except psycopg.Error as exc:
+        if exc.sqlstate == FENCE_SQLSTATE:
+            raise LeaseLost(str(exc.diag.message_primary or exc)) from None
+        raise
+
+
 def parse_id(saga_id: str) -> uuid.UUID | None:
     """The UUID of a saga id string, or None when it is malformed."""
     try:
@@ -85,14 +97,9 @@ class Store:
         inside. Results of deferred reads are fetched after the block. A failed fence check
         (`assert_fence_txn`, or a fenced `save_txn`) becomes `LeaseLost`, with everything
         queued rolled back."""
-        try:
-            with self.pool.connection() as conn, conn.pipeline(), conn.transaction():
-                conn.row_factory = dict_row
-                yield cast(Conn, conn)
-        except psycopg.Error as exc:
-            if exc.sqlstate == FENCE_SQLSTATE:
-                raise LeaseLost(str(exc.diag.message_primary or exc)) from None
-            raise
+        with _fenced(), self.pool.connection() as conn, conn.pipeline(), conn.transaction():
+            conn.row_factory = dict_row
+            yield cast(Conn, conn)
 
     def assert_fence_txn(
         self, conn: Conn, saga_id: str, *, owner: str, fence: int, lease_seconds: float
@@ -183,12 +190,17 @@ class Store:
         release: bool = False,
         lease_until: datetime | None = None,
         notify: bool = False,
+        return_state: bool = False,
         confirmations: Sequence[ConfirmationRow] = (),
-    ) -> None:
+    ) -> Callable[[], SagaState | None]:
         """Queue a planner's changes in a transaction: the saga row, new and changed
         operations and events (saga.write_saga, fenced when `owner` holds the lease; an
         operator passes None and holds the row lock instead), then confirmations asked
-        for or approved. A lost fence fails the transaction with everything in it."""
+        for or approved. A lost fence fails the transaction with everything in it.
+
+        Returns the read of the saga's state as the write left it (None unless
+        `return_state`), to call once the statement's result has arrived: at once in a
+        plain transaction, after the block in a pipelined one."""
         write = _write(
             saga,
             ops,
@@ -198,8 +210,9 @@ class Store:
             release=release,
             lease_until=lease_until,
             notify=notify,
+            return_state=return_state,
         )
-        conn.execute(_q("write_saga"), {"write": Jsonb(write, dumps=_dumps)})
+        written = conn.execute(_q("write_saga"), {"write": Jsonb(write, dumps=_dumps)})
         for confirmation in confirmations:
             if confirmation.new:
                 conn.execute(
@@ -226,6 +239,13 @@ class Store:
                         f"the confirmation of step {confirmation.step!r} is no longer pending"
                     )
                 confirmation.dirty = False
+
+        def read() -> SagaState | None:
+            row = written.fetchone()
+            state = row["state"] if row else None
+            return None if state is None else _state(state["saga"], state["operations"])
+
+        return read
 
     def start_saga(
         self,
@@ -294,31 +314,20 @@ class Store:
     ) -> SagaState | None:
         """Persist a lease holder's transition in one statement and one round trip; the
         saga's new state when asked for. `LeaseLost` when the fence no longer matches."""
-        write = _write(
-            saga,
-            ops,
-            events,
-            owner=owner,
-            lease_seconds=lease_seconds,
-            release=release,
-            lease_until=lease_until,
-            notify=notify,
-        )
-        write["return_state"] = return_state
-        try:
-            with self.pool.connection() as conn:
-                conn.row_factory = dict_row
-                row = conn.execute(
-                    _q("write_saga"), {"write": Jsonb(write, dumps=_dumps)}
-                ).fetchone()
-        except psycopg.Error as exc:
-            if exc.sqlstate == FENCE_SQLSTATE:
-                raise LeaseLost(str(exc.diag.message_primary or exc)) from None
-            raise
-        state = row["state"] if row else None
-        if state is None:
-            return None
-        return _state(state["saga"], state["operations"])
+        with _fenced(), self.pool.connection() as conn:
+            conn.row_factory = dict_row
+            return self.save_txn(
+                conn,
+                saga,
+                ops,
+                events,
+                owner=owner,
+                lease_seconds=lease_seconds,
+                release=release,
+                lease_until=lease_until,
+                notify=notify,
+                return_state=return_state,
+            )()
 
     # ----- reading ---------------------------------------------------------------------
 
@@ -372,18 +381,6 @@ class Store:
         """The user-facing state of one saga, or None."""
         with self.transaction() as conn:
             return self.get_state_txn(conn, saga_id)
-
-    def deferred_state_txn(self, conn: Conn, saga_id: str) -> Callable[[], SagaState | None]:
-        """Queue the reads of a saga's state; the returned function builds it once the
-        (pipelined) transaction's results have arrived."""
-        saga_cur = conn.execute(_q("get_saga"), {"saga_id": saga_id})
-        ops_cur = conn.execute(_q("get_operations"), {"saga_id": saga_id})
-
-        def read() -> SagaState | None:
-            row = saga_cur.fetchone()
-            return None if row is None else _state(row, ops_cur.fetchall())
-
-        return read
 
     def get_state_txn(self, conn: Conn, saga_id: str) -> SagaState | None:
         """The user-facing state of one saga as this transaction sees it, or None."""
@@ -533,6 +530,7 @@ def _write(
     release: bool,
     lease_until: datetime | None,
     notify: bool,
+    return_state: bool,
 ) -> dict[str, Any]:
     """The argument of saga.write_saga (migration 0008) for a planner's changes; the
     operations sent are marked clean, as the caller's transaction will have written them."""
@@ -547,6 +545,7 @@ def _write(
             "release": release,
             "lease_until": lease_until,
             "notify": f"{saga.name}:{saga.version}" if notify else None,
+            "return_state": return_state,
             "saga": _compact(
                 {
                     "status": saga.status.value,
