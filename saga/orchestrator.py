@@ -29,6 +29,7 @@ from saga.errors import (
     StepStateError,
 )
 from saga.keys import check_saga_input
+from saga.keys import request_hash as hash_business_fields
 from saga.leases import LeaseKeeper
 from saga.migrate import apply_migrations
 from saga.protocol import Event, Next, Planner, SagaRow, new_action_rows
@@ -244,9 +245,8 @@ class Orchestrator:
             self.register(saga)
         model = saga.validate_input(data)
         tenant, key = saga.identity(model)
-        check_saga_input(
-            saga.name, model.model_dump(), model.model_dump(mode="json"), identity=(tenant, key)
-        )
+        stored = model.model_dump(mode="json")
+        check_saga_input(saga.name, model.model_dump(), stored, identity=(tenant, key))
         business = saga.business_fields(model)
         deadline = saga.ceilings.deadline_seconds
         row = SagaRow(
@@ -255,8 +255,8 @@ class Orchestrator:
             version=saga.version,
             tenant_id=tenant,
             key=key,
-            input=model.model_dump(mode="json"),
-            input_hash=saga.input_hash(model),
+            input=stored,
+            input_hash=hash_business_fields(business),  # = saga.input_hash(model)
             status=SagaStatus.PENDING,
             error=None,
             direction="forward",
