@@ -78,7 +78,11 @@ def parse_id(saga_id: str) -> uuid.UUID | None:
 
 
 class Store:
-    """Reads and writes sagas, operations and events; the only place that speaks SQL."""
+    """Reads and writes sagas, operations and events; the only place that speaks SQL.
+
+    The pool's connections are in autocommit mode (as `Orchestrator` makes them): a
+    single statement commits on its own, and `transaction` or `pipelined` group several.
+    """
 
     def __init__(self, pool: ConnectionPool[Any]) -> None:
         self.pool = pool
@@ -86,7 +90,14 @@ class Store:
     @contextmanager
     def transaction(self) -> Iterator[Conn]:
         """A connection inside one transaction, committed when the block exits cleanly."""
-        with self.pool.connection() as conn, conn.transaction():
+        with self._connection() as conn, conn.transaction():
+            yield conn
+
+    @contextmanager
+    def _connection(self) -> Iterator[Conn]:
+        # An autocommit connection: one statement is one transaction, and costs no
+        # BEGIN and COMMIT of its own (for statements that need no company).
+        with self.pool.connection() as conn:
             conn.row_factory = dict_row
             yield cast(Conn, conn)
 
@@ -97,9 +108,8 @@ class Store:
         inside. Results of deferred reads are fetched after the block. A failed fence check
         (`assert_fence_txn`, or a fenced `save_txn`) becomes `LeaseLost`, with everything
         queued rolled back."""
-        with _fenced(), self.pool.connection() as conn, conn.pipeline(), conn.transaction():
-            conn.row_factory = dict_row
-            yield cast(Conn, conn)
+        with _fenced(), self._connection() as conn, conn.pipeline(), conn.transaction():
+            yield conn
 
     def assert_fence_txn(
         self, conn: Conn, saga_id: str, *, owner: str, fence: int, lease_seconds: float
@@ -152,7 +162,7 @@ class Store:
         self, held: Mapping[str, int], *, owner: str, lease_seconds: float
     ) -> set[str]:
         """Heartbeat of several leases (saga id -> fence); the ids still held."""
-        with self.transaction() as conn:
+        with self._connection() as conn:
             rows = conn.execute(
                 _q("renew_leases"),
                 {
@@ -166,7 +176,7 @@ class Store:
 
     def release_lease(self, saga_id: str, *, owner: str, fence: int) -> None:
         """Give the lease back if still ours (error paths)."""
-        with self.transaction() as conn:
+        with self._connection() as conn:
             conn.execute(_q("release_lease"), {"saga_id": saga_id, "owner": owner, "fence": fence})
 
     def lock_saga_txn(self, conn: Conn, saga_id: str) -> tuple[SagaRow, bool] | None:
@@ -286,8 +296,7 @@ class Store:
             "new_ops": [_new_op_params(op) for op in ops],
             "events": _event_rows(events),
         }
-        with self.pool.connection() as conn:
-            conn.row_factory = dict_row
+        with self._connection() as conn:
             row = conn.execute(_q("start_saga"), {"start": Jsonb(start, dumps=_dumps)}).fetchone()
         assert row is not None
         outcome: dict[str, Any] = row["outcome"]
@@ -314,8 +323,7 @@ class Store:
     ) -> SagaState | None:
         """Persist a lease holder's transition in one statement and one round trip; the
         saga's new state when asked for. `LeaseLost` when the fence no longer matches."""
-        with _fenced(), self.pool.connection() as conn:
-            conn.row_factory = dict_row
+        with _fenced(), self._connection() as conn:
             return self.save_txn(
                 conn,
                 saga,
@@ -349,7 +357,7 @@ class Store:
 
     def confirmations(self, saga_id: str) -> list[Confirmation]:
         """The confirmations of a saga, oldest first."""
-        with self.transaction() as conn:
+        with self._connection() as conn:
             rows = conn.execute(_q("get_confirmations"), {"saga_id": saga_id}).fetchall()
         return [Confirmation.model_validate({**r, "saga_id": saga_id}) for r in rows]
 
@@ -365,7 +373,7 @@ class Store:
 
     def purge_finished(self, *, retention_seconds: float, batch_size: int) -> int:
         """Delete one batch of sagas that ended before the retention cutoff; how many."""
-        with self.transaction() as conn:
+        with self._connection() as conn:
             row = conn.execute(
                 _q("purge_finished_sagas"),
                 {"retention_seconds": retention_seconds, "batch_size": batch_size},
@@ -421,13 +429,13 @@ class Store:
 
     def history(self, saga_id: str) -> list[HistoryEvent]:
         """The audit trail of a saga, oldest first."""
-        with self.transaction() as conn:
+        with self._connection() as conn:
             rows = conn.execute(_q("get_history"), {"saga_id": saga_id}).fetchall()
         return [HistoryEvent.model_validate(r) for r in rows]
 
     def next_claimable_at(self, kinds: Sequence[str]) -> datetime | None:
         """When the earliest saga of these kinds becomes claimable; None when none is open."""
-        with self.transaction() as conn:
+        with self._connection() as conn:
             row = conn.execute(_q("next_claimable_at"), {"kinds": list(kinds)}).fetchone()
         return row["at"] if row else None
 
@@ -435,7 +443,7 @@ class Store:
         self, *, owner: str, kinds: Sequence[str], concurrency: int, ttl_seconds: float
     ) -> None:
         """Record (or refresh) a live worker and the kinds it runs."""
-        with self.transaction() as conn:
+        with self._connection() as conn:
             conn.execute(
                 _q("upsert_worker"),
                 {
@@ -448,18 +456,18 @@ class Store:
 
     def delete_worker(self, owner: str) -> None:
         """Remove a stopping worker's row (and long-dead workers' rows)."""
-        with self.transaction() as conn:
+        with self._connection() as conn:
             conn.execute(_q("delete_worker"), {"owner": owner})
 
     def live_workers(self) -> list[WorkerInfo]:
         """Workers whose heartbeat is still believed, newest first."""
-        with self.transaction() as conn:
+        with self._connection() as conn:
             rows = conn.execute(_q("live_workers")).fetchall()
         return [WorkerInfo.model_validate(r) for r in rows]
 
     def count_open(self, kinds: Sequence[str]) -> int:
         """How many sagas of these name:version kinds are pending, running or compensating."""
-        with self.transaction() as conn:
+        with self._connection() as conn:
             row = conn.execute(_q("count_open_sagas"), {"kinds": list(kinds)}).fetchone()
         return int(row["count"]) if row else 0
 
@@ -474,7 +482,7 @@ class Store:
     def find_unsettled(self, kinds: Sequence[str], *, limit: int) -> list[dict[str, Any]]:
         """Runnable sagas of these kinds with an operation running under an expired lease,
         or unknown: id, name, version and that operation's step, kind, status and key."""
-        with self.transaction() as conn:
+        with self._connection() as conn:
             return conn.execute(
                 _q("find_unsettled_sagas"), {"kinds": list(kinds), "limit": limit}
             ).fetchall()
