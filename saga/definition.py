@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, overload
@@ -91,7 +90,6 @@ class OperationSpec:
         self.reconcile_retry = RetryPolicy(initial_delay=0.5, max_delay=5.0)
         self.prepare_fn: Callable[..., Any] | None = None
         self.request_codec: ResultCodec | None = None
-        self.is_async = inspect.iscoroutinefunction(fn)
         self.codec = ResultCodec(fn, where=self.label)
 
     @overload

@@ -16,10 +16,10 @@ from typing import Any, Literal
 from saga.definition import Compensation, OperationSpec, Saga, Step
 from saga.errors import StepStateError
 from saga.keys import canonical_json, operation_key, request_hash
-from saga.state import OperationStatus, SagaState, SagaStatus
+from saga.state import OperationKind, OperationStatus, SagaState, SagaStatus
 
 Direction = Literal["forward", "backward"]
-Kind = Literal["action", "compensation"]
+Kind = OperationKind
 
 
 @dataclass(slots=True)
@@ -215,9 +215,9 @@ class Planner:
 
     def op(self, step: str, kind: str) -> OpRow:
         """The row of (step, kind); `KeyError` when there is none."""
-        for row in self.ops:
-            if row.step == step and row.kind == kind:
-                return row
+        row = next((o for o in self.ops if o.step == step and o.kind == kind), None)
+        if row is not None:
+            return row
         raise KeyError(f"saga {self.saga.id} has no {kind} operation for step {step!r}")
 
     def step_of(self, op: OpRow) -> Step:
@@ -236,26 +236,24 @@ class Planner:
 
     def is_idempotent(self, op: OpRow) -> bool:
         """Whether the operation was declared safe to retry with the same key."""
-        if op.kind == "action":
-            return self.step_of(op).idempotent
-        comp = self.compensation_of(op)
-        return comp is not None and comp.idempotent
+        spec = self._declared(op)
+        return spec is not None and spec.idempotent
 
     def reconcile_fn(self, op: OpRow) -> Any:
         """The reconcile hook of an operation, or None."""
-        if op.kind == "action":
-            return self.step_of(op).reconcile_fn
-        comp = self.compensation_of(op)
-        return comp.reconcile_fn if comp is not None else None
+        spec = self._declared(op)
+        return spec.reconcile_fn if spec is not None else None
 
     def spec_of(self, op: OpRow) -> OperationSpec:
         """The declared step or compensation an operation row runs."""
-        if op.kind == "action":
-            return self.step_of(op)
-        comp = self.compensation_of(op)
-        if comp is None:
+        spec = self._declared(op)
+        if spec is None:
             raise StepStateError(f"step {op.step!r} has no compensation declared")
-        return comp
+        return spec
+
+    def _declared(self, op: OpRow) -> OperationSpec | None:
+        # The step itself for an action; its compensation, if declared, for the other kind.
+        return self.step_of(op) if op.kind == "action" else self.compensation_of(op)
 
     def input_model(self) -> Any:
         """The saga input, validated into its model (once per snapshot)."""
@@ -307,12 +305,7 @@ class Planner:
                 self._mark_unknown(op, f"attempt {op.attempts} was running when its lease expired")
         while True:
             status = self.saga.status
-            if status in (
-                SagaStatus.COMPLETED,
-                SagaStatus.COMPENSATED,
-                SagaStatus.NEEDS_REVIEW,
-                SagaStatus.AWAITING_CONFIRMATION,
-            ):
+            if not status.is_runnable:
                 return Stop(status)
             if status == SagaStatus.PENDING:
                 self._set_status(SagaStatus.RUNNING)
@@ -327,7 +320,7 @@ class Planner:
             if op.status == OperationStatus.UNKNOWN:
                 return self._settle_unknown(op)
             if op.status == OperationStatus.FAILED:
-                pivot = self._succeeded_pivot_before(op)
+                pivot = self._succeeded_pivot(op)
                 if pivot is not None:
                     self.park(
                         f"step {op.step!r} failed after pivot step {pivot!r} succeeded; "
@@ -488,9 +481,18 @@ class Planner:
         return bool(policy(self.request_of(op)))
 
     def _approved(self, op: OpRow) -> bool:
-        return any(
-            c.step == op.step and c.request_hash == op.request_hash and c.approved_at is not None
-            for c in self.confirmations
+        confirmation = self._confirmation_for(op)
+        return confirmation is not None and confirmation.approved_at is not None
+
+    def _confirmation_for(self, op: OpRow) -> ConfirmationRow | None:
+        # At most one: (saga, step, request hash) is the confirmations' primary key.
+        return next(
+            (
+                c
+                for c in self.confirmations
+                if c.step == op.step and c.request_hash == op.request_hash
+            ),
+            None,
         )
 
     def pending_confirmation(self) -> ConfirmationRow | None:
@@ -521,14 +523,7 @@ class Planner:
             "policy_checks": checks,
         }
         expires_at = self.now + timedelta(seconds=spec.guards.confirm_ttl_seconds)
-        existing = next(
-            (
-                c
-                for c in self.confirmations
-                if c.step == op.step and c.request_hash == op.request_hash
-            ),
-            None,
-        )
+        existing = self._confirmation_for(op)
         if existing is None:
             self.confirmations.append(
                 ConfirmationRow(op.step, op.request_hash, preview, expires_at, new=True)
@@ -572,9 +567,10 @@ class Planner:
         self._event("unknown_retried", op, reason="idempotent: retrying with the same key")
         return None
 
-    def _succeeded_pivot_before(self, failed: OpRow) -> str | None:
+    def _succeeded_pivot(self, before: OpRow | None = None) -> str | None:
+        """The first pivot step that succeeded (before the step of `before`, if given)."""
         for op in self.actions:
-            if op.position >= failed.position:
+            if before is not None and op.position >= before.position:
                 return None
             if op.status == OperationStatus.SUCCEEDED and self.step_of(op).pivot:
                 return op.step
@@ -587,12 +583,7 @@ class Planner:
     ) -> None:
         """The attempt returned `result` (already encoded as JSON)."""
         self._tick()
-        self._touch(op, status=OperationStatus.SUCCEEDED)
-        op.result = result
-        op.error = None
-        op.provider_reference = provider_reference
-        op.finished_at = self.now
-        op.retrying_unknown = False
+        self._succeed(op, result, provider_reference)
         self._event("attempt_succeeded", op)
 
     def record_failure(self, op: OpRow, error: str, *, retryable: bool, delay: float) -> None:
@@ -634,13 +625,16 @@ class Planner:
         """Reconcile: the provider performed the effect."""
         self._tick()
         self._event("reconcile_found", op, provider_reference=provider_reference)
+        self._succeed(op, result, provider_reference)
+        self._settled_reconcile(op)
+
+    def _succeed(self, op: OpRow, result: Any, provider_reference: str | None) -> None:
         self._touch(op, status=OperationStatus.SUCCEEDED)
         op.result = result
         op.error = None
         op.provider_reference = provider_reference
         op.finished_at = self.now
         op.retrying_unknown = False
-        self._settled_reconcile(op)
 
     def record_absent(self, op: OpRow, *, settled: bool = True) -> None:
         """Reconcile: nothing happened under this key, so a retry with it is safe.
@@ -751,9 +745,7 @@ class Planner:
         if self.saga.status == SagaStatus.COMPENSATED:
             return
         self.saga.direction = "backward"
-        self._set_status(SagaStatus.COMPENSATING)
-        self.saga.error = None
-        self.saga.run_after = self.now
+        self._resume()
         self.events.append(
             Event(
                 "compensation_requested",
@@ -796,11 +788,8 @@ class Planner:
         op.next_attempt_at = None
         op.finished_at = self.now
         self._event("operation_resolved", op, outcome=outcome, actor=actor, reason=reason)
-        if self.saga.status not in (SagaStatus.COMPLETED, SagaStatus.COMPENSATED):
-            back = self.saga.direction == "backward"
-            self._set_status(SagaStatus.COMPENSATING if back else SagaStatus.RUNNING)
-            self.saga.error = None
-            self.saga.run_after = self.now
+        if not self.saga.status.is_terminal:
+            self._resume()
         return op
 
     def approve_confirmation(self, step: str, request_hash: str, *, actor: str) -> None:
@@ -887,12 +876,16 @@ class Planner:
         needs_review becomes runnable again, its counters untouched."""
         self._tick()
         saga = self.saga
-        before = {
-            "max_operations": saga.max_operations,
-            "spend_budget": saga.spend_budget,
-            "max_side_effects": saga.max_side_effects,
-            "deadline_at": str(saga.deadline_at) if saga.deadline_at else None,
-        }
+
+        def ceilings() -> dict[str, Any]:
+            return {
+                "max_operations": saga.max_operations,
+                "spend_budget": saga.spend_budget,
+                "max_side_effects": saga.max_side_effects,
+                "deadline_at": str(saga.deadline_at) if saga.deadline_at else None,
+            }
+
+        before = ceilings()
         for name, new, old in (
             ("max_operations", max_operations, saga.max_operations),
             ("spend_budget", spend_budget, saga.spend_budget),
@@ -912,14 +905,8 @@ class Planner:
             saga.deadline_at = max(saga.deadline_at, self.now) + timedelta(
                 seconds=extend_deadline_seconds
             )
-        after = {
-            "max_operations": saga.max_operations,
-            "spend_budget": saga.spend_budget,
-            "max_side_effects": saga.max_side_effects,
-            "deadline_at": str(saga.deadline_at) if saga.deadline_at else None,
-        }
         self.events.append(
-            Event("ceilings_raised", detail={"actor": actor, "before": before, "after": after})
+            Event("ceilings_raised", detail={"actor": actor, "before": before, "after": ceilings()})
         )
         if saga.status == SagaStatus.NEEDS_REVIEW:
             self._resume()
@@ -977,10 +964,7 @@ class Planner:
             previous_max_attempts=previous_ceiling,
             max_attempts=ceiling,
         )
-        back = self.saga.direction == "backward"
-        self._set_status(SagaStatus.COMPENSATING if back else SagaStatus.RUNNING)
-        self.saga.error = None
-        self.saga.run_after = self.now
+        self._resume()
         return op
 
     def request_cancel(self, *, reason: str, actor: str | None, include_unknown: bool) -> bool:
@@ -1000,14 +984,7 @@ class Planner:
                 f"saga {self.saga.id} is already compensating and parked ({self.saga.error}); "
                 "retry or resolve the blocked compensation"
             )
-        pivot = next(
-            (
-                o.step
-                for o in self.actions
-                if o.status == OperationStatus.SUCCEEDED and self.step_of(o).pivot
-            ),
-            None,
-        )
+        pivot = self._succeeded_pivot()
         if pivot is not None:
             raise StepStateError(
                 f"pivot step {pivot!r} of saga {self.saga.id} has succeeded: it can only go "
