@@ -22,9 +22,7 @@ from saga import operator
 from saga.database import ENV_URL, check_connection, describe_url, resolve_database_url, unavailable
 from saga.errors import (
     DatabaseUnavailable,
-    NotRegistered,
     SagaError,
-    SagaNotFound,
     StepStateError,
 )
 from saga.migrate import apply_migrations
@@ -739,16 +737,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _COMMANDS[args.command](args)
     except UsageError as exc:
         return _fail(f"{args.command}: {exc}", EXIT_USAGE)
-    except DatabaseUnavailable as exc:
-        return _fail(str(exc), EXIT_PARTIAL)
-    except (SagaNotFound, NotRegistered) as exc:
-        return _fail(str(exc), EXIT_PARTIAL)
     except StepStateError as exc:
         return _fail(f"refused: {exc}", EXIT_PARTIAL)
     except SagaError as exc:
         return _fail(str(exc), EXIT_PARTIAL)
     except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName):
-        return _fail("the saga schema is missing from this database; run `saga migrate`", 1)
+        return _fail(
+            "the saga schema is missing from this database; run `saga migrate`", EXIT_PARTIAL
+        )
     except psycopg.Error as exc:
         return _fail(_one_line(exc), EXIT_PARTIAL)
     except ValueError as exc:
@@ -756,7 +752,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return _fail("interrupted", EXIT_PARTIAL)
     except Exception as exc:
-        return _fail(f"unexpected error: {_one_line(exc)} (SAGA_TRACEBACK=1 shows where)", 1)
+        return _fail(
+            f"unexpected error: {_one_line(exc)} (SAGA_TRACEBACK=1 shows where)", EXIT_PARTIAL
+        )
 
 
 if __name__ == "__main__":

@@ -635,11 +635,6 @@ def _event_rows(events: Sequence[Event]) -> list[dict[str, Any]]:
     return rows
 
 
-def _jsonb(rows: list[dict[str, Any]]) -> Jsonb:
-    # Rows travel as one JSON array (jsonb_to_recordset): one statement however many.
-    return Jsonb(rows, dumps=_dumps)
-
-
 def _dumps(value: Any) -> str:
     return json.dumps(value, default=_encode_extra, separators=(",", ":"))
 
