@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -154,14 +155,40 @@ def compensate_batch(
     on_outcome: Callable[[Outcome], None] | None = None,
 ) -> Report:
     """Compensate each saga here, in reverse, running no further step; one report."""
-    report = Report(selected=len(states))
-    for index, state in enumerate(states, start=1):
-        if progress is not None:
-            progress(index, len(states), state.id)
-        try:
-            outcome = _compensate_one(
-                orch, state, include_unknown=include_unknown, actor=actor, force=force, batch=batch
+    return _run_batch(
+        [
+            (
+                state.id,
+                functools.partial(
+                    _compensate_one,
+                    orch,
+                    state,
+                    include_unknown=include_unknown,
+                    actor=actor,
+                    force=force,
+                    batch=batch,
+                ),
             )
+            for state in states
+        ],
+        progress,
+        on_outcome,
+    )
+
+
+def _run_batch(
+    jobs: Sequence[tuple[str, Callable[[], Outcome]]],
+    progress: Progress | None,
+    on_outcome: Callable[[Outcome], None] | None,
+) -> Report:
+    """Run each saga's job in turn with progress and per-saga outcomes; Ctrl-C stops the
+    batch after the saga in hand, and the report says it was interrupted."""
+    report = Report(selected=len(jobs))
+    for index, (saga_id, job) in enumerate(jobs, start=1):
+        if progress is not None:
+            progress(index, len(jobs), saga_id)
+        try:
+            outcome = job()
         except KeyboardInterrupt:
             report.interrupted = True
             break
@@ -214,19 +241,14 @@ def reconcile(
     first: dict[str, dict[str, object]] = {}
     for row in found:
         first.setdefault(str(row["id"]), row)
-    report = Report(selected=len(first))
-    for index, (saga_id, row) in enumerate(first.items(), start=1):
-        if progress is not None:
-            progress(index, len(first), saga_id)
-        try:
-            outcome = _reconcile_one(orch, saga_id, row)
-        except KeyboardInterrupt:
-            report.interrupted = True
-            break
-        report.outcomes.append(outcome)
-        if on_outcome is not None:
-            on_outcome(outcome)
-    return report
+    return _run_batch(
+        [
+            (saga_id, functools.partial(_reconcile_one, orch, saga_id, row))
+            for saga_id, row in first.items()
+        ],
+        progress,
+        on_outcome,
+    )
 
 
 def _reconcile_one(orch: Orchestrator, saga_id: str, row: dict[str, object]) -> Outcome:
