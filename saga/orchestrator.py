@@ -589,7 +589,8 @@ class Orchestrator:
         registered: bool = True,
     ) -> SagaState:
         """Apply an operator's change to a saga no live worker holds (or, with `force`,
-        take the lease over), in one transaction; returns the saga's new state.
+        take the lease over), in one transaction; returns the saga's new state. A change
+        that returns False and records nothing writes nothing.
 
         `registered=False` allows sagas this orchestrator does not register, for changes
         that run no step code."""
@@ -630,19 +631,24 @@ class Orchestrator:
                 store.confirmations_txn(conn, saga_id),
             )
             planner.events.extend(broken)
-            change(planner)
+            changed = change(planner)
             events = planner.take_events()
-            state = store.save_txn(
-                conn,
-                planner.saga,
-                planner.ops,
-                events,
-                owner=None,  # an operator's change, made under the row lock
-                release=True,
-                notify=planner.saga.status.is_runnable,
-                return_state=True,
-                confirmations=planner.confirmations,
-            )()
+            if changed is False and not events:
+                # The change found the saga already where it asks for: nothing is
+                # written, and the saga is returned as it is.
+                state = store.get_state_txn(conn, saga_id)
+            else:
+                state = store.save_txn(
+                    conn,
+                    planner.saga,
+                    planner.ops,
+                    events,
+                    owner=None,  # an operator's change, made under the row lock
+                    release=True,
+                    notify=planner.saga.status.is_runnable,
+                    return_state=True,
+                    confirmations=planner.confirmations,
+                )()
         log_events(planner, events)
         assert state is not None  # the row is locked in this transaction
         return state

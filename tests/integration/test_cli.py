@@ -403,6 +403,36 @@ def test_cancel_refuses_a_live_lease_unless_forced(
     assert not [c for c in cli_app.calls() if c[1] == "o-c"]  # nothing ran, nothing to undo
 
 
+def test_cancelling_a_compensating_saga_again_changes_nothing(
+    make_orch: OrchestratorFactory, database_url: str, app_dir: Path
+) -> None:
+    """A second cancel of a saga already compensating writes nothing and says so."""
+    orch = make_orch(*cli_app.SAGAS)
+    saga_id = orch.start(cli_app.parcel, Job(order_id="o-twice")).id
+    first = orch.cancel(saga_id, reason="customer asked", actor="carol")
+    assert first.status == "compensating"
+
+    before = _rows(database_url)
+    again = saga_cmd(
+        "cancel",
+        "--app",
+        "cli_app",
+        "--database-url",
+        database_url,
+        saga_id,
+        "--reason",
+        "asked twice",
+        "--actor",
+        "dave",
+        app_dir=app_dir,
+    )
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"saga {saga_id} is already compensating; nothing to cancel" in again.stdout
+    assert _rows(database_url) == before
+    assert orch.get(saga_id).updated_at == first.updated_at
+    assert [e.event for e in orch.history(saga_id)].count("cancel_requested") == 1
+
+
 # ----- workers and the reconcile job -------------------------------------------------
 
 
