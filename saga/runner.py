@@ -143,8 +143,11 @@ class Runner:
         try:
             while not isinstance(nxt, Stop | Yield):
                 if isinstance(nxt, Sleep):
-                    if not self._sleep_inline(nxt.until):
-                        return planner.final_state  # persisted as run_after, lease released
+                    if planner.final_state is not None:
+                        # The transaction that planned this backoff persisted it as
+                        # run_after and released the lease (_hand_over decided).
+                        return planner.final_state
+                    self._wait_until(nxt.until)
                     planner, nxt = self._transact(planner, None, None)
                 elif isinstance(nxt, Invoke):
                     planner, nxt = self._invoke(planner, nxt.op)
@@ -164,14 +167,12 @@ class Runner:
             raise
         return planner.final_state
 
-    def _sleep_inline(self, until: datetime) -> bool:
+    def _wait_until(self, until: datetime) -> None:
+        """Wait out a short backoff under the lease (`_hand_over` kept it for this)."""
         delay = (until - datetime.now().astimezone()).total_seconds()
-        if delay > self.options.max_inline_sleep:
-            return False
         if delay > 0:
             # Wakes early when the worker shuts down; the next transition then yields.
             self.stopping.wait(delay)
-        return True
 
     # ----- transactions ------------------------------------------------------------------
 
