@@ -147,15 +147,8 @@ class Store:
 
     def _claimed_txn(self, conn: Conn, claim: psycopg.Cursor[dict[str, Any]]) -> Loaded | None:
         # Queued behind the claim before its row is fetched: they read the saga it claimed.
-        ops = conn.execute(_q("claimed_operations"))
-        confirmations = conn.execute(_q("claimed_confirmations"))
-        row = claim.fetchone()
-        if row is None:
-            return None
-        return (
-            _saga_row(row),
-            [_op_row(r) for r in ops.fetchall()],
-            [_confirmation_row(r) for r in confirmations.fetchall()],
+        return _loaded(
+            claim, conn.execute(_q("claimed_operations")), conn.execute(_q("claimed_confirmations"))
         )
 
     def renew_leases(
@@ -340,14 +333,13 @@ class Store:
     # ----- reading ---------------------------------------------------------------------
 
     def load_txn(self, conn: Conn, saga_id: str) -> Loaded | None:
-        """The saga row, its operations and its confirmations."""
-        row = conn.execute(_q("get_saga"), {"saga_id": saga_id}).fetchone()
-        if row is None:
-            return None
-        return (
-            _saga_row(row),
-            self.operations_txn(conn, saga_id),
-            self.confirmations_txn(conn, saga_id),
+        """The saga row, its operations and its confirmations (in a pipeline, the three
+        reads are sent together)."""
+        params = {"saga_id": saga_id}
+        return _loaded(
+            conn.execute(_q("get_saga"), params),
+            conn.execute(_q("get_operations"), params),
+            conn.execute(_q("get_confirmations"), params),
         )
 
     def confirmations_txn(self, conn: Conn, saga_id: str) -> list[ConfirmationRow]:
@@ -509,6 +501,22 @@ def _saga_row(row: dict[str, Any]) -> SagaRow:
     fields = _columns(SagaRow, row)
     fields["id"], fields["status"] = str(row["id"]), SagaStatus(row["status"])
     return SagaRow(**fields)
+
+
+def _loaded(
+    saga: psycopg.Cursor[dict[str, Any]],
+    ops: psycopg.Cursor[dict[str, Any]],
+    confirmations: psycopg.Cursor[dict[str, Any]],
+) -> Loaded | None:
+    """A saga as its lease holder reads it, from the results of its three reads."""
+    row = saga.fetchone()
+    if row is None:
+        return None
+    return (
+        _saga_row(row),
+        [_op_row(r) for r in ops.fetchall()],
+        [_confirmation_row(r) for r in confirmations.fetchall()],
+    )
 
 
 def _confirmation_row(row: dict[str, Any]) -> ConfirmationRow:
