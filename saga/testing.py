@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib
 import json
 import os
 import secrets
@@ -49,6 +48,7 @@ from psycopg.conninfo import make_conninfo
 from pydantic import BaseModel
 
 from saga import faults
+from saga.cli import load_app
 from saga.definition import Saga
 from saga.orchestrator import Orchestrator
 from saga.state import HistoryEvent, SagaState
@@ -652,26 +652,6 @@ def _say(**message: Any) -> None:
     print(_MARK + json.dumps(message), flush=True)
 
 
-def load_app(spec: str) -> Orchestrator:
-    """The `Orchestrator` named by `MODULE[:ATTR]` (the only one in MODULE without ATTR)."""
-    module_name, _, attr = spec.partition(":")
-    module = importlib.import_module(module_name)
-    if attr:
-        found: Any = module
-        for part in attr.split("."):
-            found = getattr(found, part)
-        if not isinstance(found, Orchestrator):
-            raise TypeError(f"{spec} is a {type(found).__name__}, not an Orchestrator")
-        return found
-    orchestrators = [v for v in vars(module).values() if isinstance(v, Orchestrator)]
-    if len(orchestrators) != 1:
-        raise LookupError(
-            f"module {module_name} has {len(orchestrators)} Orchestrator objects; name one "
-            f"as {module_name}:ATTR"
-        )
-    return orchestrators[0]
-
-
 def _definition(app: Orchestrator, spec: str) -> Saga[Any]:
     name, _, version = spec.partition(":")
     candidates = [s for s in app.registered() if s.name == name]
@@ -683,7 +663,7 @@ def _definition(app: Orchestrator, spec: str) -> Saga[Any]:
 
 
 def _child_main(request: Mapping[str, Any]) -> int:
-    app = load_app(request["app"])
+    app = load_app(request["app"], None)  # as `saga worker --app` finds it
     url = os.environ["SAGA_DATABASE_URL"]
     with Orchestrator(
         url, sagas=app.registered(), lease_seconds=float(request["lease_seconds"])
