@@ -24,6 +24,7 @@ from saga.leases import LeaseKeeper
 from saga.outcomes import Absent, Found, Inconclusive
 from saga.protocol import (
     AskReconcile,
+    ConfirmationRow,
     Event,
     Invoke,
     Next,
@@ -123,11 +124,7 @@ class Runner:
     ) -> tuple[Planner, Next, bool]:
         """Plan the first move of a saga about to be created under our lease (nothing is
         written here); returns the planner, its move, and whether the lease ends at once."""
-        planner = Planner(definition, row, ops)
-        planner.events.append(
-            Event("lease_acquired", detail={"owner": self.owner, "fence": row.fence})
-        )
-        nxt = planner.advance(may_call=not self.stopping.is_set())
+        planner, nxt = self._first_move(definition, row, ops, [])
         release, _ = self._hand_over(planner, nxt)
         if isinstance(nxt, Invoke):
             faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
@@ -179,16 +176,25 @@ class Runner:
     def _begin_txn(
         self, conn: Conn, definition: Saga[Any], loaded: Loaded
     ) -> tuple[Planner, Next, list[Event]]:
-        row = loaded[0]
-        planner = Planner(definition, *loaded)
-        planner.events.append(
-            Event("lease_acquired", detail={"owner": self.owner, "fence": row.fence})
-        )
-        nxt = planner.advance(may_call=not self.stopping.is_set())
+        planner, nxt = self._first_move(definition, *loaded)
         events, read_state = self._persist_txn(conn, planner, nxt)
         if read_state is not None:
             planner.final_state = read_state()
         return planner, nxt, events
+
+    def _first_move(
+        self,
+        definition: Saga[Any],
+        row: SagaRow,
+        ops: list[OpRow],
+        confirmations: list[ConfirmationRow],
+    ) -> tuple[Planner, Next]:
+        """A planner for a saga whose lease we have just taken, and its first move."""
+        planner = Planner(definition, row, ops, confirmations)
+        planner.events.append(
+            Event("lease_acquired", detail={"owner": self.owner, "fence": row.fence})
+        )
+        return planner, planner.advance(may_call=not self.stopping.is_set())
 
     def _transact(
         self, planner: Planner, mutate: Mutation | None, target: tuple[str, str, int] | None
