@@ -6,7 +6,7 @@ import dataclasses
 import json
 import re
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from decimal import Decimal
@@ -152,20 +152,17 @@ class Store:
         )
 
     def renew_leases(
-        self, held: Mapping[str, int], *, owner: str, lease_seconds: float
-    ) -> set[str]:
-        """Heartbeat of several leases (saga id -> fence); the ids still held."""
+        self, held: Collection[tuple[str, int]], *, owner: str, lease_seconds: float
+    ) -> set[tuple[str, int]]:
+        """Heartbeat of several leases, each a (saga id, fence); those still held."""
+        ids = [saga_id for saga_id, _ in held]
+        fences = [fence for _, fence in held]
         with self._connection() as conn:
             rows = conn.execute(
                 _q("renew_leases"),
-                {
-                    "saga_ids": list(held),
-                    "fences": list(held.values()),
-                    "owner": owner,
-                    "lease_seconds": lease_seconds,
-                },
+                {"saga_ids": ids, "fences": fences, "owner": owner, "lease_seconds": lease_seconds},
             ).fetchall()
-        return {r["id"] for r in rows}
+        return {(r["id"], int(r["fence"])) for r in rows}
 
     def release_lease(self, saga_id: str, *, owner: str, fence: int) -> None:
         """Give the lease back if still ours (error paths)."""

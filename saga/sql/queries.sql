@@ -90,12 +90,12 @@ WHERE status IN ('pending', 'running', 'compensating')
 
 -- renew_leases --
 -- Heartbeat of the attempts in flight: extend each lease this owner still holds at that
--- fence; the ids returned are the leases still ours.
+-- fence; the (id, fence) pairs returned are the leases still ours.
 UPDATE saga.sagas AS s
 SET lease_expires_at = GREATEST(s.lease_expires_at, now() + make_interval(secs => %(lease_seconds)s))
 FROM unnest(%(saga_ids)s::uuid[], %(fences)s::bigint[]) AS h(id, fence)
 WHERE s.id = h.id AND s.fence = h.fence AND s.lease_owner = %(owner)s
-RETURNING s.id::text
+RETURNING s.id::text, s.fence
 
 -- release_lease --
 -- Give the lease back (on error paths), if still ours.
