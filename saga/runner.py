@@ -124,7 +124,8 @@ class Runner:
     ) -> tuple[Planner, Next, bool]:
         """Plan the first move of a saga about to be created under our lease (nothing is
         written here); returns the planner, its move, and whether the lease ends at once."""
-        planner, nxt = self._first_move(definition, row, ops, [])
+        # Nothing is stored yet: a definition that cannot plan it raises to the caller.
+        planner, nxt = self._first_move(definition, row, ops, [], park_on_error=False)
         release, _ = self._hand_over(planner, nxt)
         if isinstance(nxt, Invoke):
             faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
@@ -155,14 +156,71 @@ class Runner:
         except LeaseLost as exc:
             _log.warning("lease_lost", saga_id=saga.id, fence=saga.fence, error=str(exc))
             return None
+        except Exception as exc:
+            if is_transient(exc):
+                self._release_after_error(saga)
+                raise
+            # One saga never takes its driver down: the saga is parked with the reason.
+            return self._park_broken(planner, exc)
         except BaseException:
-            # Leave the saga to the next owner right away rather than after lease expiry.
-            try:
-                self.store.release_lease(saga.id, owner=self.owner, fence=saga.fence)
-            except Exception:
-                _log.exception("lease_release_failed", saga_id=saga.id)
+            self._release_after_error(saga)
             raise
         return planner.final_state
+
+    def _release_after_error(self, saga: SagaRow) -> None:
+        # Leave the saga to the next owner right away rather than after lease expiry.
+        try:
+            self.store.release_lease(saga.id, owner=self.owner, fence=saga.fence)
+        except Exception:
+            _log.exception("lease_release_failed", saga_id=saga.id)
+
+    def _park_broken(self, planner: Planner, exc: Exception) -> SagaState | None:
+        """Park a saga whose driving raised something unexpected, with the reason, in a
+        fenced write over the saga as last committed (what was planned after that is
+        dropped; an attempt committed as running stays so, its outcome unknown to whoever
+        settles it). None when the lease was lost meanwhile."""
+        saga = planner.saga
+        reason = f"driving the saga raised {_describe_error(exc)}; parked for review"
+        _log.error(
+            "saga_drive_failed",
+            saga_id=saga.id,
+            fence=saga.fence,
+            error=_describe_error(exc),
+            traceback=traceback.format_exc(),
+        )
+        try:
+            for attempt in retrying("park_saga"):
+                with attempt:
+                    with self.store.pipelined() as conn:
+                        self.store.assert_fence_txn(
+                            conn,
+                            saga.id,
+                            owner=self.owner,
+                            fence=saga.fence,
+                            lease_seconds=self.lease_seconds,
+                        )
+                        loaded = self.store.load_txn(conn, saga.id)
+                    assert loaded is not None  # the fence check found the row
+                    fresh = Planner(planner.definition, *loaded)
+                    fresh.park(reason)
+                    fresh.events.append(Event("lease_released", detail={"owner": self.owner}))
+                    events = fresh.take_events()
+                    state = self.store.apply_transition(
+                        fresh.saga,
+                        fresh.ops,
+                        events,
+                        owner=self.owner,
+                        lease_seconds=self.lease_seconds,
+                        release=True,
+                        lease_until=None,
+                        notify=False,
+                        return_state=True,
+                    )
+        except LeaseLost as lost:
+            _log.warning("lease_lost", saga_id=saga.id, fence=saga.fence, error=str(lost))
+            return None
+        log_events(fresh, events)
+        return state
 
     def _wait_until(self, until: datetime) -> None:
         """Wait out a short backoff under the lease (`_hand_over` kept it for this)."""
@@ -188,13 +246,45 @@ class Runner:
         row: SagaRow,
         ops: list[OpRow],
         confirmations: list[ConfirmationRow],
+        *,
+        park_on_error: bool = True,
     ) -> tuple[Planner, Next]:
         """A planner for a saga whose lease we have just taken, and its first move."""
         planner = Planner(definition, row, ops, confirmations)
         planner.events.append(
             Event("lease_acquired", detail={"owner": self.owner, "fence": row.fence})
         )
-        return planner, planner.advance(may_call=not self.stopping.is_set())
+        if not park_on_error:
+            return planner, planner.advance(may_call=not self.stopping.is_set())
+        return planner, self._advance(planner)
+
+    def _advance(self, planner: Planner) -> Next:
+        """The planner's next move; a saga it cannot plan (an operation its definition no
+        longer declares, user code in a cost function, confirm rule or input model that
+        raises) is parked with the reason instead, so that it never takes a worker down.
+
+        The planner calls user code before it changes the operation concerned: what it
+        recorded before the error are whole transitions, kept with the park."""
+        try:
+            return planner.advance(may_call=not self.stopping.is_set())
+        except Exception as exc:
+            if is_transient(exc):
+                raise
+            saga = planner.saga
+            reason = (
+                f"cannot plan saga {saga.name!r} v{saga.version} under its registered "
+                f"definition: {_describe_error(exc)}"
+            )
+            _log.error(
+                "saga_unplannable",
+                saga_id=saga.id,
+                saga=saga.name,
+                version=saga.version,
+                error=_describe_error(exc),
+                traceback=traceback.format_exc(),
+            )
+            planner.park(reason)
+            return Stop(planner.saga.status)
 
     def _transact(
         self, planner: Planner, mutate: Mutation | None, target: tuple[str, str, int] | None
@@ -224,7 +314,7 @@ class Runner:
     def _record(self, planner: Planner, mutate: Mutation | None) -> Next:
         if mutate is not None:
             mutate(planner)
-        nxt = planner.advance(may_call=not self.stopping.is_set())
+        nxt = self._advance(planner)
         if any(c.new or c.dirty for c in planner.confirmations):
             events = self._transact_pipelined(planner, nxt)
         else:
