@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import psycopg
 import structlog
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 from pydantic import BaseModel, ConfigDict
 
@@ -174,7 +175,7 @@ class Orchestrator:
             url,
             min_size=1,
             max_size=self._pool_size,
-            kwargs={"autocommit": True},
+            kwargs={"autocommit": True, "options": session_options(url, self.lease_seconds)},
             open=False,
             name=f"saga-{self.owner}",
         )
@@ -749,6 +750,28 @@ class Orchestrator:
             grace_seconds=grace_seconds,
             short_wait_seconds=short_wait_seconds,
         )
+
+
+def session_options(url: str, lease_seconds: float) -> str:
+    """Server settings of the orchestrator's connections (libpq `options`, added to any the
+    URL or PGOPTIONS give): no transaction of ours holds its locks, or waits for another's,
+    longer than a lease.
+
+    A claim plans the saga's first move (cost functions, confirm rules, input models: user
+    code) while the saga row is locked; a holder frozen there (SIGSTOP, a GC pause, a slow
+    cost function) would block `run()` and every operator verb on that saga for as long as
+    it is frozen. With `idle_in_transaction_session_timeout` the server ends such a
+    transaction once it has waited a lease for its client, and rolls it back (its lease
+    would have expired by then anyway); with `lock_timeout` a wait for a row lock ends
+    after a lease too, retried by a claim or a write and reported as busy by an operator
+    verb. Set per session, as a startup parameter, they cost no statement and no commit.
+    """
+    existing = conninfo_to_dict(url).get("options") or os.environ.get("PGOPTIONS", "")
+    milliseconds = max(1, math.ceil(lease_seconds * 1000.0))
+    ours = (
+        f"-c idle_in_transaction_session_timeout={milliseconds} -c lock_timeout={milliseconds}"
+    )
+    return f"{existing} {ours}".strip()
 
 
 class _AnyInput(BaseModel):

@@ -69,6 +69,18 @@ def _fenced() -> Iterator[None]:
         raise
 
 
+def _sync(conn: Conn) -> None:
+    """End a pipeline's batch with a Sync and collect its results (the round trip a fetch
+    would make anyway). A claim's transaction then waits for its client, which plans the
+    first move (user code) with the saga row locked: synced, the server counts that wait
+    as idle in transaction, and ends the transaction of a frozen client once it exceeds
+    idle_in_transaction_session_timeout (unsynced, the server waits for the rest of the
+    batch with no timeout at all)."""
+    pipeline = conn._pipeline
+    if isinstance(pipeline, psycopg.Pipeline):
+        pipeline.sync()
+
+
 def parse_id(saga_id: str) -> uuid.UUID | None:
     """The UUID of a saga id string, or None when it is malformed."""
     try:
@@ -147,9 +159,9 @@ class Store:
 
     def _claimed_txn(self, conn: Conn, claim: psycopg.Cursor[dict[str, Any]]) -> Loaded | None:
         # Queued behind the claim before its row is fetched: they read the saga it claimed.
-        return _loaded(
-            claim, conn.execute(_q("claimed_operations")), conn.execute(_q("claimed_confirmations"))
-        )
+        reads = conn.execute(_q("claimed_operations")), conn.execute(_q("claimed_confirmations"))
+        _sync(conn)
+        return _loaded(claim, *reads)
 
     def renew_leases(
         self, held: Collection[tuple[str, int]], *, owner: str, lease_seconds: float
@@ -170,8 +182,17 @@ class Store:
             conn.execute(_q("release_lease"), {"saga_id": saga_id, "owner": owner, "fence": fence})
 
     def lock_saga_txn(self, conn: Conn, saga_id: str) -> tuple[SagaRow, bool] | None:
-        """The saga row locked for an operator change, and whether a live lease holds it."""
-        row = conn.execute(_q("lock_saga"), {"saga_id": saga_id}).fetchone()
+        """The saga row locked for an operator change, and whether a live lease holds it.
+        `StepStateError` when another transaction holds the row past the lock timeout (a
+        lease, see `Orchestrator`): the saga is busy, and the change is not waited for."""
+        try:
+            row = conn.execute(_q("lock_saga"), {"saga_id": saga_id}).fetchone()
+        except psycopg.errors.LockNotAvailable:
+            raise StepStateError(
+                f"saga {saga_id} is busy: another transaction has held it locked longer than "
+                "the lock timeout (a worker planning its next move, or frozen doing so); "
+                "try again"
+            ) from None
         if row is None:
             return None
         return _saga_row(row), bool(row["live_lease"])
