@@ -82,9 +82,12 @@ class LostReplyProxy:
 
     def __init__(self, upstream_url: str, *, seed: int = 0) -> None:
         params = conninfo_to_dict(upstream_url)
-        self._upstream = (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
-        if self._upstream[0].startswith("/"):
-            raise ValueError("the lost-reply proxy needs a TCP upstream, not a Unix socket")
+        host = str(params.get("host") or "127.0.0.1")
+        port = int(params.get("port") or 5432)
+        # A host that is a directory names a Unix socket there, as for libpq.
+        self._upstream: str | tuple[str, int] = (
+            f"{host}/.s.PGSQL.{port}" if host.startswith("/") else (host, port)
+        )
         self._upstream_url = upstream_url
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
@@ -161,11 +164,10 @@ class LostReplyProxy:
 
     def _serve(self, client: socket.socket) -> None:
         try:
-            server = socket.create_connection(self._upstream, timeout=10)
+            server = _connect(self._upstream)
         except OSError:
             client.close()
             return
-        server.settimeout(None)
         link = _Link(client, server)
         with self._lock:
             self._links.append(link)
@@ -238,6 +240,14 @@ class LostReplyProxy:
             link.swallowing = link.status == b"I"
 
     def _pump_back(self, link: _Link) -> None:
+        try:
+            self._forward_replies(link)
+        except OSError:  # the client went away (killed, or closed by the proxy)
+            pass
+        finally:
+            self._close(link)
+
+    def _forward_replies(self, link: _Link) -> None:
         for kind, payload in _messages(link.server, timeout=0.5, link=link):
             if kind == b"":  # a timeout tick
                 if link.armed is not None and (
@@ -280,6 +290,20 @@ class LostReplyProxy:
                 sock.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 sock.close()
+
+
+def _connect(upstream: str | tuple[str, int]) -> socket.socket:
+    if isinstance(upstream, str):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(upstream)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+    sock = socket.create_connection(upstream, timeout=10)
+    sock.settimeout(None)
+    return sock
 
 
 def _read_exact(sock: socket.socket, count: int) -> bytes | None:
