@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict
 
 from saga import approvals, faults
 from saga.database import check_connection, resolve_database_url, unavailable
+from saga.dbretry import retrying
 from saga.definition import Saga
 from saga.errors import (
     IdempotencyConflict,
@@ -43,7 +44,7 @@ from saga.state import (
     SagaStatus,
     WorkerInfo,
 )
-from saga.store import Store, parse_id
+from saga.store import Store, new_token, parse_id
 
 if TYPE_CHECKING:
     from saga.worker import Worker
@@ -283,9 +284,13 @@ class Orchestrator:
                 row.lease_owner = None
             events += planner.take_events()
             claimed = (planner, nxt)
-        outcome = self.store.start_saga(
-            row, ops, events, lease_seconds=self.lease_seconds, notify=runner is None
-        )
+        # A start whose reply was lost is retried; the retry that finds this very saga
+        # (by its new id) knows the first one landed, and goes on as its creator.
+        for attempt in retrying("start_saga"):
+            with attempt:
+                outcome = self.store.start_saga(
+                    row, ops, events, lease_seconds=self.lease_seconds, notify=runner is None
+                )
         created = bool(outcome["created"])
         if created:
             saga_id = row.id
@@ -598,6 +603,35 @@ class Orchestrator:
         if parse_id(saga_id) is None:
             raise SagaNotFound(saga_id)
         store = self.store
+        # One token for the change, however often it is tried: a retry after a lost reply
+        # that finds it on the saga knows the change landed, and applies nothing again.
+        token = new_token()
+        retried = False
+        for attempt in retrying("operator_change"):
+            with attempt:
+                if retried:
+                    written = store.write_token(saga_id)
+                    if written is not None and written[0] == token:
+                        landed = store.get_state(saga_id)
+                        assert landed is not None
+                        return landed
+                retried = True
+                return self._operator_txn(
+                    saga_id, change, force=force, actor=actor, registered=registered, token=token
+                )
+        raise AssertionError("unreachable: retrying() reraises")  # pragma: no cover
+
+    def _operator_txn(
+        self,
+        saga_id: str,
+        change: Callable[[Planner], object],
+        *,
+        force: bool,
+        actor: str | None,
+        registered: bool,
+        token: str,
+    ) -> SagaState:
+        store = self.store
         with store.transaction() as conn:
             locked = store.lock_saga_txn(conn, saga_id)
             if locked is None:
@@ -649,6 +683,7 @@ class Orchestrator:
                     notify=planner.saga.status.is_runnable,
                     return_state=True,
                     confirmations=planner.confirmations,
+                    token=token,
                 )()
         log_events(planner, events)
         assert state is not None  # the row is locked in this transaction
