@@ -246,9 +246,18 @@ class Runner:
             error=_describe_error(exc),
             traceback=traceback.format_exc(),
         )
+        # As for every write: a retry that finds the park's token knows it landed.
+        token = new_token()
+        retried = False
         try:
             for attempt in retrying("park_saga"):
                 with attempt:
+                    if retried:
+                        written = self.store.write_token(saga.id)
+                        if written is not None and written[0] == token:
+                            _log.info("write_landed", saga_id=saga.id, fence=saga.fence)
+                            return self.store.get_state(saga.id)
+                    retried = True
                     with self.store.pipelined() as conn:
                         self.store.assert_fence_txn(
                             conn,
@@ -273,6 +282,7 @@ class Runner:
                         lease_until=None,
                         notify=False,
                         return_state=True,
+                        token=token,
                     )
         except LeaseLost as lost:
             _log.warning("lease_lost", saga_id=saga.id, fence=saga.fence, error=str(lost))

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import psycopg
+import structlog.testing
+from pydantic import BaseModel
 
 from faults import app
 from faults.harness import WorkerProcess
-from saga import Orchestrator
+from faults.proxy import LostReplyProxy
+from saga import Orchestrator, Saga, StepContext
 
 
 def test_a_worker_process_parks_a_saga_its_definition_no_longer_fits(
@@ -50,3 +54,44 @@ def test_a_worker_process_parks_a_saga_its_definition_no_longer_fits(
         assert [op.attempts for op in parked.operations] == [0, 0, 0]
         history = orch.history(broken)
     assert [e.event for e in history][-3:] == ["lease_acquired", "saga_parked", "lease_released"]
+
+
+class _Receipt(BaseModel):
+    receipt_id: str
+
+
+class _Order(BaseModel):
+    order_id: str
+
+
+def test_a_park_whose_reply_was_lost_is_recognised_as_landed(database_url: str) -> None:
+    """The fenced write that parks a saga whose driving raised loses its reply after it
+    committed: run() recognises the park as landed and returns the parked saga (rather
+    than taking its own released lease for a lost one)."""
+    saga: Saga[_Order] = Saga("park_lost", version=1, input=_Order, key=lambda o: o.order_id)
+
+    @saga.step
+    def charge(ctx: StepContext, order: _Order) -> _Receipt:
+        return _Receipt(receipt_id="r-1")
+
+    @saga.step
+    def ship(ctx: StepContext, order: _Order) -> dict[str, Any]:
+        return {"receipt": ctx.results["charge"].receipt_id}
+
+    with LostReplyProxy(database_url) as proxy, Orchestrator(proxy.url, sagas=[saga]) as orch:
+        saga_id = orch.start(saga, _Order(order_id="o-1")).id
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(
+                "UPDATE saga.operations SET status = 'succeeded', attempts = 1,"
+                " result = '{\"bogus\": true}' WHERE saga_id = %s AND step = 'charge'",
+                (saga_id,),
+            )
+        proxy.lose_reply("write_saga", "parked for review")
+        with structlog.testing.capture_logs() as logs:
+            state = orch.run(saga_id)
+        seen = [e["event"] for e in logs]
+        assert "write_landed" in seen and "lease_lost" not in seen, seen
+        assert len(proxy.lost_replies("write_saga")) == 1
+        assert state.status == "needs_review"
+        assert state.error is not None and "ValidationError" in state.error
+        assert [e.event for e in orch.history(saga_id)].count("saga_parked") == 1
