@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 import structlog.testing
 from pydantic import BaseModel
 
@@ -13,6 +14,8 @@ from faults import app
 from faults.harness import WorkerProcess
 from faults.proxy import LostReplyProxy
 from saga import Orchestrator, Saga, StepContext
+
+pytestmark = [pytest.mark.integration]
 
 
 def test_a_worker_process_parks_a_saga_its_definition_no_longer_fits(

@@ -90,6 +90,7 @@ def _row_locked(url: str, saga_id: str) -> bool:
     return False
 
 
+@pytest.mark.crash
 def test_a_worker_frozen_in_a_cost_function_does_not_block_cancel(
     make_orch: OrchestratorFactory, database_url: str, frozen: list[_Frozen]
 ) -> None:
