@@ -739,11 +739,17 @@ class Planner:
 
     # ----- operator requests ----------------------------------------------------------
 
-    def request_compensation(self, *, include_unknown: bool, actor: str | None) -> None:
-        """Switch to compensating what succeeded, in reverse, running no further step."""
+    def request_compensation(self, *, include_unknown: bool, actor: str | None) -> bool:
+        """Switch to compensating what succeeded, in reverse, running no further step.
+
+        An explicit request gives each compensation that failed at its ceiling a fresh
+        budget of its policy's max_attempts (the attempts made still count), recorded as
+        `ceiling_raised`; the automatic runtime never does. False when the saga is
+        already compensated (nothing changes).
+        """
         self._tick()
         if self.saga.status == SagaStatus.COMPENSATED:
-            return
+            return False
         self.saga.direction = "backward"
         self._resume()
         self.events.append(
@@ -758,6 +764,37 @@ class Planner:
                     self._mark_unknown(act, act.error or "outcome unknown")
                     if self.compensation_of(act) and self.find(act.step, "compensation") is None:
                         self._add_compensation(act)
+        for comp in self.ops:
+            budget = self._fresh_budget(comp)
+            if budget is None:
+                continue
+            previous = comp.max_attempts
+            comp.max_attempts = comp.attempts + budget
+            self._touch(comp, status=OperationStatus.PENDING)
+            comp.next_attempt_at = None
+            self._event(
+                "ceiling_raised",
+                comp,
+                actor=actor,
+                reason="explicit compensation request",
+                previous_max_attempts=previous,
+                max_attempts=comp.max_attempts,
+            )
+        return True
+
+    def _fresh_budget(self, op: OpRow) -> int | None:
+        """The attempts an explicit compensation request adds to a compensation that
+        failed at its ceiling (its policy's max_attempts); None for any other operation.
+
+        A compensation that failed below its ceiling failed permanently: a raised
+        ceiling would not change that, so it is left to `retry` or `resolve`.
+        """
+        if op.kind != "compensation" or op.status != OperationStatus.FAILED:
+            return None
+        if op.attempts < op.max_attempts:
+            return None
+        spec = self._declared(op)
+        return None if spec is None else spec.retry.max_attempts
 
     def resolve(
         self,
@@ -1021,11 +1058,9 @@ class Planner:
             if act.status == OperationStatus.SUCCEEDED or (unknown and gets_comp):
                 if comp_def is None or (comp and comp.status == OperationStatus.SUCCEEDED):
                     continue
-                if comp is not None and comp.status == OperationStatus.FAILED:
-                    return runs, (
-                        f"compensation of step {act.step!r} failed ({comp.error}); retry it with "
-                        "a raised ceiling"
-                    )
+                stop = None if comp is None else self._plan_stop(comp)
+                if stop is not None:
+                    return runs, stop
                 key = comp.idempotency_key if comp is not None else self._compensation_key(act.step)
                 runs.append((act.step, key))
             elif unknown:
@@ -1034,6 +1069,32 @@ class Planner:
                     "unknown steps"
                 )
         return runs, None
+
+    def _plan_stop(self, comp: OpRow) -> str | None:
+        """Why compensating would stop at this open compensation (as `_backward` and
+        `_settle_unknown` decide after `request_compensation`), or None if it would run."""
+        what = f"compensation of step {comp.step!r}"
+        if comp.status == OperationStatus.FAILED:
+            if self._fresh_budget(comp) is not None:
+                return None  # the request gives it a fresh budget
+            return (
+                f"{what} failed permanently ({comp.error}); retry it "
+                "(with --extra-attempts if needed) or resolve it"
+            )
+        if comp.status in (OperationStatus.UNKNOWN, OperationStatus.RUNNING):
+            if self.reconcile_fn(comp) is not None:
+                return None  # its reconcile hook is asked; Absent runs it again
+            if not self.is_idempotent(comp):
+                return (
+                    f"outcome of {what} attempt {comp.attempts} is unknown and it is neither "
+                    "idempotent nor has a reconcile hook; resolve it"
+                )
+            if comp.attempts >= comp.max_attempts:
+                return (
+                    f"outcome of {what} attempt {comp.attempts} is unknown and its ceiling of "
+                    f"{comp.max_attempts} attempts is reached; resolve it"
+                )
+        return None
 
     # ----- transitions ----------------------------------------------------------------
 

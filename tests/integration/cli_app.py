@@ -29,6 +29,7 @@ from saga import (
     RetryPolicy,
     Saga,
     StepContext,
+    TransientError,
 )
 
 ENV_DIR = "CLI_APP_DIR"
@@ -187,5 +188,39 @@ def receipt(ctx: StepContext, job: Job) -> dict[str, Any]:
     return {"sent": True}
 
 
-SAGAS = (shop, parcel, fragile, refund_saga)
+# A refund provider that is down until the file `refunds_up` exists in CLI_APP_DIR.
+billing = _saga("billing")
+
+
+@billing.step
+def hold(ctx: StepContext, job: Job) -> dict[str, Any]:
+    log_call("hold", job)
+    return {"hold": job.order_id}
+
+
+@hold.compensation(retry=QUICK, idempotent=True)
+def unhold(ctx: StepContext, job: Job, result: Any) -> None:
+    log_call("unhold", job)
+
+
+@billing.step
+def bill(ctx: StepContext, job: Job) -> dict[str, Any]:
+    log_call("bill", job)
+    return {"bill": job.order_id}
+
+
+@bill.compensation(retry=QUICK, idempotent=True)
+def refund_bill(ctx: StepContext, job: Job, result: Any) -> None:
+    log_call("refund_bill", job)
+    if not (state_dir() / "refunds_up").exists():
+        raise TransientError("refund provider is down")
+
+
+@billing.step
+def deliver(ctx: StepContext, job: Job) -> dict[str, Any]:
+    log_call("deliver", job)
+    raise PermanentError("no courier")
+
+
+SAGAS = (shop, parcel, fragile, refund_saga, billing)
 orch = Orchestrator(sagas=SAGAS, lease_seconds=LEASE_SECONDS)

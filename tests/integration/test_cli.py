@@ -263,6 +263,56 @@ def test_batch_compensation_dry_run_then_for_real(
     assert orch.get(done).status == "completed"
 
 
+def test_batch_compensation_recovers_sagas_parked_at_a_compensation_ceiling(
+    make_orch: OrchestratorFactory, database_url: str, app_dir: Path
+) -> None:
+    """The recovery job's main case: refunds parked at their ceiling while the provider
+    was down; once it is fixed, the dry run lists refund then unhold per saga and changes
+    nothing, and the batch gives each refund a fresh budget and compensates them all."""
+    orch = make_orch(*cli_app.SAGAS)
+    parked = []
+    for order in ("o-b1", "o-b2"):
+        saga_id = orch.start(cli_app.billing, Job(order_id=order)).id
+        state = orch.run(saga_id)
+        assert state.status == "needs_review", state.error
+        assert state.operation("bill", "compensation").status == "failed"
+        parked.append(saga_id)
+    (app_dir / "refunds_up").write_text("")
+    base = ["compensate", "--app", "cli_app", "--database-url", database_url]
+    batch = [*base, "--status", "needs_review", "--actor", "oncall"]
+
+    before = _rows(database_url)
+    dry = saga_cmd(*batch, "--dry-run", app_dir=app_dir)
+    assert dry.returncode == 0, dry.stderr
+    assert _rows(database_url) == before
+    planned = [line.split() for line in dry.stdout.splitlines() if line.startswith(tuple(parked))]
+    expected = []
+    for saga_id in parked:
+        state = orch.get(saga_id)
+        for step in ("bill", "hold"):
+            key = f"billing:v1:acme:{state.key}:{step}:compensate"
+            expected.append([saga_id, "billing", "v1", step, key])
+    assert sorted(planned) == sorted(expected), dry.stdout
+    for saga_id in parked:  # per saga, in reverse step order
+        assert [row[3] for row in planned if row[0] == saga_id] == ["bill", "hold"]
+    assert "2 would be done (4 compensations), 0 would park" in dry.stdout
+
+    result = saga_cmd(*batch, app_dir=app_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 selected: 2 done, 0 parked, 0 skipped" in result.stdout
+    for saga_id, order in zip(parked, ("o-b1", "o-b2"), strict=True):
+        state = orch.get(saga_id)
+        assert state.status == "compensated"
+        refund = state.operation("bill", "compensation")
+        assert (refund.attempts, refund.max_attempts) == (3, 4)
+        ran = [n for n, o, _ in cli_app.calls() if o == order and n in ("refund_bill", "unhold")]
+        assert ran == ["refund_bill", "refund_bill", "refund_bill", "unhold"]
+        raised = [e for e in orch.history(saga_id) if e.event == "ceiling_raised"]
+        assert [(e.step, e.kind, e.detail["actor"]) for e in raised] == [
+            ("bill", "compensation", "oncall")
+        ]
+
+
 def test_batch_skips_a_saga_past_its_pivot(
     make_orch: OrchestratorFactory, database_url: str, app_dir: Path
 ) -> None:

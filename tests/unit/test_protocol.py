@@ -446,6 +446,61 @@ def test_compensation_exhausting_its_ceiling_parks() -> None:
     assert planner.saga.error is not None and "ceiling of 2 attempts" in planner.saga.error
 
 
+def _parked_at_compensation(*, retryable: bool) -> tuple[Planner, OpRow]:
+    """reserve and charge succeeded, ship failed; charge's compensation failed (at its
+    ceiling of 2 when `retryable`, else permanently at its first attempt)."""
+    planner = _planner(
+        Spec("reserve"), Spec("charge", comp_max_attempts=2, comp_idempotent=True), Spec("ship")
+    )
+    _succeed(planner)
+    _succeed(planner)
+    planner.record_failure(_invoke(planner), "no carrier", retryable=False, delay=0.0)
+    for _ in range(2 if retryable else 1):
+        comp = _invoke(planner, datetime.now().astimezone() + timedelta(hours=1))
+        planner.record_failure(comp, "TransientError: down", retryable=retryable, delay=0.0)
+    assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
+    planner.take_events()
+    return planner, comp
+
+
+def test_compensation_request_gives_a_compensation_failed_at_its_ceiling_a_fresh_budget() -> None:
+    """An explicit request raises the ceiling by the policy's max_attempts (attempts kept),
+    records ceiling_raised with the actor, and the plan lists exactly what then runs."""
+    planner, comp = _parked_at_compensation(retryable=True)
+    assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)  # the runtime never raises it
+    plan, stop = planner.compensation_plan(include_unknown=False)
+    assert stop is None
+    assert [step for step, _ in plan] == ["charge", "reserve"]
+
+    planner.request_compensation(include_unknown=False, actor="ops@acme")
+
+    assert (comp.status, comp.attempts, comp.max_attempts) == (OperationStatus.PENDING, 2, 4)
+    raised = [e for e in planner.take_events() if e.event == "ceiling_raised"]
+    assert [(e.step, e.kind, e.detail["actor"]) for e in raised] == [
+        ("charge", "compensation", "ops@acme")
+    ]
+    ran: list[tuple[str, str]] = []
+    while not isinstance(nxt := planner.advance(), Stop):
+        assert isinstance(nxt, Invoke)
+        ran.append((nxt.op.step, nxt.op.idempotency_key))
+        planner.record_success(nxt.op, None)
+    assert nxt == Stop(SagaStatus.COMPENSATED)
+    assert ran == plan
+
+
+def test_compensation_request_leaves_a_permanently_failed_compensation_to_a_human() -> None:
+    """A compensation that failed below its ceiling failed permanently: no fresh budget,
+    and the plan says it would stop there and what to do instead."""
+    planner, comp = _parked_at_compensation(retryable=False)
+    plan, stop = planner.compensation_plan(include_unknown=False)
+    assert plan == [] and stop is not None
+    assert "failed permanently" in stop and "resolve" in stop
+    planner.request_compensation(include_unknown=False, actor="ops")
+    assert "ceiling_raised" not in _names(planner)
+    assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
+    assert (comp.status, comp.max_attempts) == (OperationStatus.FAILED, 2)
+
+
 # ----- pivot ----------------------------------------------------------------------------
 
 
