@@ -806,9 +806,17 @@ class Planner:
         actor: str,
         reason: str | None,
     ) -> OpRow:
-        """An operator settles an operation; the saga becomes runnable again."""
+        """An operator settles an operation; the saga becomes runnable again.
+
+        Refused (`StepStateError`, nothing changed) where the settlement would leave the
+        saga in a state the protocol never reaches: on a completed or compensated saga
+        (nothing runs again, so nothing could act on it), and as `succeeded` for a step
+        that compensation has already gone past (it would be undone out of order)."""
         self._tick()
+        self._refuse_when_final("resolve", step)
         op = self._resolution_target(step, kind)
+        if outcome == "succeeded" and op.kind == "action" and self.saga.direction == "backward":
+            self._refuse_success_behind_compensation(op)
         if op.status == OperationStatus.SUCCEEDED:
             raise StepStateError(f"{_describe(op)} already succeeded; there is nothing to resolve")
         if op.status == OperationStatus.PENDING and op.attempts == 0:
@@ -879,6 +887,44 @@ class Planner:
         )
         return True
 
+    def _refuse_when_final(self, verb: str, step: str | None = None) -> None:
+        """A completed or compensated saga never changes again: say what is left."""
+        status = self.saga.status
+        if status == SagaStatus.COMPLETED:
+            raise StepStateError(
+                f"saga {self.saga.id} is completed: nothing runs again, so there is nothing to "
+                f"{verb}; compensate it to undo what it did"
+            )
+        if status == SagaStatus.COMPENSATED:
+            what = (
+                f"; if step {step!r} took effect after all, undo it at the provider" if step else ""
+            )
+            raise StepStateError(
+                f"saga {self.saga.id} is compensated: it is final and nothing runs again, so "
+                f"there is nothing to {verb}{what}"
+            )
+
+    def _refuse_success_behind_compensation(self, op: OpRow) -> None:
+        """Compensation runs in reverse: a step it has gone past can no longer become one
+        that needs undoing."""
+        if self.compensation_of(op) is None:
+            return  # nothing to undo either way
+        ran = [
+            c
+            for c in self.ops
+            if c.kind == "compensation"
+            and c.position < op.position
+            and (c.attempts > 0 or c.status == OperationStatus.SUCCEEDED)
+        ]
+        if ran:
+            last = max(ran, key=lambda c: c.position)
+            raise StepStateError(
+                f"compensation has already gone past step {op.step!r} (the compensation of "
+                f"step {last.step!r} has run): recorded as succeeded it would be undone out of "
+                "order, after the steps before it; undo its effect at the provider and resolve "
+                "it as failed"
+            )
+
     def _resume(self) -> None:
         back = self.saga.direction == "backward"
         self._set_status(SagaStatus.COMPENSATING if back else SagaStatus.RUNNING)
@@ -912,6 +958,7 @@ class Planner:
         """An operator raises saga ceilings (never lowers them); a saga parked in
         needs_review becomes runnable again, its counters untouched."""
         self._tick()
+        self._refuse_when_final("raise a ceiling for")
         saga = self.saga
 
         def ceilings() -> dict[str, Any]:

@@ -6,9 +6,17 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+import pytest
 from support import OrchestratorFactory, Order, compensations, order_saga
 
-from saga import PermanentError, RetryPolicy, Saga, StepContext, TransientError
+from saga import (
+    PermanentError,
+    RetryPolicy,
+    Saga,
+    StepContext,
+    StepStateError,
+    TransientError,
+)
 
 QUICK = RetryPolicy(max_attempts=2, initial_delay=0.01, max_delay=0.02)
 
@@ -21,9 +29,9 @@ class Provider:
         self.calls: list[str] = []
 
 
-def _refund_saga(provider: Provider) -> Saga[Order]:
+def _refund_saga(provider: Provider, *, undo_ship: bool = False) -> Saga[Order]:
     """reserve and charge succeed, ship fails permanently; refund fails while the
-    provider is down, release always works."""
+    provider is down, release always works; with `undo_ship`, ship has a compensation."""
     saga = order_saga("refunds")
 
     @saga.step
@@ -50,6 +58,12 @@ def _refund_saga(provider: Provider) -> Saga[Order]:
     def ship(ctx: StepContext, o: Order) -> dict[str, Any]:
         provider.calls.append("ship")
         raise PermanentError("no carrier")
+
+    if undo_ship:
+
+        @ship.compensation(idempotent=True)
+        def recall(ctx: StepContext, o: Order, result: Any) -> None:
+            provider.calls.append("recall")
 
     return saga
 
@@ -167,3 +181,112 @@ def test_dry_run_plan_lists_what_really_runs(
         )
     ]
     assert ran == plan.compensations
+
+
+# ----- item: operator verbs refuse what the protocol could never reach ------------------
+
+
+def test_resolve_refuses_a_compensated_saga_and_writes_nothing(
+    make_orch: OrchestratorFactory, database_url: str
+) -> None:
+    """ship failed and the saga was compensated: resolving ship as succeeded would leave a
+    succeeded step nothing will ever compensate. Refused, saying why; no row changes."""
+    provider = Provider()
+    provider.fixed = True
+    saga = _refund_saga(provider)
+    orch = make_orch(saga)
+    saga_id = orch.start(saga, Order(order_id="o-c")).id
+    assert orch.run(saga_id).status == "compensated"
+    before = _rows(database_url)
+
+    with pytest.raises(StepStateError, match="is compensated: it is final") as refused:
+        orch.resolve(saga_id, "ship", outcome="succeeded", result={"x": 1}, actor="ops")
+    assert "undo it at the provider" in str(refused.value)
+    with pytest.raises(StepStateError, match="is compensated"):
+        orch.resolve(saga_id, "ship", outcome="failed", actor="ops", force=True)
+    with pytest.raises(StepStateError, match="is compensated"):
+        orch.raise_ceilings(saga_id, actor="ops", max_operations=100)
+
+    assert _rows(database_url) == before
+    assert orch.get(saga_id).operation("ship").status == "failed"
+
+
+def test_resolve_and_raise_ceilings_refuse_a_completed_saga(
+    make_orch: OrchestratorFactory, database_url: str
+) -> None:
+    """A completed saga never runs again: resolve and raise_ceilings are refused, pointing
+    at compensate; nothing is written (not even an audit event)."""
+    saga = order_saga("done")
+
+    @saga.step
+    def only(ctx: StepContext, o: Order) -> dict[str, Any]:
+        return {"ok": True}
+
+    orch = make_orch(saga)
+    saga_id = orch.start(saga, Order(order_id="o-d")).id
+    assert orch.run(saga_id).status == "completed"
+    before = _rows(database_url)
+
+    with pytest.raises(StepStateError, match=r"is completed: .*compensate it"):
+        orch.resolve(saga_id, "only", outcome="failed", actor="ops", reason="checked")
+    with pytest.raises(StepStateError, match="is completed"):
+        orch.raise_ceilings(saga_id, actor="ops", max_operations=100)
+    assert _rows(database_url) == before
+
+
+def test_resolve_refuses_success_of_a_step_compensation_has_gone_past(
+    make_orch: OrchestratorFactory, database_url: str
+) -> None:
+    """Parked while compensating, refund (of a step before ship) has run: ship recorded as
+    succeeded now would be recalled after the refund, out of order. Refused with what to
+    do instead; resolving it as failed is accepted and compensation goes on."""
+    provider = Provider()
+    saga = _refund_saga(provider, undo_ship=True)
+    orch = make_orch(saga)
+    saga_id = _parked_on_refund(orch, saga, "o-p")
+    before = _rows(database_url)
+
+    with pytest.raises(StepStateError, match="already gone past step 'ship'") as refused:
+        orch.resolve(saga_id, "ship", outcome="succeeded", result={}, actor="ops")
+    assert "resolve it as failed" in str(refused.value)
+    assert _rows(database_url) == before
+
+    orch.resolve(saga_id, "ship", outcome="failed", actor="ops", reason="never shipped")
+    provider.fixed = True
+    state = orch.compensate(saga_id, actor="ops")
+    assert state.status == "compensated"
+    assert "recall" not in provider.calls
+
+
+def test_resolve_success_before_compensation_reaches_the_step_is_compensated(
+    make_orch: OrchestratorFactory,
+) -> None:
+    """Compensation stopped at an unknown step has not gone past it: resolving it as
+    succeeded is accepted, and its compensation then runs first, in reverse order."""
+    calls: list[str] = []
+    saga = order_saga("stopped")
+
+    @saga.step
+    def reserve(ctx: StepContext, o: Order) -> dict[str, Any]:
+        return {"sku": "x"}
+
+    @reserve.compensation(idempotent=True)
+    def release(ctx: StepContext, o: Order, result: Any) -> None:
+        calls.append("release")
+
+    @saga.step
+    def charge(ctx: StepContext, o: Order) -> Any:
+        return {"not", "json"}  # the outcome cannot be stored: unknown
+
+    @charge.compensation(idempotent=True)
+    def refund(ctx: StepContext, o: Order, result: Any) -> None:
+        calls.append(f"refund:{result}")
+
+    orch = make_orch(saga)
+    saga_id = orch.start(saga, Order(order_id="o-u")).id
+    assert orch.run(saga_id).status == "needs_review"
+    assert orch.compensate(saga_id).status == "needs_review"  # stops at charge
+
+    orch.resolve(saga_id, "charge", outcome="succeeded", result={"id": "ch"}, actor="ops")
+    assert orch.run(saga_id).status == "compensated"
+    assert calls == ["refund:{'id': 'ch'}", "release"]
