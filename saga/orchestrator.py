@@ -7,6 +7,7 @@ import math
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
@@ -52,6 +53,10 @@ if TYPE_CHECKING:
 _log: structlog.typing.FilteringBoundLogger = structlog.get_logger("saga")
 
 ENV_CONFIRMATION_KEY = "SAGA_CONFIRMATION_KEY"
+# run(wait_seconds=...) claims again this long after the holder's lease should end, and at
+# least this often meanwhile (seconds).
+LEASE_POLL_SECONDS = 0.05
+MAX_LEASE_POLL_SECONDS = 0.5
 
 
 class Orchestrator:
@@ -331,20 +336,47 @@ class Orchestrator:
 
     # ----- driving -----------------------------------------------------------------------
 
-    def run(self, saga_id: str) -> SagaState:
+    def run(self, saga_id: str, *, wait_seconds: float = 0.0) -> SagaState:
         """Drive a saga here until it is completed, compensated or parked.
 
-        A terminal saga is returned as is, calling nothing; a saga whose lease another
-        live owner holds is returned at once in its current state.
+        A terminal saga is returned as is, calling nothing. A saga whose lease another
+        live owner holds is waited for up to `wait_seconds` (a dead owner's lease ends
+        `lease_seconds` after its last heartbeat): as soon as it can be claimed it is
+        driven here; if the lease outlasts the wait, or the holder parks or finishes the
+        saga meanwhile, its current state is returned (`lease_owner` and
+        `lease_expires_at` say who holds it and until when).
         """
+        if not wait_seconds >= 0:
+            raise ValueError(f"wait_seconds must not be negative, got {wait_seconds!r}")
+        deadline = time.monotonic() + wait_seconds
         state = self.get(saga_id)
         definition = self.definition(state.saga, state.version)
         if state.status == SagaStatus.AWAITING_CONFIRMATION:
             # A confirmation that expired unanswered is asked again, with a fresh preview.
             state = self._operator_change(state.id, Planner.reopen_expired_confirmation)
-        if state.status.is_runnable:
-            return self._runner().claim_and_drive(definition, state.id) or self.get(state.id)
+        while state.status.is_runnable:
+            driven = self._runner().claim_and_drive(definition, state.id)
+            if driven is not None:
+                return driven
+            state = self.get(state.id)
+            pause = self._lease_pause(state, deadline)
+            if pause is None:
+                break
+            time.sleep(pause)
+            state = self.get(state.id)
         return state
+
+    @staticmethod
+    def _lease_pause(state: SagaState, deadline: float) -> float | None:
+        """How long to sleep before claiming again a saga another owner holds, or None
+        when there is no point waiting (not runnable, not held, or out of time)."""
+        left = deadline - time.monotonic()
+        if not state.status.is_runnable or state.lease_expires_at is None or left <= 0:
+            return None
+        # The lease's end by this host's clock, re-checked often: clocks differ, and the
+        # holder may stop (and release the lease) before it ends.
+        until_end = (state.lease_expires_at - datetime.now().astimezone()).total_seconds()
+        return min(left, max(until_end, 0.0) + LEASE_POLL_SECONDS, MAX_LEASE_POLL_SECONDS)
 
     def raise_ceilings(
         self,

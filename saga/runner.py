@@ -10,7 +10,7 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import structlog
@@ -203,7 +203,7 @@ class Runner:
                         # The transaction that planned this backoff persisted it as
                         # run_after and released the lease (_hand_over decided).
                         return planner.final_state
-                    self._wait_until(nxt.until)
+                    self._wait_until(planner, nxt.until)
                     planner, nxt = self._transact(planner, None)
                 elif isinstance(nxt, Invoke):
                     planner, nxt = self._invoke(planner, nxt.op)
@@ -290,12 +290,16 @@ class Runner:
         log_events(fresh, events)
         return state
 
-    def _wait_until(self, until: datetime) -> None:
-        """Wait out a short backoff under the lease (`_hand_over` kept it for this)."""
+    def _wait_until(self, planner: Planner, until: datetime) -> None:
+        """Wait out a short backoff under the lease (`_hand_over` kept it for this), renewed
+        by the heartbeat meanwhile: it is never stretched to the backoff's end, so a process
+        that dies while waiting blocks nobody beyond `lease_seconds` (run_after, set to the
+        backoff's end, keeps workers from starting the saga early)."""
         delay = (until - datetime.now().astimezone()).total_seconds()
         if delay > 0:
-            # Wakes early when the worker shuts down; the next transition then yields.
-            self.stopping.wait(delay)
+            with self.keeper.holding(planner.saga.id, planner.saga.fence):
+                # Wakes early when the worker shuts down; the next transition then yields.
+                self.stopping.wait(delay)
 
     # ----- transactions ------------------------------------------------------------------
 
@@ -502,9 +506,8 @@ class Runner:
                 planner.events.append(
                     Event("lease_released", detail={"owner": self.owner, "reason": "backoff"})
                 )
-            else:
-                # Keep the lease through a short backoff so no other worker starts it early.
-                lease_until = nxt.until + timedelta(seconds=self.lease_seconds)
+            # Otherwise the lease is kept through the backoff, renewed by the heartbeat
+            # while _wait_until waits (a lease is a liveness signal, never stretched).
         elif isinstance(nxt, Yield):
             saga.run_after = datetime.now().astimezone()
             planner.events.append(

@@ -25,7 +25,16 @@ from typing import Any
 import psycopg
 from pydantic import BaseModel
 
-from saga import Absent, Found, LeaseLost, Orchestrator, RetryPolicy, Saga, StepContext
+from saga import (
+    Absent,
+    Found,
+    LeaseLost,
+    Orchestrator,
+    RetryPolicy,
+    Saga,
+    StepContext,
+    TransientError,
+)
 
 ENV_URL = "CRASH_APP_DATABASE_URL"
 ENV_BLOCK = "CRASH_APP_BLOCK"
@@ -159,7 +168,40 @@ RECONCILED = _build("crash_reconciled", idempotent=False, reconcile=True)
 IDEMPOTENT = _build("crash_idempotent", idempotent=True, reconcile=False)
 PLAIN = _build("crash_plain", idempotent=False, reconcile=False)
 AT_CEILING = _build("crash_at_ceiling", idempotent=True, reconcile=False, max_attempts=1)
-ALL_SAGAS = (RECONCILED, IDEMPOTENT, PLAIN, AT_CEILING)
+
+
+def _build_backoff(name: str, *, backoff_seconds: float) -> Saga[CrashOrder]:
+    """charge fails transiently at its first attempt (printing `CRASH_APP FAILING` first),
+    so the process that runs it waits out a backoff of `backoff_seconds` in-process;
+    the second attempt charges."""
+    saga: Saga[CrashOrder] = Saga(name, version=1, input=CrashOrder, key=lambda o: o.order_id)
+
+    @saga.step
+    def reserve(ctx: StepContext, order: CrashOrder) -> dict[str, Any]:
+        _record_call(name, "reserve", ctx)
+        return {"reserved": order.order_id}
+
+    @saga.step(
+        idempotent=True,
+        retry=RetryPolicy(
+            max_attempts=2, initial_delay=backoff_seconds, max_delay=backoff_seconds, jitter=0.0
+        ),
+    )
+    def charge(ctx: StepContext, order: CrashOrder) -> dict[str, Any]:
+        _record_call(name, "charge", ctx)
+        if ctx.attempt == 1:
+            _signal("FAILING")
+            raise TransientError("gateway busy")
+        return _provider_charge(ctx, order)
+
+    return saga
+
+
+# (e) a charge waiting out a backoff in-process: long (a cancel must not wait for it) and
+# moderate (a new process drives the saga once the dead owner's lease ends).
+LONG_BACKOFF = _build_backoff("crash_long_backoff", backoff_seconds=600.0)
+BACKOFF = _build_backoff("crash_backoff", backoff_seconds=10.0)
+ALL_SAGAS = (RECONCILED, IDEMPOTENT, PLAIN, AT_CEILING, LONG_BACKOFF, BACKOFF)
 BY_NAME = {s.name: s for s in ALL_SAGAS}
 
 
