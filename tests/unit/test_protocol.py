@@ -817,6 +817,50 @@ def test_resolve_failed_starts_compensation() -> None:
     assert names == ["operation_resolved", "compensation_started", "attempt_started"]
 
 
+def test_resolve_refuses_a_compensated_or_completed_saga() -> None:
+    """A final saga never runs again: resolving any of its steps is refused, saying what
+    is left to do, and changes nothing."""
+    compensated = _planner(Spec("reserve"), Spec("charge"))
+    _succeed(compensated)
+    compensated.record_failure(_invoke(compensated), "declined", retryable=False, delay=0.0)
+    compensated.record_success(_invoke(compensated), None)
+    assert compensated.advance() == Stop(SagaStatus.COMPENSATED)
+    compensated.take_events()
+    with pytest.raises(StepStateError, match="compensated: it is final"):
+        compensated.resolve(
+            "charge", kind=None, outcome="succeeded", result={}, actor="ops", reason=None
+        )
+    assert compensated.find("charge", "action").status == OperationStatus.FAILED  # type: ignore[union-attr]
+    assert compensated.take_events() == []
+
+    completed = _planner(Spec("reserve"))
+    _succeed(completed)
+    assert completed.advance() == Stop(SagaStatus.COMPLETED)
+    with pytest.raises(StepStateError, match=r"completed: .*compensate it"):
+        completed.resolve(
+            "reserve", kind=None, outcome="failed", result=None, actor="o", reason="x"
+        )
+    with pytest.raises(StepStateError, match="completed"):
+        completed.raise_ceilings(actor="ops", max_operations=10)
+
+
+def test_resolve_refuses_success_of_a_step_compensation_has_gone_past() -> None:
+    """Compensation undid charge (before ship) and parked at reserve: ship resolved as
+    succeeded would be compensated after charge, out of reverse order. Refused."""
+    planner = _planner(Spec("reserve"), Spec("charge"), Spec("ship"))
+    _succeed(planner)
+    _succeed(planner)
+    planner.record_failure(_invoke(planner), "no carrier", retryable=False, delay=0.0)
+    planner.record_success(_invoke(planner), None)  # charge's compensation
+    planner.record_failure(_invoke(planner), "warehouse gone", retryable=False, delay=0.0)
+    assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
+    with pytest.raises(StepStateError, match="already gone past step 'ship'"):
+        planner.resolve(
+            "ship", kind="action", outcome="succeeded", result={}, actor="ops", reason=None
+        )
+    assert planner.find("ship", "action").status == OperationStatus.FAILED  # type: ignore[union-attr]
+
+
 def test_resolve_a_failed_compensation_continues_compensating() -> None:
     """Resolving a parked compensation (kind defaults to it) resumes the compensation."""
     planner = _planner(Spec("reserve"), Spec("charge"), Spec("ship"))
