@@ -216,6 +216,11 @@ def plan(plans: Sequence[PlannedSaga]) -> str:
             notes.append(f"nothing  {p.saga_id}  {p.saga}  no compensation to run")
         for step, key in p.compensations:
             rows.append([p.saga_id, p.saga, step, key])
+        for step, before, after in p.raises:
+            notes.append(
+                f"raises   {p.saga_id}  {p.saga}  ceiling of the compensation of {step!r}: "
+                f"{before} -> {after} attempts"
+            )
         if p.stop is not None:
             notes.append(f"parks    {p.saga_id}  {p.saga}  would stop: {p.stop}")
     out = []

@@ -44,6 +44,8 @@ class PlannedSaga:
     compensations: list[tuple[str, str]]
     stop: str | None = None
     skip: str | None = None
+    # (step, ceiling now, ceiling after) of each failed compensation given a fresh budget.
+    raises: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -117,8 +119,9 @@ def plan_compensation(
         loaded = store.load_txn(conn, state.id)
     if loaded is None:
         return PlannedSaga(state.id, describe(state), [], skip="the saga no longer exists")
-    runs, stop = Planner(definition, *loaded).compensation_plan(include_unknown=include_unknown)
-    return PlannedSaga(state.id, describe(state), runs, stop=stop)
+    planner = Planner(definition, *loaded)
+    runs, stop = planner.compensation_plan(include_unknown=include_unknown)
+    return PlannedSaga(state.id, describe(state), runs, stop=stop, raises=planner.fresh_budgets())
 
 
 def dry_run(

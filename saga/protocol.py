@@ -782,6 +782,16 @@ class Planner:
             )
         return True
 
+    def fresh_budgets(self) -> list[tuple[str, int, int]]:
+        """(step, ceiling now, ceiling after) of each compensation an explicit compensation
+        request would give a fresh budget, changing nothing (for dry runs)."""
+        raised: list[tuple[str, int, int]] = []
+        for op in self.ops:
+            budget = self._fresh_budget(op)
+            if budget is not None:
+                raised.append((op.step, op.max_attempts, op.attempts + budget))
+        return raised
+
     def _fresh_budget(self, op: OpRow) -> int | None:
         """The attempts an explicit compensation request adds to a compensation that
         failed at its ceiling (its policy's max_attempts); None for any other operation.

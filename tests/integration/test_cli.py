@@ -296,6 +296,8 @@ def test_batch_compensation_recovers_sagas_parked_at_a_compensation_ceiling(
     for saga_id in parked:  # per saga, in reverse step order
         assert [row[3] for row in planned if row[0] == saga_id] == ["bill", "hold"]
     assert "2 would be done (4 compensations), 0 would park" in dry.stdout
+    raises = [line for line in dry.stdout.splitlines() if line.startswith("raises")]
+    assert len(raises) == 2 and all("'bill': 2 -> 4 attempts" in line for line in raises)
 
     result = saga_cmd(*batch, app_dir=app_dir)
     assert result.returncode == 0, result.stdout + result.stderr
