@@ -16,7 +16,11 @@ _log: structlog.typing.FilteringBoundLogger = structlog.get_logger("saga")
 class LeaseKeeper:
     """Renews, every `heartbeat_seconds`, the lease of each saga whose attempt is in flight,
     in one statement for all of them, so a long step is not taken for a dead one. A lease
-    found lost is logged; the attempt's outcome write will then be refused by its fence."""
+    found lost is logged; the attempt's outcome write will then be refused by its fence.
+
+    Leases are held by (saga id, fence): an attempt fenced out by a newer lease of the
+    same owner on the same saga may still be running, and its end must not stop the
+    heartbeat of the newer one."""
 
     def __init__(
         self, store: Store, *, owner: str, lease_seconds: float, heartbeat_seconds: float
@@ -25,7 +29,8 @@ class LeaseKeeper:
         self.owner = owner
         self.lease_seconds = lease_seconds
         self.heartbeat_seconds = heartbeat_seconds
-        self._held: dict[str, int] = {}
+        # (saga id, fence) -> how many blocks hold it (one, unless nested).
+        self._held: dict[tuple[str, int], int] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
@@ -33,8 +38,9 @@ class LeaseKeeper:
     @contextmanager
     def holding(self, saga_id: str, fence: int) -> Iterator[None]:
         """Keep the lease of `saga_id` at `fence` alive for the duration of the block."""
+        key = (saga_id, fence)
         with self._lock:
-            self._held[saga_id] = fence
+            self._held[key] = self._held.get(key, 0) + 1
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._beat, name=f"saga-heartbeat-{self.owner}", daemon=True
@@ -44,7 +50,11 @@ class LeaseKeeper:
             yield
         finally:
             with self._lock:
-                self._held.pop(saga_id, None)
+                left = self._held.get(key, 0) - 1
+                if left > 0:
+                    self._held[key] = left
+                else:
+                    self._held.pop(key, None)
 
     def close(self) -> None:
         """Stop the heartbeat thread (leases then expire unless renewed by writes)."""
@@ -56,7 +66,7 @@ class LeaseKeeper:
     def _beat(self) -> None:
         while not self._stopped.wait(self.heartbeat_seconds):
             with self._lock:
-                held = dict(self._held)
+                held = set(self._held)
             if not held:
                 continue
             try:
@@ -66,9 +76,8 @@ class LeaseKeeper:
             except Exception as exc:  # outcome writes will find out; keep trying meanwhile
                 _log.warning("heartbeat_failed", error=f"{type(exc).__name__}: {exc}")
                 continue
-            for saga_id in held.keys() - alive:
+            for saga_id, fence in held - alive:
                 with self._lock:
-                    if self._held.get(saga_id) != held[saga_id]:
+                    if self._held.pop((saga_id, fence), None) is None:
                         continue  # released meanwhile
-                    self._held.pop(saga_id, None)  # no use renewing it again
-                _log.warning("heartbeat_lease_lost", saga_id=saga_id, fence=held[saga_id])
+                _log.warning("heartbeat_lease_lost", saga_id=saga_id, fence=fence)

@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import psycopg
 import structlog
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 from pydantic import BaseModel, ConfigDict
 
 from saga import approvals, faults
 from saga.database import check_connection, resolve_database_url, unavailable
+from saga.dbretry import retrying
 from saga.definition import Saga
 from saga.errors import (
     IdempotencyConflict,
@@ -42,7 +44,7 @@ from saga.state import (
     SagaStatus,
     WorkerInfo,
 )
-from saga.store import Store, parse_id
+from saga.store import Store, new_token, parse_id
 
 if TYPE_CHECKING:
     from saga.worker import Worker
@@ -174,7 +176,7 @@ class Orchestrator:
             url,
             min_size=1,
             max_size=self._pool_size,
-            kwargs={"autocommit": True},
+            kwargs={"autocommit": True, "options": session_options(url, self.lease_seconds)},
             open=False,
             name=f"saga-{self.owner}",
         )
@@ -282,9 +284,13 @@ class Orchestrator:
                 row.lease_owner = None
             events += planner.take_events()
             claimed = (planner, nxt)
-        outcome = self.store.start_saga(
-            row, ops, events, lease_seconds=self.lease_seconds, notify=runner is None
-        )
+        # A start whose reply was lost is retried; the retry that finds this very saga
+        # (by its new id) knows the first one landed, and goes on as its creator.
+        for attempt in retrying("start_saga"):
+            with attempt:
+                outcome = self.store.start_saga(
+                    row, ops, events, lease_seconds=self.lease_seconds, notify=runner is None
+                )
         created = bool(outcome["created"])
         if created:
             saga_id = row.id
@@ -597,6 +603,35 @@ class Orchestrator:
         if parse_id(saga_id) is None:
             raise SagaNotFound(saga_id)
         store = self.store
+        # One token for the change, however often it is tried: a retry after a lost reply
+        # that finds it on the saga knows the change landed, and applies nothing again.
+        token = new_token()
+        retried = False
+        for attempt in retrying("operator_change"):
+            with attempt:
+                if retried:
+                    written = store.write_token(saga_id)
+                    if written is not None and written[0] == token:
+                        landed = store.get_state(saga_id)
+                        assert landed is not None
+                        return landed
+                retried = True
+                return self._operator_txn(
+                    saga_id, change, force=force, actor=actor, registered=registered, token=token
+                )
+        raise AssertionError("unreachable: retrying() reraises")  # pragma: no cover
+
+    def _operator_txn(
+        self,
+        saga_id: str,
+        change: Callable[[Planner], object],
+        *,
+        force: bool,
+        actor: str | None,
+        registered: bool,
+        token: str,
+    ) -> SagaState:
+        store = self.store
         with store.transaction() as conn:
             locked = store.lock_saga_txn(conn, saga_id)
             if locked is None:
@@ -648,6 +683,7 @@ class Orchestrator:
                     notify=planner.saga.status.is_runnable,
                     return_state=True,
                     confirmations=planner.confirmations,
+                    token=token,
                 )()
         log_events(planner, events)
         assert state is not None  # the row is locked in this transaction
@@ -749,6 +785,28 @@ class Orchestrator:
             grace_seconds=grace_seconds,
             short_wait_seconds=short_wait_seconds,
         )
+
+
+def session_options(url: str, lease_seconds: float) -> str:
+    """Server settings of the orchestrator's connections (libpq `options`, added to any the
+    URL or PGOPTIONS give): no transaction of ours holds its locks, or waits for another's,
+    longer than a lease.
+
+    A claim plans the saga's first move (cost functions, confirm rules, input models: user
+    code) while the saga row is locked; a holder frozen there (SIGSTOP, a GC pause, a slow
+    cost function) would block `run()` and every operator verb on that saga for as long as
+    it is frozen. With `idle_in_transaction_session_timeout` the server ends such a
+    transaction once it has waited a lease for its client, and rolls it back (its lease
+    would have expired by then anyway); with `lock_timeout` a wait for a row lock ends
+    after a lease too, retried by a claim or a write and reported as busy by an operator
+    verb. Set per session, as a startup parameter, they cost no statement and no commit.
+    """
+    existing = conninfo_to_dict(url).get("options") or os.environ.get("PGOPTIONS", "")
+    milliseconds = max(1, math.ceil(lease_seconds * 1000.0))
+    ours = (
+        f"-c idle_in_transaction_session_timeout={milliseconds} -c lock_timeout={milliseconds}"
+    )
+    return f"{existing} {ours}".strip()
 
 
 class _AnyInput(BaseModel):

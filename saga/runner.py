@@ -37,7 +37,7 @@ from saga.protocol import (
     Yield,
 )
 from saga.state import OperationStatus, SagaState
-from saga.store import Conn, Loaded, Store
+from saga.store import Conn, Loaded, Store, new_token
 
 _log: structlog.typing.FilteringBoundLogger = structlog.get_logger("saga")
 
@@ -84,22 +84,33 @@ class Runner:
 
     def claim_and_drive(self, definition: Saga[Any], saga_id: str) -> SagaState | None:
         """Claim one saga and drive it until it stops; None when it could not be claimed
-        (or was lost to another owner on the way)."""
+        (or was lost to another owner on the way).
+
+        A claim whose reply was lost is recognised by the token of its first write: the
+        retry then carries on with the saga it holds instead of finding it leased (to
+        itself) and giving up."""
+        token = new_token()
+        retried = False
         for attempt in retrying("claim_saga"):
             with attempt:
-                claimed = self._claim_by_id(definition, saga_id)
+                claimed = self._reclaim(definition, saga_id, token) if retried else None
+                retried = True
+                if claimed is None:
+                    claimed = self._claim_by_id(definition, saga_id, token)
         if claimed is None:
             return None
         return self.drive(*claimed)
 
-    def _claim_by_id(self, definition: Saga[Any], saga_id: str) -> tuple[Planner, Next] | None:
+    def _claim_by_id(
+        self, definition: Saga[Any], saga_id: str, token: str
+    ) -> tuple[Planner, Next] | None:
         with self.store.pipelined() as conn:
             loaded = self.store.claim_txn(
                 conn, saga_id, owner=self.owner, lease_seconds=self.lease_seconds
             )
             if loaded is None:
                 return None
-            planner, nxt, events = self._begin_txn(conn, definition, loaded)
+            planner, nxt, events = self._begin_txn(conn, definition, loaded, token)
         log_events(planner, events)
         return planner, nxt
 
@@ -107,7 +118,28 @@ class Runner:
         self, kinds: Sequence[str], lookup: Callable[[str, int], Saga[Any]]
     ) -> tuple[Planner, Next] | None:
         """Claim the longest-waiting runnable saga of these name:version kinds and plan its
-        first move in the same transaction; None when there is nothing to claim."""
+        first move in the same transaction; None when there is nothing to claim.
+
+        A transient database error is retried; a claim that had landed although its reply
+        was lost is found again by its token and carried on."""
+        token = new_token()
+        retried = False
+        for attempt in retrying("claim_next_saga", until=self.stopping):
+            with attempt:
+                if retried:
+                    own = self.store.own_claim(owner=self.owner, token=token)
+                    if own is not None:
+                        saga_id, name, version = own
+                        reclaimed = self._reclaim(lookup(name, version), saga_id, token)
+                        if reclaimed is not None:
+                            return reclaimed
+                retried = True
+                return self._claim_next_once(kinds, lookup, token)
+        return None  # stopping while the database was unavailable
+
+    def _claim_next_once(
+        self, kinds: Sequence[str], lookup: Callable[[str, int], Saga[Any]], token: str
+    ) -> tuple[Planner, Next] | None:
         with self.store.pipelined() as conn:
             loaded = self.store.claim_next_txn(
                 conn, kinds=kinds, owner=self.owner, lease_seconds=self.lease_seconds
@@ -115,16 +147,43 @@ class Runner:
             if loaded is None:
                 return None
             row = loaded[0]
-            planner, nxt, events = self._begin_txn(conn, lookup(row.name, row.version), loaded)
+            planner, nxt, events = self._begin_txn(
+                conn, lookup(row.name, row.version), loaded, token
+            )
         log_events(planner, events)
         return planner, nxt
+
+    def _reclaim(
+        self, definition: Saga[Any], saga_id: str, token: str
+    ) -> tuple[Planner, Next] | None:
+        """The saga our claim took, when that claim landed although its reply was lost
+        (its first write carries `token` and the lease is still ours); None otherwise.
+
+        The claim's first move was committed with it: an attempt it started is ours to
+        call now; any other move is planned again from what was committed."""
+        written = self.store.write_token(saga_id)
+        if written is None or written[0] != token or written[1] != self.owner:
+            return None
+        with self.store.pipelined() as conn:
+            loaded = self.store.load_txn(conn, saga_id)
+        if loaded is None:
+            return None
+        planner = Planner(definition, *loaded)
+        _log.info("claim_landed", saga_id=saga_id, fence=planner.saga.fence)
+        started = [o for o in planner.ops if o.status == OperationStatus.RUNNING]
+        if started:
+            # Every attempt running before the claim was marked unknown by its first move:
+            # a running one now is the attempt that move started.
+            return planner, Invoke(started[0])
+        return self._transact(planner, None)
 
     def plan_new(
         self, definition: Saga[Any], row: SagaRow, ops: list[OpRow]
     ) -> tuple[Planner, Next, bool]:
         """Plan the first move of a saga about to be created under our lease (nothing is
         written here); returns the planner, its move, and whether the lease ends at once."""
-        planner, nxt = self._first_move(definition, row, ops, [])
+        # Nothing is stored yet: a definition that cannot plan it raises to the caller.
+        planner, nxt = self._first_move(definition, row, ops, [], park_on_error=False)
         release, _ = self._hand_over(planner, nxt)
         if isinstance(nxt, Invoke):
             faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
@@ -145,7 +204,7 @@ class Runner:
                         # run_after and released the lease (_hand_over decided).
                         return planner.final_state
                     self._wait_until(nxt.until)
-                    planner, nxt = self._transact(planner, None, None)
+                    planner, nxt = self._transact(planner, None)
                 elif isinstance(nxt, Invoke):
                     planner, nxt = self._invoke(planner, nxt.op)
                 elif isinstance(nxt, AskReconcile):
@@ -155,14 +214,81 @@ class Runner:
         except LeaseLost as exc:
             _log.warning("lease_lost", saga_id=saga.id, fence=saga.fence, error=str(exc))
             return None
+        except Exception as exc:
+            if is_transient(exc):
+                self._release_after_error(saga)
+                raise
+            # One saga never takes its driver down: the saga is parked with the reason.
+            return self._park_broken(planner, exc)
         except BaseException:
-            # Leave the saga to the next owner right away rather than after lease expiry.
-            try:
-                self.store.release_lease(saga.id, owner=self.owner, fence=saga.fence)
-            except Exception:
-                _log.exception("lease_release_failed", saga_id=saga.id)
+            self._release_after_error(saga)
             raise
         return planner.final_state
+
+    def _release_after_error(self, saga: SagaRow) -> None:
+        # Leave the saga to the next owner right away rather than after lease expiry.
+        try:
+            self.store.release_lease(saga.id, owner=self.owner, fence=saga.fence)
+        except Exception:
+            _log.exception("lease_release_failed", saga_id=saga.id)
+
+    def _park_broken(self, planner: Planner, exc: Exception) -> SagaState | None:
+        """Park a saga whose driving raised something unexpected, with the reason, in a
+        fenced write over the saga as last committed (what was planned after that is
+        dropped; an attempt committed as running stays so, its outcome unknown to whoever
+        settles it). None when the lease was lost meanwhile."""
+        saga = planner.saga
+        reason = f"driving the saga raised {_describe_error(exc)}; parked for review"
+        _log.error(
+            "saga_drive_failed",
+            saga_id=saga.id,
+            fence=saga.fence,
+            error=_describe_error(exc),
+            traceback=traceback.format_exc(),
+        )
+        # As for every write: a retry that finds the park's token knows it landed.
+        token = new_token()
+        retried = False
+        try:
+            for attempt in retrying("park_saga"):
+                with attempt:
+                    if retried:
+                        written = self.store.write_token(saga.id)
+                        if written is not None and written[0] == token:
+                            _log.info("write_landed", saga_id=saga.id, fence=saga.fence)
+                            return self.store.get_state(saga.id)
+                    retried = True
+                    with self.store.pipelined() as conn:
+                        self.store.assert_fence_txn(
+                            conn,
+                            saga.id,
+                            owner=self.owner,
+                            fence=saga.fence,
+                            lease_seconds=self.lease_seconds,
+                        )
+                        loaded = self.store.load_txn(conn, saga.id)
+                    assert loaded is not None  # the fence check found the row
+                    fresh = Planner(planner.definition, *loaded)
+                    fresh.park(reason)
+                    fresh.events.append(Event("lease_released", detail={"owner": self.owner}))
+                    events = fresh.take_events()
+                    state = self.store.apply_transition(
+                        fresh.saga,
+                        fresh.ops,
+                        events,
+                        owner=self.owner,
+                        lease_seconds=self.lease_seconds,
+                        release=True,
+                        lease_until=None,
+                        notify=False,
+                        return_state=True,
+                        token=token,
+                    )
+        except LeaseLost as lost:
+            _log.warning("lease_lost", saga_id=saga.id, fence=saga.fence, error=str(lost))
+            return None
+        log_events(fresh, events)
+        return state
 
     def _wait_until(self, until: datetime) -> None:
         """Wait out a short backoff under the lease (`_hand_over` kept it for this)."""
@@ -174,10 +300,10 @@ class Runner:
     # ----- transactions ------------------------------------------------------------------
 
     def _begin_txn(
-        self, conn: Conn, definition: Saga[Any], loaded: Loaded
+        self, conn: Conn, definition: Saga[Any], loaded: Loaded, token: str
     ) -> tuple[Planner, Next, list[Event]]:
         planner, nxt = self._first_move(definition, *loaded)
-        events, read_state = self._persist_txn(conn, planner, nxt)
+        events, read_state = self._persist_txn(conn, planner, nxt, token)
         if read_state is not None:
             planner.final_state = read_state()
         return planner, nxt, events
@@ -188,85 +314,145 @@ class Runner:
         row: SagaRow,
         ops: list[OpRow],
         confirmations: list[ConfirmationRow],
+        *,
+        park_on_error: bool = True,
     ) -> tuple[Planner, Next]:
         """A planner for a saga whose lease we have just taken, and its first move."""
         planner = Planner(definition, row, ops, confirmations)
         planner.events.append(
             Event("lease_acquired", detail={"owner": self.owner, "fence": row.fence})
         )
-        return planner, planner.advance(may_call=not self.stopping.is_set())
+        if not park_on_error:
+            return planner, planner.advance(may_call=not self.stopping.is_set())
+        return planner, self._advance(planner)
 
-    def _transact(
-        self, planner: Planner, mutate: Mutation | None, target: tuple[str, str, int] | None
-    ) -> tuple[Planner, Next]:
+    def _advance(self, planner: Planner) -> Next:
+        """The planner's next move; a saga it cannot plan (an operation its definition no
+        longer declares, user code in a cost function, confirm rule or input model that
+        raises) is parked with the reason instead, so that it never takes a worker down.
+
+        The planner calls user code before it changes the operation concerned: what it
+        recorded before the error are whole transitions, kept with the park."""
+        try:
+            return planner.advance(may_call=not self.stopping.is_set())
+        except Exception as exc:
+            if is_transient(exc):
+                raise
+            saga = planner.saga
+            reason = (
+                f"cannot plan saga {saga.name!r} v{saga.version} under its registered "
+                f"definition: {_describe_error(exc)}"
+            )
+            _log.error(
+                "saga_unplannable",
+                saga_id=saga.id,
+                saga=saga.name,
+                version=saga.version,
+                error=_describe_error(exc),
+                traceback=traceback.format_exc(),
+            )
+            planner.park(reason)
+            return Stop(planner.saga.status)
+
+    def _transact(self, planner: Planner, mutate: Mutation | None) -> tuple[Planner, Next]:
         """Record an outcome and plan the next move in one fenced transaction.
 
-        A transient database error is retried with a fresh snapshot; if the failed
-        commit had in fact landed, the recorded outcome is not applied twice. The first
-        try runs without the retry machinery, which only a failure needs.
+        A transient database error is retried. Every write carries a token of its own:
+        when the error leaves it unclear whether the commit landed (the server committed
+        and the reply was lost), the saga's token is read back. If it is this write's, the
+        write landed: nothing is applied again and the move it planned is carried out.
+        Otherwise the same outcome is applied to a fresh snapshot and written again. The
+        first try runs without the retry machinery, which only a failure needs.
         """
         try:
             return planner, self._record(planner, mutate)
+        except _Unsure as exc:
+            unsure = exc
+            log_retry("record_transition", exc.cause)
+        for attempt in retrying("record_transition"):
+            with attempt:
+                if self._landed(unsure):
+                    return unsure.planner, unsure.nxt
+                fresh = self._reload(unsure.planner)
+                try:
+                    return fresh, self._record(fresh, mutate)
+                except _Unsure as exc:
+                    unsure = exc
+                    raise exc.cause from None
+        raise AssertionError("unreachable: retrying() reraises")  # pragma: no cover
+
+    def _record(self, planner: Planner, mutate: Mutation | None) -> Next:
+        """Apply `mutate` and the moves that follow to `planner`, and write them; `_Unsure`
+        when a transient error leaves it open whether the write landed."""
+        if mutate is not None:
+            mutate(planner)
+        nxt = self._advance(planner)
+        token = new_token()
+        written: list[Event] = []
+        try:
+            if any(c.new or c.dirty for c in planner.confirmations):
+                self._transact_pipelined(planner, nxt, token, written)
+            else:
+                self._transact_at_once(planner, nxt, token, written)
         except Exception as exc:
             if not is_transient(exc):
                 raise
-            log_retry("record_transition", exc)
-        for attempt in retrying("record_transition"):
-            with attempt:
-                planner, landed = self._reload(planner, target)
-                if landed is not None:
-                    return planner, landed
-                if target is not None and not self._still_in_flight(planner, target):
-                    mutate = None
-                nxt = self._record(planner, mutate)
-        return planner, nxt
-
-    def _record(self, planner: Planner, mutate: Mutation | None) -> Next:
-        if mutate is not None:
-            mutate(planner)
-        nxt = planner.advance(may_call=not self.stopping.is_set())
-        if any(c.new or c.dirty for c in planner.confirmations):
-            events = self._transact_pipelined(planner, nxt)
-        else:
-            events = self._transact_at_once(planner, nxt)
-        log_events(planner, events)
+            raise _Unsure(planner, nxt, token, written, exc) from exc
+        log_events(planner, written)
         return nxt
 
-    def _transact_at_once(self, planner: Planner, nxt: Next) -> list[Event]:
-        """The common transition: one statement, one round trip (saga.write_saga), which
+    def _landed(self, unsure: _Unsure) -> bool:
+        """Whether the write of `unsure` landed (its token is the saga's); if so, its events
+        are logged and, when it gave the lease back, the saga's state is read."""
+        planner = unsure.planner
+        written = self.store.write_token(planner.saga.id)
+        if written is None or written[0] != unsure.token:
+            return False
+        _log.info("write_landed", saga_id=planner.saga.id, fence=planner.saga.fence)
+        log_events(planner, unsure.events)
+        if written[1] is None:
+            # The write gave the lease back (a stop, a shutdown, a long backoff).
+            planner.final_state = self.store.get_state(planner.saga.id)
+        return True
+
+    def _transact_at_once(
+        self, planner: Planner, nxt: Next, token: str, written: list[Event]
+    ) -> None:
+        """The common transition: one statement, one round trip (saga.write_saga_v2), which
         fails as a whole when the lease is no longer ours."""
         release, lease_until = self._hand_over(planner, nxt)
-        events = planner.take_events()
+        written.extend(planner.take_events())
         if isinstance(nxt, Invoke):
             faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
         state = self.store.apply_transition(
             planner.saga,
             planner.ops,
-            events,
+            written,
             owner=self.owner,
             lease_seconds=self.lease_seconds,
             release=release,
             lease_until=lease_until,
             notify=isinstance(nxt, Yield),
             return_state=release,
+            token=token,
         )
         if release:
             planner.final_state = state
-        return events
 
-    def _transact_pipelined(self, planner: Planner, nxt: Next) -> list[Event]:
+    def _transact_pipelined(
+        self, planner: Planner, nxt: Next, token: str, written: list[Event]
+    ) -> None:
         """A transition that also writes confirmations, as one pipelined transaction whose
         fenced saga write goes first and fails it, writes included, if the lease was lost."""
         with self.store.pipelined() as conn:
-            events, read_state = self._persist_txn(conn, planner, nxt)
+            events, read_state = self._persist_txn(conn, planner, nxt, token)
+            written.extend(events)
         if read_state is not None:
             planner.final_state = read_state()
-        return events
 
-    def _reload(
-        self, planner: Planner, target: tuple[str, str, int] | None
-    ) -> tuple[Planner, Next | None]:
-        """A fresh planner from the database, and the move already committed, if any."""
+    def _reload(self, planner: Planner) -> Planner:
+        """A fresh planner from the database, once the lease is checked to be still ours
+        (`LeaseLost` otherwise)."""
         saga = planner.saga
         with self.store.pipelined() as conn:
             self.store.assert_fence_txn(
@@ -274,22 +460,10 @@ class Runner:
             )
             loaded = self.store.load_txn(conn, saga.id)
         assert loaded is not None  # the fence check found the row
-        fresh = Planner(planner.definition, *loaded)
-        if target is not None and not self._still_in_flight(fresh, target):
-            # The outcome was committed; an attempt it started is ours to call now.
-            started = [o for o in fresh.ops if o.status == OperationStatus.RUNNING]
-            if started:
-                return fresh, Invoke(started[0])
-        return fresh, None
-
-    @staticmethod
-    def _still_in_flight(planner: Planner, target: tuple[str, str, int]) -> bool:
-        step, kind, attempts = target
-        op = planner.find(step, "action" if kind == "action" else "compensation")
-        return op is not None and op.status == OperationStatus.RUNNING and op.attempts == attempts
+        return Planner(planner.definition, *loaded)
 
     def _persist_txn(
-        self, conn: Conn, planner: Planner, nxt: Next
+        self, conn: Conn, planner: Planner, nxt: Next, token: str
     ) -> tuple[list[Event], Callable[[], SagaState | None] | None]:
         """Queue the planner's changes; when the saga is handed back, also the read of its
         state, returned as a function to call once the transaction has committed."""
@@ -308,6 +482,7 @@ class Runner:
             # The caller's answer, read in the last transaction rather than in one more.
             return_state=release,
             confirmations=planner.confirmations,
+            token=token,
         )
         if isinstance(nxt, Invoke):
             faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
@@ -381,7 +556,7 @@ class Runner:
         else:
             mutate = lambda p: p.record_request(p.op(op.step, op.kind), request)  # noqa: E731
         # Nothing has been called yet: a retried transaction may simply prepare again.
-        return self._transact(planner, mutate, None)
+        return self._transact(planner, mutate)
 
     def _invoke(self, planner: Planner, op: OpRow) -> tuple[Planner, Next]:
         spec = planner.spec_of(op)
@@ -423,7 +598,7 @@ class Runner:
                 recorded(p)
 
         faults.point("after_call", **where)
-        result = self._transact(planner, mutate, (op.step, op.kind, op.attempts))
+        result = self._transact(planner, mutate)
         faults.point("after_record", **where)
         return result
 
@@ -433,7 +608,7 @@ class Runner:
         assert fn is not None  # the planner asks only operations that have a hook
         running = self._abandoned_attempt(planner, op)
         if running is not None:
-            return self._transact(planner, lambda p: p.park(running), None)
+            return self._transact(planner, lambda p: p.park(running))
         ctx = self._context(planner, op)
         mutate: Mutation
         try:
@@ -457,7 +632,7 @@ class Runner:
             reason = f"reconcile raised {_describe_error(exc)}"
             mutate = lambda p: p.record_inconclusive(p.op(op.step, op.kind), reason)  # noqa: E731
         # The operation is `unknown` while it is reconciled: nothing to protect from replay.
-        result = self._transact(planner, mutate, None)
+        result = self._transact(planner, mutate)
         faults.point("after_record", step=op.step, kind=op.kind)
         return result
 
@@ -475,6 +650,20 @@ class Runner:
         return f"outcome of {op.kind} {op.step!r} is unknown and not reconciled: " + (
             f"{late[0].describe()}; resolve it once it has ended"
         )
+
+
+class _Unsure(Exception):
+    """A write failed for a transient reason, and may have landed all the same."""
+
+    def __init__(
+        self, planner: Planner, nxt: Next, token: str, events: list[Event], cause: Exception
+    ) -> None:
+        super().__init__(str(cause))
+        self.planner = planner
+        self.nxt = nxt
+        self.token = token
+        self.events = events
+        self.cause = cause
 
 
 class _AttemptTimedOut(Exception):

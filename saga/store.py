@@ -6,7 +6,7 @@ import dataclasses
 import json
 import re
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from decimal import Decimal
@@ -67,6 +67,23 @@ def _fenced() -> Iterator[None]:
         if exc.sqlstate == FENCE_SQLSTATE:
             raise LeaseLost(str(exc.diag.message_primary or exc)) from None
         raise
+
+
+def _sync(conn: Conn) -> None:
+    """End a pipeline's batch with a Sync and collect its results (the round trip a fetch
+    would make anyway). A claim's transaction then waits for its client, which plans the
+    first move (user code) with the saga row locked: synced, the server counts that wait
+    as idle in transaction, and ends the transaction of a frozen client once it exceeds
+    idle_in_transaction_session_timeout (unsynced, the server waits for the rest of the
+    batch with no timeout at all)."""
+    pipeline = conn._pipeline
+    if isinstance(pipeline, psycopg.Pipeline):
+        pipeline.sync()
+
+
+def new_token() -> str:
+    """A fresh write token: each write of a saga carries its own (see `write_token`)."""
+    return str(uuid.uuid4())
 
 
 def parse_id(saga_id: str) -> uuid.UUID | None:
@@ -147,25 +164,22 @@ class Store:
 
     def _claimed_txn(self, conn: Conn, claim: psycopg.Cursor[dict[str, Any]]) -> Loaded | None:
         # Queued behind the claim before its row is fetched: they read the saga it claimed.
-        return _loaded(
-            claim, conn.execute(_q("claimed_operations")), conn.execute(_q("claimed_confirmations"))
-        )
+        reads = conn.execute(_q("claimed_operations")), conn.execute(_q("claimed_confirmations"))
+        _sync(conn)
+        return _loaded(claim, *reads)
 
     def renew_leases(
-        self, held: Mapping[str, int], *, owner: str, lease_seconds: float
-    ) -> set[str]:
-        """Heartbeat of several leases (saga id -> fence); the ids still held."""
+        self, held: Collection[tuple[str, int]], *, owner: str, lease_seconds: float
+    ) -> set[tuple[str, int]]:
+        """Heartbeat of several leases, each a (saga id, fence); those still held."""
+        ids = [saga_id for saga_id, _ in held]
+        fences = [fence for _, fence in held]
         with self._connection() as conn:
             rows = conn.execute(
                 _q("renew_leases"),
-                {
-                    "saga_ids": list(held),
-                    "fences": list(held.values()),
-                    "owner": owner,
-                    "lease_seconds": lease_seconds,
-                },
+                {"saga_ids": ids, "fences": fences, "owner": owner, "lease_seconds": lease_seconds},
             ).fetchall()
-        return {r["id"] for r in rows}
+        return {(r["id"], int(r["fence"])) for r in rows}
 
     def release_lease(self, saga_id: str, *, owner: str, fence: int) -> None:
         """Give the lease back if still ours (error paths)."""
@@ -173,8 +187,17 @@ class Store:
             conn.execute(_q("release_lease"), {"saga_id": saga_id, "owner": owner, "fence": fence})
 
     def lock_saga_txn(self, conn: Conn, saga_id: str) -> tuple[SagaRow, bool] | None:
-        """The saga row locked for an operator change, and whether a live lease holds it."""
-        row = conn.execute(_q("lock_saga"), {"saga_id": saga_id}).fetchone()
+        """The saga row locked for an operator change, and whether a live lease holds it.
+        `StepStateError` when another transaction holds the row past the lock timeout (a
+        lease, see `Orchestrator`): the saga is busy, and the change is not waited for."""
+        try:
+            row = conn.execute(_q("lock_saga"), {"saga_id": saga_id}).fetchone()
+        except psycopg.errors.LockNotAvailable:
+            raise StepStateError(
+                f"saga {saga_id} is busy: another transaction has held it locked longer than "
+                "the lock timeout (a worker planning its next move, or frozen doing so); "
+                "try again"
+            ) from None
         if row is None:
             return None
         return _saga_row(row), bool(row["live_lease"])
@@ -195,11 +218,15 @@ class Store:
         notify: bool = False,
         return_state: bool = False,
         confirmations: Sequence[ConfirmationRow] = (),
+        token: str | None = None,
     ) -> Callable[[], SagaState | None]:
         """Queue a planner's changes in a transaction: the saga row, new and changed
         operations and events (saga.write_saga, fenced when `owner` holds the lease; an
         operator passes None and holds the row lock instead), then confirmations asked
         for or approved. A lost fence fails the transaction with everything in it.
+
+        `token` (see `new_token`) is stored as the saga's write token: a writer that lost
+        the reply learns from `write_token` whether this write landed.
 
         Returns the read of the saga's state as the write left it (None unless
         `return_state`), to call once the statement's result has arrived: at once in a
@@ -214,6 +241,7 @@ class Store:
             lease_until=lease_until,
             notify=notify,
             return_state=return_state,
+            token=token,
         )
         written = conn.execute(_q("write_saga"), {"write": Jsonb(write, dumps=_dumps)})
         for confirmation in confirmations:
@@ -293,12 +321,16 @@ class Store:
             row = conn.execute(_q("start_saga"), {"start": Jsonb(start, dumps=_dumps)}).fetchone()
         assert row is not None
         outcome: dict[str, Any] = row["outcome"]
+        if not outcome["created"] and str(outcome["id"]) == saga.id:
+            # This very start, retried after its reply was lost: it had landed. The saga
+            # is ours, created as planned (its id is new to every start).
+            outcome = {"created": True, "landed_before": True}
         if outcome["created"]:
             for op in ops:
                 op.new = op.dirty = False
-            saga.run_after = datetime.fromisoformat(outcome["run_after"])
-            saga.created_at = datetime.fromisoformat(outcome["created_at"])
-            saga.updated_at = datetime.fromisoformat(outcome["updated_at"])
+            for name in ("run_after", "created_at", "updated_at"):
+                if name in outcome:
+                    setattr(saga, name, datetime.fromisoformat(outcome[name]))
         return outcome
 
     def apply_transition(
@@ -313,6 +345,7 @@ class Store:
         lease_until: datetime | None,
         notify: bool,
         return_state: bool,
+        token: str | None = None,
     ) -> SagaState | None:
         """Persist a lease holder's transition in one statement and one round trip; the
         saga's new state when asked for. `LeaseLost` when the fence no longer matches."""
@@ -328,7 +361,24 @@ class Store:
                 lease_until=lease_until,
                 notify=notify,
                 return_state=return_state,
+                token=token,
             )()
+
+    def write_token(self, saga_id: str) -> tuple[str | None, str | None, int] | None:
+        """The token of the saga's last write, its lease owner and its fence; None when
+        the saga does not exist."""
+        with self._connection() as conn:
+            row = conn.execute(_q("write_token"), {"saga_id": saga_id}).fetchone()
+        if row is None:
+            return None
+        return row["write_token"], row["lease_owner"], int(row["fence"])
+
+    def own_claim(self, *, owner: str, token: str) -> tuple[str, str, int] | None:
+        """(id, name, version) of the runnable saga leased to `owner` whose last write
+        carries `token`: what a claim whose reply was lost took; None when there is none."""
+        with self._connection() as conn:
+            row = conn.execute(_q("own_claim"), {"owner": owner, "token": token}).fetchone()
+        return None if row is None else (row["id"], row["name"], int(row["version"]))
 
     # ----- reading ---------------------------------------------------------------------
 
@@ -547,8 +597,9 @@ def _write(
     lease_until: datetime | None,
     notify: bool,
     return_state: bool,
+    token: str | None = None,
 ) -> dict[str, Any]:
-    """The argument of saga.write_saga (migration 0008) for a planner's changes; the
+    """The argument of saga.write_saga_v2 (migration 0010) for a planner's changes; the
     operations sent are marked clean, as the caller's transaction will have written them."""
     new = [op for op in ops if op.new]
     changed = [op for op in ops if op.dirty and not op.new]
@@ -562,6 +613,7 @@ def _write(
             "lease_until": lease_until,
             "notify": f"{saga.name}:{saga.version}" if notify else None,
             "return_state": return_state,
+            "token": token,
             "saga": _compact(
                 {
                     "status": saga.status.value,

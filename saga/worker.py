@@ -73,7 +73,9 @@ class Worker:
         self.short_wait_seconds = short_wait_seconds
         self._stopping = threading.Event()
         self._wake = threading.Event()
-        self._in_flight: dict[str, tuple[threading.Thread, Planner]] = {}
+        # By (saga id, fence): an attempt fenced out by a newer lease of this worker on the
+        # same saga may still be running beside the newer one, and counts as in flight.
+        self._in_flight: dict[tuple[str, int], tuple[threading.Thread, Planner]] = {}
         self._lock = threading.Lock()
 
     def stop(self) -> None:
@@ -162,6 +164,7 @@ class Worker:
 
     def _spawn(self, runner: Runner, planner: Planner, nxt: Next) -> None:
         saga_id = planner.saga.id
+        key = (saga_id, planner.saga.fence)
 
         def drive() -> None:
             try:
@@ -170,14 +173,14 @@ class Worker:
                 _log.exception("saga_drive_failed", saga_id=saga_id)
             finally:
                 with self._lock:
-                    self._in_flight.pop(saga_id, None)
+                    self._in_flight.pop(key, None)
                 self._wake.set()
 
         # Daemon threads: a step still running after the grace period must not keep the
         # process alive; its lease has been released and its late writes are fenced out.
         thread = threading.Thread(target=drive, name=f"saga-{saga_id}", daemon=True)
         with self._lock:
-            self._in_flight[saga_id] = (thread, planner)
+            self._in_flight[key] = (thread, planner)
         thread.start()
 
     def _drain(self) -> None:

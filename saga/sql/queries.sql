@@ -90,12 +90,12 @@ WHERE status IN ('pending', 'running', 'compensating')
 
 -- renew_leases --
 -- Heartbeat of the attempts in flight: extend each lease this owner still holds at that
--- fence; the ids returned are the leases still ours.
+-- fence; the (id, fence) pairs returned are the leases still ours.
 UPDATE saga.sagas AS s
 SET lease_expires_at = GREATEST(s.lease_expires_at, now() + make_interval(secs => %(lease_seconds)s))
 FROM unnest(%(saga_ids)s::uuid[], %(fences)s::bigint[]) AS h(id, fence)
 WHERE s.id = h.id AND s.fence = h.fence AND s.lease_owner = %(owner)s
-RETURNING s.id::text
+RETURNING s.id::text, s.fence
 
 -- release_lease --
 -- Give the lease back (on error paths), if still ours.
@@ -207,8 +207,26 @@ SELECT saga.assert_fence(%(saga_id)s, %(owner)s, %(fence)s, %(lease_seconds)s)
 
 -- write_saga --
 -- A saga's decisions in one statement: its row (fenced for a lease holder), operations,
--- events, wake-up and, when asked, its state as it now stands (see migration 0008).
-SELECT saga.write_saga(%(write)s) AS state
+-- events, wake-up, the write's token and, when asked, its state as it now stands (see
+-- migrations 0008 and 0010).
+SELECT saga.write_saga_v2(%(write)s) AS state
+
+-- own_claim --
+-- The saga this owner's claim took, found by the token of the claim's first write: a worker
+-- whose claim reply was lost learns which saga it holds (none when the claim did not land,
+-- or its first move already gave the lease back).
+SELECT id::text AS id, name, version
+FROM saga.sagas
+WHERE status IN ('pending', 'running', 'compensating')
+  AND lease_owner = %(owner)s
+  AND write_token = %(token)s::uuid
+
+-- write_token --
+-- The token of a saga's last write, its lease owner and fence: whether a write whose reply
+-- was lost landed.
+SELECT write_token::text AS write_token, lease_owner, fence
+FROM saga.sagas
+WHERE id = %(saga_id)s
 
 -- start_saga --
 -- Create a saga with its operations and first events in one statement (migration 0008).

@@ -4,9 +4,12 @@ Starts `SOAK_SAGAS` sagas (default 10000) drawn from `SOAK_SEED` on a private em
 PostgreSQL, runs `SOAK_WORKERS` worker processes on them, and every few seconds
 (`SOAK_KILL_SECONDS` on average) either SIGKILLs a worker or replaces it with one armed
 to kill itself at a random fault point; every `SOAK_RESTART_EVERY` kills the sagas'
-server is restarted. The fake provider lives on a second private server that stays up.
-When every saga has settled, the invariants are checked and a summary printed; its last
-line is `soak: sagas=N kills=K restarts=R duplicates=D lost=L parked=P`. The exit
+server is restarted. The workers reach that server through `faults.proxy.LostReplyProxy`,
+which loses the reply of one write in `SOAK_LOST_REPLY_EVERY` (default 50) after its
+commit landed (0 turns it off). The fake provider lives on a second private server that
+stays up. When every saga has settled, the invariants are checked and a summary printed;
+its last line is
+`soak: sagas=N kills=K restarts=R lost_replies=Q duplicates=D lost=L parked=P`. The exit
 status is 1 when anything was duplicated, lost or violated an invariant.
 
 Run it as `make soak`, or `PYTHONPATH=tests python -m faults.soak`.
@@ -35,7 +38,12 @@ from faults.harness import (
     start_sagas,
     terminate_worker_backends,
 )
+from faults.proxy import LostReplyProxy
 from saga.testing import FAULT_POINTS
+
+# Every write of the protocol: transitions, claims' first moves, operator changes
+# (saga.write_saga_v2), heartbeats (renew_leases) and workers announcing themselves.
+LOST_REPLY_WRITES = ("saga.write_saga", "AS h(id, fence)", "saga.workers")
 
 
 def _env(name: str, default: str) -> str:
@@ -49,6 +57,7 @@ def main() -> int:
     n_workers = int(_env("SOAK_WORKERS", "3"))
     kill_seconds = float(_env("SOAK_KILL_SECONDS", "3"))
     restart_every = int(_env("SOAK_RESTART_EVERY", "10"))
+    lost_reply_every = int(_env("SOAK_LOST_REPLY_EVERY", "50"))
     timeout = float(_env("SOAK_TIMEOUT_SECONDS", "7200"))
     rng = random.Random(seed)
     started_at = time.monotonic()
@@ -56,7 +65,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="saga-soak-") as tmp:
         root = Path(tmp)
         os.chmod(root, 0o755)  # the embedded server may run as another system user
-        with private_postgres(root / "sagas") as pg, private_postgres(root / "provider") as prov:
+        with (
+            private_postgres(root / "sagas") as pg,
+            private_postgres(root / "provider") as prov,
+            LostReplyProxy(pg.url, seed=seed) as proxy,
+        ):
+            if lost_reply_every > 0:
+                for statement in LOST_REPLY_WRITES:
+                    proxy.lose_reply(statement, times=None, probability=1 / lost_reply_every)
             app.create_provider(prov.url)
             os.environ[app.ENV_PROVIDER_URL] = prov.url
             print(f"soak: starting {sagas} sagas (seed {seed})", flush=True)
@@ -65,7 +81,7 @@ def main() -> int:
 
             def spawn(fault: str | None = None) -> WorkerProcess:
                 return WorkerProcess(
-                    pg.url, prov.url, logs, fault=fault, lease_seconds=2.0, until_idle=False
+                    proxy.url, prov.url, logs, fault=fault, lease_seconds=2.0, until_idle=False
                 )
 
             fleet = [spawn() for _ in range(n_workers)]
@@ -116,7 +132,8 @@ def main() -> int:
                         last_report = now
                         print(
                             f"soak: {time.monotonic() - started_at:6.0f}s open={open_count}"
-                            f" kills={kills} restarts={pg.restarts} terminations={terminations}",
+                            f" kills={kills} restarts={pg.restarts} terminations={terminations}"
+                            f" lost_replies={len(proxy.lost_replies())}",
                             flush=True,
                         )
                     if open_count == 0:
@@ -129,6 +146,7 @@ def main() -> int:
                     with contextlib.suppress(AssertionError):
                         worker.wait(timeout=30)
                     worker.kill()
+            lost_replies = len(proxy.lost_replies())
             quiesce(pg.url, timeout=120)
             elapsed = time.monotonic() - started_at
             print("soak: checking invariants", flush=True)
@@ -142,6 +160,7 @@ def main() -> int:
             kills=f"{kills} ({armed_kills} at a fault point)",
             restarts=pg.restarts,
             terminations=terminations,
+            lost_replies=lost_replies,
             seconds=f"{elapsed:.0f}",
         )
     )
@@ -149,6 +168,7 @@ def main() -> int:
         print(f"violation: {violation}")
     print(
         f"soak: sagas={summary.sagas} kills={kills} restarts={pg.restarts} "
+        f"lost_replies={lost_replies} "
         f"duplicates={summary.duplicates} lost={summary.lost} parked={parked}"
     )
     return 1 if summary.violations or summary.duplicates or summary.lost else 0
