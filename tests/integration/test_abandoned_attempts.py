@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from support import OrchestratorFactory, Order, order_saga
 
-from saga import Absent, Found, Saga, StepContext, abandoned
+from saga import Absent, Found, Saga, Step, StepContext, abandoned
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def _effects(url: str) -> list[tuple[str, int]]:
     return [(str(k), int(a)) for k, a in rows]
 
 
-def _truthful_reconcile(saga: Any, step: Any, url: str, asked: list[int]) -> None:
+def _truthful_reconcile(step: Step, url: str, asked: list[int]) -> None:
     @step.reconcile
     def find(ctx: StepContext, order: Order) -> Found | Absent:
         asked.append(ctx.attempt)
@@ -69,7 +69,7 @@ def test_a_late_sync_attempt_is_waited_for_before_its_outcome_is_settled(
         _perform(ledger, ctx.idempotency_key, ctx.attempt)
         return {"charged_by": ctx.attempt}
 
-    _truthful_reconcile(saga, charge, ledger, asked)
+    _truthful_reconcile(charge, ledger, asked)
     orch = make_orch(saga)
     state = orch.execute(saga, Order(order_id="o-1"))
     _join_abandoned_threads()
@@ -145,7 +145,7 @@ def test_a_reconcile_is_not_asked_while_the_abandoned_attempt_runs(
         _perform(ledger, ctx.idempotency_key, ctx.attempt)
         return {"charged_by": ctx.attempt}
 
-    _truthful_reconcile(saga, charge, ledger, asked)
+    _truthful_reconcile(charge, ledger, asked)
     orch = make_orch(saga)
     try:
         parked = orch.execute(saga, Order(order_id="o-1"))
@@ -189,7 +189,7 @@ def test_an_async_attempt_is_cancelled_at_its_timeout(
         _perform(ledger, ctx.idempotency_key, ctx.attempt)
         return {"charged_by": ctx.attempt}
 
-    _truthful_reconcile(saga, charge, ledger, asked)
+    _truthful_reconcile(charge, ledger, asked)
     orch = make_orch(saga)
     state = orch.execute(saga, Order(order_id="o-1"))
     assert cancelled == [1]

@@ -139,7 +139,7 @@ def test_a_previous_release_worker_mid_step_records_its_outcome_after_the_upgrad
         saga_id = started.read_text()
 
         with psycopg.connect(empty_database_url, autocommit=True) as conn:
-            apply_migrations(conn)
+            applied = apply_migrations(conn)
         go.touch()
         out, _ = child.communicate(timeout=60)
     finally:
@@ -148,6 +148,8 @@ def test_a_previous_release_worker_mid_step_records_its_outcome_after_the_upgrad
             child.communicate(timeout=30)
 
     assert child.returncode == 0, out
+    old_versions = {m.version for m in load_migrations(previous_release / "migrations")}
+    assert applied == [m.version for m in load_migrations() if m.version not in old_versions]
     assert f"PACKAGE {previous_release / 'saga'}" in out, out
     assert "STATUS completed" in out, out
     assert "OP charge action succeeded 1" in out, out
