@@ -12,6 +12,7 @@ from saga.errors import (
     SagaDefinitionError,
     SagaError,
     SagaNotFound,
+    SchemaTooNew,
     StepStateError,
     TransientError,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "SagaNotFound",
     "SagaState",
     "SagaStatus",
+    "SchemaTooNew",
     "Step",
     "StepContext",
     "StepStateError",

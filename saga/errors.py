@@ -52,6 +52,20 @@ class LeaseLost(SagaError):
     """This worker's lease was taken over; its writes are refused by the fencing token."""
 
 
+class SchemaTooNew(SagaError):
+    """The database's schema is newer than this package understands: upgrade the package."""
+
+    def __init__(self, *, database_version: int, package_version: int) -> None:
+        super().__init__(
+            f"the saga schema in this database is at migration {database_version:04d}, newer "
+            f"than this saga-orchestrator understands (it ships migrations up to "
+            f"{package_version:04d}); a newer release has migrated this database: upgrade the "
+            f"package rather than run or migrate with this one"
+        )
+        self.database_version = database_version
+        self.package_version = package_version
+
+
 class PermanentError(Exception):
     """Raised by step code: the operation failed and must not be retried."""
 

@@ -1,4 +1,16 @@
-"""Apply the SQL migrations in order, once, under an advisory lock."""
+"""Apply the SQL migrations in order, once, under an advisory lock.
+
+The upgrade policy (README, "Upgrades"): during a rolling upgrade, workers of the previous
+release keep running against the schema the new release has migrated, so a migration never
+removes or changes anything the previous release calls or reads. A SQL function whose
+contract changes gets a new versioned name (`saga.write_saga_v2` beside `saga.write_saga`);
+the old one is dropped one release later, once no supported release calls it. Columns are
+added nullable or with a default, never dropped or retyped in the release that stops using
+them. tests/integration/test_upgrade.py checks this against the previous release's tree.
+
+The other direction is refused: a package that finds the database at a migration newer
+than the newest file it ships raises `SchemaTooNew` instead of running or migrating.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +23,8 @@ from typing import Any
 import psycopg
 import structlog
 from psycopg import sql
+
+from saga.errors import SchemaTooNew
 
 _log = structlog.get_logger("saga.migrate")
 
@@ -71,7 +85,9 @@ def apply_migrations(conn: psycopg.Connection[Any]) -> list[int]:
         )
         cursor = conn.execute(sql.SQL("SELECT version FROM {}.schema_migrations").format(_SCHEMA))
         done = {int(row[0]) for row in cursor.fetchall()}
-        for migration in load_migrations():
+        migrations = load_migrations()
+        check_not_newer(done, migrations)
+        for migration in migrations:
             if migration.version in done:
                 continue
             conn.execute(migration.sql_text.encode("utf-8"))
@@ -84,3 +100,12 @@ def apply_migrations(conn: psycopg.Connection[Any]) -> list[int]:
             applied.append(migration.version)
             _log.info("migration_applied", version=migration.version, name=migration.name)
     return applied
+
+
+def check_not_newer(applied: set[int], migrations: list[Migration]) -> None:
+    """Raise `SchemaTooNew` when the database holds a migration newer than every file
+    shipped: this package would run code older than the schema's own release."""
+    shipped = max((m.version for m in migrations), default=0)
+    newest = max(applied, default=0)
+    if newest > shipped:
+        raise SchemaTooNew(database_version=newest, package_version=shipped)

@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from saga import faults
+from saga import abandoned, faults
 from saga.context import StepContext
 from saga.dbretry import is_transient, log_retry, retrying
 from saga.definition import Saga
@@ -574,8 +574,8 @@ class Runner:
                     fn, (ctx, *planner.arguments(op)), spec.guards.timeout_seconds
                 )
         except _AttemptTimedOut as exc:
-            reason = str(exc)
-            mutate = lambda p: p.record_unknown(p.op(op.step, op.kind), reason, park=False)  # noqa: E731
+            reason, park = str(exc), exc.still_running
+            mutate = lambda p: p.record_unknown(p.op(op.step, op.kind), reason, park=park)  # noqa: E731
         except Exception as exc:
             error = _describe_error(exc)
             retryable = policy.is_retryable(exc)
@@ -609,6 +609,9 @@ class Runner:
         spec = planner.spec_of(op)
         fn, codec = spec.reconcile_fn, spec.codec
         assert fn is not None  # the planner asks only operations that have a hook
+        running = self._abandoned_attempt(planner, op)
+        if running is not None:
+            return self._transact(planner, lambda p: p.park(running))
         ctx = self._context(planner, op)
         mutate: Mutation
         try:
@@ -636,6 +639,21 @@ class Runner:
         faults.point("after_record", step=op.step, kind=op.kind)
         return result
 
+    def _abandoned_attempt(self, planner: Planner, op: OpRow) -> str | None:
+        """Wait, under the lease, for attempts of `op` abandoned at their timeout that still
+        run in this process; the reason to park if one outlives the wait (a reconcile
+        answer now could be overtaken by its effect)."""
+        saga = planner.saga
+        if not abandoned.still_running(saga.id, op.step, op.kind):
+            return None
+        with self.keeper.holding(saga.id, saga.fence):
+            late = abandoned.wait_for(saga.id, op.step, op.kind)
+        if not late:
+            return None
+        return f"outcome of {op.kind} {op.step!r} is unknown and not reconciled: " + (
+            f"{late[0].describe()}; resolve it once it has ended"
+        )
+
 
 class _Unsure(Exception):
     """A write failed for a transient reason, and may have landed all the same."""
@@ -654,13 +672,35 @@ class _Unsure(Exception):
 class _AttemptTimedOut(Exception):
     """The attempt ran past its timeout; its outcome is unknown."""
 
+    def __init__(self, reason: str, *, still_running: bool = False) -> None:
+        super().__init__(reason)
+        # The abandoned call still runs in this process: park rather than settle.
+        self.still_running = still_running
+
 
 def _call_with_timeout(
     fn: Callable[..., Any], args: tuple[Any, ...], timeout_seconds: float | None
 ) -> Any:
     """Call `fn`, giving up after `timeout_seconds`: the call may still take effect, so
-    the caller records the outcome as unknown. A coroutine is cancelled; a plain
-    function cannot be stopped and finishes in its own thread, its result ignored."""
+    the caller records the outcome as unknown.
+
+    A coroutine is cancelled (`asyncio.wait_for` returns once the task has ended). A plain
+    function cannot be stopped: it runs on in its thread, tracked in `saga.abandoned`, and
+    is waited for up to `abandoned.wait_bound(timeout_seconds)` more before the unknown
+    outcome is settled (reconcile, retry), so that no second attempt and no reconcile
+    answer races it; if it is still running then, the saga parks (`still_running`).
+    `args[0]` is the attempt's StepContext, which names the operation; an earlier attempt
+    of it still running here is waited for the same way before this one is called.
+    """
+    ctx = args[0] if args and isinstance(args[0], StepContext) else None
+    if ctx is not None and abandoned.still_running(ctx.saga_id, ctx.step, ctx.kind):
+        late = abandoned.wait_for(ctx.saga_id, ctx.step, ctx.kind)
+        if late:
+            raise _AttemptTimedOut(
+                f"attempt {ctx.attempt} was not called: {late[0].describe()}; resolve the "
+                "outcome once it has ended",
+                still_running=True,
+            )
     if timeout_seconds is None:
         return _call(fn, *args)
     what = f"attempt exceeded its timeout of {timeout_seconds:g}s; its outcome is unknown"
@@ -675,18 +715,38 @@ def _call_with_timeout(
         return asyncio.run(bounded())
     outcome: list[Any] = []
     failure: list[BaseException] = []
+    tracked: list[abandoned.Abandoned] = []
 
     def target() -> None:
         try:
             outcome.append(_call(fn, *args))
         except BaseException as exc:
             failure.append(exc)
+        finally:
+            for entry in tracked:
+                abandoned.discard(entry)
 
     thread = threading.Thread(target=target, name="saga-attempt", daemon=True)
     thread.start()
     thread.join(timeout_seconds)
     if thread.is_alive():
-        raise _AttemptTimedOut(what)
+        if ctx is None:
+            raise _AttemptTimedOut(what)
+        entry = abandoned.Abandoned(
+            ctx.saga_id, ctx.step, ctx.kind, ctx.attempt, timeout_seconds, thread
+        )
+        tracked.append(entry)
+        abandoned.add(entry)
+        if not thread.is_alive():  # ended before it was tracked: target() missed it
+            abandoned.discard(entry)
+        if abandoned.wait_for(ctx.saga_id, ctx.step, ctx.kind):
+            waited = abandoned.wait_bound(timeout_seconds)
+            raise _AttemptTimedOut(
+                f"{what}: {entry.describe()} after {waited:g}s more; resolve it once it has "
+                "ended",
+                still_running=True,
+            )
+        raise _AttemptTimedOut(f"{what} (it ended late; settled as any unknown outcome)")
     if failure:
         raise failure[0]
     return outcome[0]

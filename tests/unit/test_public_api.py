@@ -32,6 +32,7 @@ EXPECTED_ALL = [
     "SagaNotFound",
     "SagaState",
     "SagaStatus",
+    "SchemaTooNew",
     "Step",
     "StepContext",
     "StepStateError",
@@ -99,6 +100,7 @@ def test_errors_share_the_documented_bases() -> None:
         saga.DatabaseUnavailable,
         saga.StepStateError,
         saga.LeaseLost,
+        saga.SchemaTooNew,
     ):
         assert issubclass(error, saga.SagaError)
     assert issubclass(saga.DatabaseUnavailable, ConnectionError)
