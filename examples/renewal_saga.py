@@ -162,6 +162,9 @@ def find_charge(ctx: StepContext, r: Renewal) -> Found | Absent:
 def create_shipment(ctx: StepContext, r: Renewal) -> dict[str, str]:
     if r.ship_to == "Atlantis":
         say("create_shipment: the carrier refuses: no delivery to Atlantis")
+        # Only PermanentError (or an exception in RetryPolicy(fail_on=...)) says "this did
+        # not happen". Any other exception, a KeyError parsing the carrier's answer say,
+        # may come after the parcel was booked: it leaves the outcome unknown instead.
         raise PermanentError("carrier does not deliver to Atlantis")
     say(f"create_shipment: shipment shp_{r.order_id} to {r.ship_to}")
     return {"shipment_id": f"shp_{r.order_id}"}

@@ -32,7 +32,8 @@ def check_json(value: object, *, where: str) -> None:
     Plain JSON means None, bool, int, finite float, str, list and dict with str keys.
     Tuples, sets, non-str keys, NaN and Infinity are refused because a replay from
     storage would not see the same value as the first run; so are cyclic values and
-    nesting deeper than `MAX_JSON_DEPTH`.
+    nesting deeper than `MAX_JSON_DEPTH`, and strings or keys that PostgreSQL's jsonb
+    refuses (a NUL character, a lone surrogate).
     """
     stack: list[tuple[object, str, int]] = [(value, "", 0)]
     while stack:
@@ -42,7 +43,12 @@ def check_json(value: object, *, where: str) -> None:
                 f"{where}: nested more than {MAX_JSON_DEPTH} levels deep at {path[:80]}... "
                 "(is the value cyclic?)"
             )
-        if item is None or isinstance(item, bool | int | str):
+        if isinstance(item, str):
+            problem = _bad_text(item)
+            if problem:
+                raise TypeError(f"{where}: the string at {path or '<root>'} {problem}")
+            continue
+        if item is None or isinstance(item, bool | int):
             continue
         if isinstance(item, float):
             if not math.isfinite(item):
@@ -60,6 +66,9 @@ def check_json(value: object, *, where: str) -> None:
                         f"{where}: key {k!r} at {path or '<root>'} is not a string; "
                         "JSON objects only have string keys"
                     )
+                problem = _bad_text(k)
+                if problem:
+                    raise TypeError(f"{where}: the key {k[:80]!r} at {path or '<root>'} {problem}")
                 stack.append((child, f"{path}.{k}", depth + 1))
             continue
         raise TypeError(
@@ -127,6 +136,9 @@ def check_saga_input(
 
 
 def _bad_text(text: str) -> str | None:
+    if text.isascii():
+        # No surrogate is ASCII: only a NUL can be wrong (and the check allocates nothing).
+        return "contains a NUL character, which PostgreSQL cannot store" if "\x00" in text else None
     if "\x00" in text:
         return "contains a NUL character, which PostgreSQL cannot store"
     try:

@@ -201,6 +201,11 @@ class Planner:
         self.may_call = True
         # Set by the runner when it hands the saga back: the state its last commit left.
         self.final_state: SagaState | None = None
+        for op in ops:
+            if op.status == OperationStatus.PENDING and op.retrying_unknown:
+                # Written by an earlier release, which reset an unknown operation to
+                # pending before its retry started: what is known of it is still unknown.
+                self._mark_unknown(op, f"outcome of attempt {op.attempts} is unknown")
 
     # ----- reading the snapshot -------------------------------------------------------
 
@@ -364,6 +369,9 @@ class Planner:
         return None
 
     def _start_or_wait(self, op: OpRow) -> Next | None:
+        if op.attempts >= op.max_attempts and op.retrying_unknown:
+            self._park_unknown(op, f"its ceiling of {op.max_attempts} attempts is reached")
+            return None
         if op.attempts >= op.max_attempts:
             self._touch(op, status=OperationStatus.FAILED)
             op.error = f"ceiling of {op.max_attempts} attempts reached; {op.error or ''}".rstrip(
@@ -389,6 +397,9 @@ class Planner:
             self._await_confirmation(op, spec, cost)
             return None
         self.prepared.discard((op.step, op.kind))
+        if op.status == OperationStatus.UNKNOWN:
+            # Only now, as the retry starts, does the operation stop being unknown.
+            self._event("unknown_retried", op, reason="idempotent: retrying with the same key")
         op.attempts += 1
         self._touch(op, status=OperationStatus.RUNNING)
         op.next_attempt_at = None
@@ -550,22 +561,34 @@ class Planner:
             if op.next_attempt_at is not None and op.next_attempt_at > self.now:
                 return Sleep(op.next_attempt_at)  # asking again after the provider's lag
             return AskReconcile(op)
+        because = f" ({op.error})" if op.error else ""
         if not self.is_idempotent(op):
             self.park(
                 f"outcome of {_describe(op)} attempt {op.attempts} is unknown and it is neither "
-                "idempotent nor has a reconcile hook; resolve it"
+                f"idempotent nor has a reconcile hook; resolve it{because}"
             )
             return None
         if op.attempts >= op.max_attempts:
             self.park(
                 f"outcome of {_describe(op)} attempt {op.attempts} is unknown and its ceiling of "
-                f"{op.max_attempts} attempts is reached; resolve it"
+                f"{op.max_attempts} attempts is reached; resolve it{because}"
             )
             return None
-        self._touch(op, status=OperationStatus.PENDING)
-        op.retrying_unknown = True
-        self._event("unknown_retried", op, reason="idempotent: retrying with the same key")
-        return None
+        # The operation stays unknown until its retry starts: a retry that is blocked (a
+        # ceiling, a confirmation, a shutdown) leaves it unknown, to be undone as such.
+        if not op.retrying_unknown:
+            op.retrying_unknown = True
+            op.dirty = True
+        return self._start_or_wait(op)
+
+    def _park_unknown(self, op: OpRow, why: str) -> None:
+        """Park an operation one of whose attempts has an unknown outcome: `why` says why
+        it cannot be retried; only a success, a reconcile answer or an operator settles it."""
+        self._touch(op, status=OperationStatus.UNKNOWN)
+        self.park(
+            f"{_describe(op)} cannot be retried ({why}) and an earlier attempt's outcome "
+            "is unknown: its effect may be in place; resolve it"
+        )
 
     def _succeeded_pivot(self, before: OpRow | None = None) -> str | None:
         """The first pivot step that succeeded (before the step of `before`, if given)."""
@@ -591,7 +614,6 @@ class Planner:
         self._tick()
         op.error = error
         op.finished_at = self.now
-        op.retrying_unknown = False
         if (
             retryable
             and op.deadline_at is not None
@@ -601,11 +623,26 @@ class Planner:
             error = f"{error} (not retried: the deadline of {_describe(op)} would pass first)"
             op.error = error
         if retryable and op.attempts < op.max_attempts:
-            self._touch(op, status=OperationStatus.PENDING)
+            # After an unknown attempt, a failed retry settles nothing: still unknown.
+            status = OperationStatus.UNKNOWN if op.retrying_unknown else OperationStatus.PENDING
+            self._touch(op, status=status)
             op.next_attempt_at = self.now + timedelta(seconds=delay)
             self._event(
                 "attempt_failed", op, error=error, retryable=True, retry_in_seconds=round(delay, 3)
             )
+            return
+        if op.retrying_unknown:
+            # "An unknown outcome never turns into failed", whatever later attempts say.
+            self._event(
+                "attempt_failed", op, error=error, retryable=retryable, retry_in_seconds=None
+            )
+            why = (
+                f"attempt {op.attempts} failed at its ceiling of {op.max_attempts} attempts: "
+                f"{error}"
+                if retryable
+                else f"attempt {op.attempts} failed: {error}"
+            )
+            self._park_unknown(op, why)
             return
         self._touch(op, status=OperationStatus.FAILED)
         if retryable:
@@ -614,10 +651,20 @@ class Planner:
             "attempt_failed", op, error=op.error, retryable=retryable, retry_in_seconds=None
         )
 
-    def record_unknown(self, op: OpRow, reason: str, *, park: bool) -> None:
-        """The attempt's outcome cannot be known (or stored); park the saga if asked."""
+    def record_unknown(
+        self, op: OpRow, reason: str, *, park: bool, traceback: str | None = None
+    ) -> None:
+        """The attempt's outcome cannot be known (or stored); park the saga if asked.
+
+        `traceback` (of an unclassified exception) is kept in the audit event.
+        """
         self._tick()
-        self._mark_unknown(op, reason)
+        op.finished_at = self.now
+        if op.status == OperationStatus.UNKNOWN:
+            # Already unknown (a reconcile answer that cannot be stored): say why it stays so.
+            op.error, op.dirty = reason, True
+            self._event("outcome_unknown", op, reason=reason)
+        self._mark_unknown(op, reason, traceback=traceback)
         if park:
             self.park(reason)
 
@@ -726,12 +773,40 @@ class Planner:
         self.prepared.add((op.step, op.kind))
 
     def record_prepare_failure(
-        self, op: OpRow, error: str, *, retryable: bool, delay: float
+        self,
+        op: OpRow,
+        error: str,
+        *,
+        retryable: bool,
+        delay: float,
+        park: bool = False,
+        traceback: str | None = None,
     ) -> None:
-        """The prepare function raised: that counts as an attempt that had no effect."""
+        """The prepare function raised: that counts as an attempt that had no effect.
+
+        Nothing was called, so its outcome is never unknown. With `park` (an exception
+        neither `PermanentError`, nor in `fail_on` or `retry_on`: a bug, most likely) the
+        operation is not failed either, which would start compensation: the saga parks
+        with the attempt counted, for a human to retry, resolve or compensate.
+        """
         self._tick()
         op.attempts += 1
-        self.record_failure(op, f"prepare failed: {error}", retryable=retryable, delay=delay)
+        error = f"prepare failed: {error}"
+        if not park:
+            self.record_failure(op, error, retryable=retryable, delay=delay)
+            return
+        op.error = error
+        op.finished_at = self.now
+        op.next_attempt_at = None
+        op.dirty = True
+        detail: dict[str, Any] = {"error": error, "retryable": False, "retry_in_seconds": None}
+        if traceback is not None:
+            detail["traceback"] = traceback
+        self._event("attempt_failed", op, **detail, parked=True)
+        self.park(
+            f"prepare of {_describe(op)} raised {error.removeprefix('prepare failed: ')}; "
+            "nothing was called; fix it, then retry, resolve or compensate"
+        )
 
     def add_spend(self, amount: float) -> None:
         """Spend that step code reported with `ctx.spend()` during an attempt."""
@@ -842,6 +917,7 @@ class Planner:
             op.error = f"resolved as failed by {actor}" + (f": {reason}" if reason else "")
         op.next_attempt_at = None
         op.finished_at = self.now
+        op.retrying_unknown = False
         self._event("operation_resolved", op, outcome=outcome, actor=actor, reason=reason)
         if not self.saga.status.is_terminal:
             self._resume()
@@ -1176,12 +1252,15 @@ class Planner:
             self.saga.error = None
         self.events.append(Event(f"saga_{status.value}"))
 
-    def _mark_unknown(self, op: OpRow, reason: str) -> None:
+    def _mark_unknown(self, op: OpRow, reason: str, *, traceback: str | None = None) -> None:
         if op.status == OperationStatus.UNKNOWN:
             return
         self._touch(op, status=OperationStatus.UNKNOWN)
         op.error = reason
-        self._event("outcome_unknown", op, reason=reason)
+        if traceback is None:
+            self._event("outcome_unknown", op, reason=reason)
+        else:
+            self._event("outcome_unknown", op, reason=reason, traceback=traceback)
 
     def _compensation_key(self, step: str) -> str:
         saga = self.saga

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, Literal
 
 import tenacity
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from saga.errors import PermanentError, TransientError
 
@@ -22,8 +29,10 @@ class RetryPolicy(BaseModel):
         max_delay: Upper bound, in seconds, of any delay.
         multiplier: Growth factor of the delay between consecutive attempts.
         jitter: Fraction of the delay randomly added or removed (0.1 means +/-10%).
-        retry_on: Exception types that are retried; `PermanentError` and anything
-            not listed fail the operation at once.
+        retry_on: Exception types that are retried up to the ceiling.
+        fail_on: Exception types that fail the operation at once, like `PermanentError`
+            (compensation follows). Any exception in neither tuple may have been raised
+            after the effect, so it leaves the attempt's outcome unknown.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
@@ -34,20 +43,20 @@ class RetryPolicy(BaseModel):
     multiplier: float = Field(default=2.0, ge=1.0, allow_inf_nan=False)
     jitter: float = Field(default=0.1, ge=0.0, le=1.0, allow_inf_nan=False)
     retry_on: tuple[type[BaseException], ...] = _DEFAULT_RETRY_ON
+    fail_on: tuple[type[BaseException], ...] = ()
 
-    @field_validator("retry_on", mode="before")
+    @field_validator("retry_on", "fail_on", mode="before")
     @classmethod
-    def _check_retry_on(cls, value: Any) -> tuple[type[BaseException], ...]:
+    def _check_exceptions(cls, value: Any, info: ValidationInfo) -> tuple[type[BaseException], ...]:
+        name = info.field_name
         if isinstance(value, type):
             value = (value,)
         if not isinstance(value, tuple | list | set | frozenset):
-            raise ValueError(
-                f"retry_on must be an exception class or a tuple of them, got {value!r}"
-            )
+            raise ValueError(f"{name} must be an exception class or a tuple of them, got {value!r}")
         items = tuple(value)
         for item in items:
             if not (isinstance(item, type) and issubclass(item, BaseException)):
-                raise ValueError(f"retry_on must hold exception classes, got {item!r}")
+                raise ValueError(f"{name} must hold exception classes, got {item!r}")
         return items
 
     @model_validator(mode="after")
@@ -59,10 +68,24 @@ class RetryPolicy(BaseModel):
         return self
 
     def is_retryable(self, error: BaseException) -> bool:
-        """True when `error` is transient under this policy (never for `PermanentError`)."""
-        if isinstance(error, PermanentError):
+        """True when `error` is transient under this policy (never for `PermanentError` or
+        an exception in `fail_on`)."""
+        if self.is_failure(error):
             return False
         return isinstance(error, self.retry_on)
+
+    def is_failure(self, error: BaseException) -> bool:
+        """True when `error` says the attempt had no effect and will not: a `PermanentError`
+        or an exception in `fail_on` (they win over `retry_on`)."""
+        return isinstance(error, (PermanentError, *self.fail_on))
+
+    def classify(self, error: BaseException) -> Literal["failed", "retry", "unknown"]:
+        """What an exception raised by an attempt says about its outcome: `failed` (fail
+        the operation), `retry` (transient), or `unknown` (it may have been raised after
+        the effect)."""
+        if self.is_failure(error):
+            return "failed"
+        return "retry" if isinstance(error, self.retry_on) else "unknown"
 
     def delay_after(self, attempt: int, *, rng: random.Random | None = None) -> float:
         """Seconds to wait after failed attempt number `attempt` (from 1), jitter included."""

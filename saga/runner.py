@@ -547,17 +547,35 @@ class Runner:
         assert spec.prepare_fn is not None and spec.request_codec is not None
         ctx = self._context(planner, op)
         mutate: Mutation
+        # Nothing has been called when prepare raises, so its outcome is never unknown:
+        # PermanentError and fail_on fail the attempt and the operation, retry_on retries,
+        # and anything else (a bug, a request that cannot be stored) parks the saga.
+        verdict = "unknown"
+        failure: Exception | None = None
         try:
-            request = spec.request_codec.encode(_call(spec.prepare_fn, ctx, *planner.arguments(op)))
+            prepared = _call(spec.prepare_fn, ctx, *planner.arguments(op))
         except Exception as exc:
-            error = _describe_error(exc)
-            retryable = spec.retry.is_retryable(exc) and not isinstance(exc, TypeError)
+            verdict, failure = spec.retry.classify(exc), exc
+        else:
+            try:
+                request = spec.request_codec.encode(prepared)
+            except TypeError as exc:
+                failure = exc
+        if failure is None:
+            mutate = lambda p: p.record_request(p.op(op.step, op.kind), request)  # noqa: E731
+        else:
+            error = _describe_error(failure)
+            retryable, park = verdict == "retry", verdict == "unknown"
+            trace = _traceback_of(failure) if park else None
             delay = spec.retry.delay_after(op.attempts + 1) if retryable else 0.0
             mutate = lambda p: p.record_prepare_failure(  # noqa: E731
-                p.op(op.step, op.kind), error, retryable=retryable, delay=delay
+                p.op(op.step, op.kind),
+                error,
+                retryable=retryable,
+                delay=delay,
+                park=park,
+                traceback=trace,
             )
-        else:
-            mutate = lambda p: p.record_request(p.op(op.step, op.kind), request)  # noqa: E731
         # Nothing has been called yet: a retried transaction may simply prepare again.
         return self._transact(planner, mutate)
 
@@ -578,13 +596,23 @@ class Runner:
             mutate = lambda p: p.record_unknown(p.op(op.step, op.kind), reason, park=park)  # noqa: E731
         except Exception as exc:
             error = _describe_error(exc)
-            retryable = policy.is_retryable(exc)
-            delay = policy.delay_after(op.attempts) if retryable else 0.0
-            if not retryable:
-                ctx.log.warning("attempt_raised", error=error, traceback=traceback.format_exc())
-            mutate = lambda p: p.record_failure(  # noqa: E731
-                p.op(op.step, op.kind), error, retryable=retryable, delay=delay
-            )
+            verdict = policy.classify(exc)
+            if verdict == "unknown":
+                # Not a verdict: the exception may come after the effect (discipline 7).
+                trace = _traceback_of(exc)  # in the outcome_unknown event, logged with it
+                reason = (
+                    f"attempt {op.attempts} raised {error}, which is neither a PermanentError "
+                    "nor listed in fail_on or retry_on: its outcome is unknown"
+                )
+                mutate = lambda p: p.record_unknown(  # noqa: E731
+                    p.op(op.step, op.kind), reason, park=False, traceback=trace
+                )
+            else:
+                retryable = verdict == "retry"
+                delay = policy.delay_after(op.attempts) if retryable else 0.0
+                mutate = lambda p: p.record_failure(  # noqa: E731
+                    p.op(op.step, op.kind), error, retryable=retryable, delay=delay
+                )
         else:
             try:
                 stored = codec.encode(value)
@@ -617,9 +645,15 @@ class Runner:
         try:
             answer = _call(fn, ctx, *planner.arguments(op))
             if isinstance(answer, Found):
-                stored = codec.encode(answer.result)
-                ref = answer.provider_reference
-                mutate = lambda p: p.record_found(p.op(op.step, op.kind), stored, ref)  # noqa: E731
+                try:
+                    stored = codec.encode(answer.result)
+                except TypeError as exc:
+                    # Asking again would find the same value: a human decides now.
+                    reason = f"reconcile found the effect, but TypeError: {exc}; a human decides"
+                    mutate = lambda p: p.record_unknown(p.op(op.step, op.kind), reason, park=True)  # noqa: E731
+                else:
+                    ref = answer.provider_reference
+                    mutate = lambda p: p.record_found(p.op(op.step, op.kind), stored, ref)  # noqa: E731
             elif isinstance(answer, Absent):
                 settled = answer.settled
                 mutate = lambda p: p.record_absent(p.op(op.step, op.kind), settled=settled)  # noqa: E731
@@ -761,6 +795,15 @@ def _call(fn: Callable[..., Any], *args: Any) -> Any:
 
 async def _await(awaitable: Any) -> Any:
     return await awaitable
+
+
+# Longest traceback kept in an audit event (characters; its last lines are kept).
+_MAX_TRACEBACK_CHARS = 8000
+
+
+def _traceback_of(exc: BaseException) -> str:
+    text = "".join(traceback.format_exception(exc))
+    return text if len(text) <= _MAX_TRACEBACK_CHARS else "..." + text[-_MAX_TRACEBACK_CHARS:]
 
 
 def _describe_error(exc: BaseException) -> str:

@@ -178,6 +178,7 @@ def replay_history(
     ceilings are read from `retry_requested` events).
     """
     status, error, direction = "pending", None, "forward"
+    # (step, kind) -> [status, attempts, an attempt's outcome is unknown and unsettled]
     ops: dict[tuple[str, str], list[Any]] = {}
     ceilings = dict(ceilings or {})
 
@@ -194,26 +195,29 @@ def replay_history(
         name, detail = e.event, e.detail
         if e.step is not None and e.kind is not None:
             key = (e.step, e.kind)
-            op = ops.setdefault(key, ["pending", 0])
+            op = ops.setdefault(key, ["pending", 0, False])
             if e.attempt is not None:
                 op[1] = max(op[1], e.attempt)
             if name == "attempt_started":
                 op[0] = "running"
             elif name in ("attempt_succeeded", "reconcile_found"):
-                op[0] = "succeeded"
+                op[0], op[2] = "succeeded", False
+            elif name == "attempt_failed" and detail.get("parked"):
+                pass  # prepare raised an unclassified exception: nothing failed, it parked
             elif name == "attempt_failed":
                 retrying = detail.get("retryable") and detail.get("retry_in_seconds") is not None
-                op[0] = "pending" if retrying else "failed"
+                # After an unknown attempt, a failed retry leaves the operation unknown.
+                op[0] = "unknown" if op[2] else "pending" if retrying else "failed"
             elif name == "outcome_unknown":
-                op[0] = "unknown"
-            elif name == "unknown_retried":
-                op[0] = "pending"
+                op[0], op[2] = "unknown", True
             elif name == "reconcile_absent" and detail.get("settled", True):
                 op[0] = "pending" if op[1] < ceiling_at(index, key) else "failed"
+                op[2] = False
             elif name == "deadline_passed":
                 op[0] = "failed"
             elif name == "operation_resolved":
                 op[0] = "succeeded" if detail.get("outcome") == "succeeded" else "failed"
+                op[2] = False
                 if status not in ("completed", "compensated"):
                     status, error = resume(), None
             elif name == "retry_requested":

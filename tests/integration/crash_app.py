@@ -7,7 +7,9 @@ this process block, so the parent can kill or freeze it there:
 - `after_effect`: record the charge at the provider, print `CRASH_APP CHARGED`, block;
 - `before_effect`: print `CRASH_APP IN_CHARGE`, block before touching the provider;
 - `gate`: print `CRASH_APP IN_CHARGE`, wait for the file named by `CRASH_APP_GATE`, then
-  charge and return normally.
+  charge and return normally;
+- `transient`: raise `TransientError` before touching the provider (set in the parent, to
+  make the retry of a killed attempt fail).
 
 Every line meant for the parent starts with `CRASH_APP `. The parent imports this module
 to register the very same saga definitions in its own orchestrator; there the variables
@@ -27,6 +29,7 @@ from pydantic import BaseModel
 
 from saga import (
     Absent,
+    Ceilings,
     Found,
     LeaseLost,
     Orchestrator,
@@ -111,6 +114,8 @@ def _charge(saga: str, ctx: StepContext, order: CrashOrder) -> dict[str, Any]:
     if block == "before_effect":
         _signal("IN_CHARGE")
         _block_forever()
+    if block == "transient":
+        raise TransientError("the provider is unavailable")
     if block == "gate":
         _signal(f"IN_CHARGE fence={ctx.fence}")
         gate = Path(os.environ[ENV_GATE])
@@ -162,6 +167,43 @@ def _build(
     return saga
 
 
+def _build_compensated(
+    name: str, *, max_attempts: int = 3, ceilings: Ceilings | None = None
+) -> Saga[CrashOrder]:
+    """reserve, an idempotent charge, confirm; reserve and charge have compensations that
+    count no side effect (the saga's ceiling never blocks them)."""
+    saga: Saga[CrashOrder] = Saga(
+        name, version=1, input=CrashOrder, key=lambda o: o.order_id, ceilings=ceilings
+    )
+
+    @saga.step
+    def reserve(ctx: StepContext, order: CrashOrder) -> dict[str, Any]:
+        _record_call(name, "reserve", ctx)
+        return {"reserved": order.order_id}
+
+    @reserve.compensation(side_effect=False)
+    def release(ctx: StepContext, order: CrashOrder, result: dict[str, Any]) -> None:
+        _record_call(name, "release", ctx)
+
+    @saga.step(
+        idempotent=True,
+        retry=RetryPolicy(max_attempts=max_attempts, initial_delay=0.01, max_delay=0.02),
+    )
+    def charge(ctx: StepContext, order: CrashOrder) -> dict[str, Any]:
+        return _charge(name, ctx, order)
+
+    @charge.compensation(idempotent=True, side_effect=False)
+    def refund(ctx: StepContext, order: CrashOrder, result: dict[str, Any] | None) -> None:
+        _record_call(name, "refund", ctx)
+
+    @saga.step
+    def confirm(ctx: StepContext, order: CrashOrder) -> dict[str, Any]:
+        _record_call(name, "confirm", ctx)
+        return {"confirmed": ctx.results["charge"]["charge_id"]}
+
+    return saga
+
+
 # (a) unknown charge settled by asking the provider; (b) by retrying with the same key;
 # (c) by a human; (d) idempotent, but the unknown attempt was its last one.
 RECONCILED = _build("crash_reconciled", idempotent=False, reconcile=True)
@@ -201,7 +243,12 @@ def _build_backoff(name: str, *, backoff_seconds: float) -> Saga[CrashOrder]:
 # moderate (a new process drives the saga once the dead owner's lease ends).
 LONG_BACKOFF = _build_backoff("crash_long_backoff", backoff_seconds=600.0)
 BACKOFF = _build_backoff("crash_backoff", backoff_seconds=10.0)
-ALL_SAGAS = (RECONCILED, IDEMPOTENT, PLAIN, AT_CEILING, LONG_BACKOFF, BACKOFF)
+
+# (g) the retry of an unknown charge is blocked by the saga's side-effect ceiling;
+# (h) the retry of an unknown charge fails (transiently) at its ceiling.
+CAPPED = _build_compensated("crash_capped", ceilings=Ceilings(max_side_effects=2))
+RETRIED = _build_compensated("crash_retried", max_attempts=2)
+ALL_SAGAS = (RECONCILED, IDEMPOTENT, PLAIN, AT_CEILING, LONG_BACKOFF, BACKOFF, CAPPED, RETRIED)
 BY_NAME = {s.name: s for s in ALL_SAGAS}
 
 

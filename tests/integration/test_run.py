@@ -236,12 +236,44 @@ def test_permanent_error_compensates_in_reverse_order(make_orch: OrchestratorFac
     assert "saga_compensated" in names
 
 
-def test_unlisted_exception_fails_at_once(make_orch: OrchestratorFactory) -> None:
-    """An exception outside retry_on is not retried: one attempt, then compensation."""
+def test_unlisted_exception_leaves_the_outcome_unknown(make_orch: OrchestratorFactory) -> None:
+    """An exception outside retry_on and fail_on is not a verdict: one attempt, its outcome
+    unknown, and a step that is neither idempotent nor reconcilable parks; nothing is
+    compensated."""
     saga = order_saga("unlisted")
-    calls: list[int] = []
+    calls: list[str] = []
+
+    @saga.step
+    def reserve(ctx: StepContext, o: Order) -> dict:
+        return {"sku": "x"}
+
+    @reserve.compensation
+    def release(ctx: StepContext, o: Order, result: dict) -> None:
+        calls.append("release")
 
     @saga.step(retry=FAST)
+    def charge(ctx: StepContext, o: Order) -> dict:
+        calls.append(f"charge:{ctx.attempt}")
+        raise ValueError("bad amount")
+
+    orch = make_orch(saga)
+    state = orch.run(orch.start(saga, Order(order_id="o-1")).id)
+
+    assert calls == ["charge:1"]
+    assert state.status == "needs_review"
+    op = state.operation("charge")
+    assert (op.status, op.attempts) == ("unknown", 1)
+    assert "ValueError: bad amount" in (op.error or "")
+    assert "ValueError: bad amount" in (state.error or "")
+    assert compensations(state) == {}
+
+
+def test_fail_on_exception_fails_at_once(make_orch: OrchestratorFactory) -> None:
+    """An exception listed in fail_on is not retried: one attempt, then compensation."""
+    saga = order_saga("fail-on")
+    calls: list[int] = []
+
+    @saga.step(retry=RetryPolicy(max_attempts=3, initial_delay=0.01, fail_on=(ValueError,)))
     def charge(ctx: StepContext, o: Order) -> dict:
         calls.append(ctx.attempt)
         raise ValueError("bad amount")

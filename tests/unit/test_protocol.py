@@ -21,6 +21,7 @@ from saga.protocol import (
     SagaRow,
     Sleep,
     Stop,
+    Yield,
     action_request_hash,
     compensation_request_hash,
     new_action_rows,
@@ -594,6 +595,159 @@ def test_unknown_at_ceiling_parks_and_never_fails() -> None:
     assert _ops(planner, "compensation") == []
     assert planner.saga.error is not None and "ceiling" in planner.saga.error
     assert _names(planner) == ["outcome_unknown", "saga_parked"]
+
+
+def _unknown_idempotent_charge(max_attempts: int = 3) -> tuple[Planner, OpRow]:
+    """reserve succeeded; the idempotent charge's first attempt was left running (killed)."""
+    planner = _planner(Spec("reserve"), Spec("charge", idempotent=True, max_attempts=max_attempts))
+    _succeed(planner, {"reservation": "r-1"})
+    op = _park_unknown(planner)
+    planner.take_events()
+    return planner, op
+
+
+def _compensate_all(planner: Planner) -> tuple[Next, list[tuple[str, str]]]:
+    ran: list[tuple[str, str]] = []
+    while not isinstance(nxt := planner.advance(), Stop):
+        assert isinstance(nxt, Invoke), nxt
+        ran.append((nxt.op.step, nxt.op.kind))
+        planner.record_success(nxt.op, None)
+    return nxt, ran
+
+
+def test_unknown_stays_unknown_while_its_retry_is_blocked_by_a_shutdown() -> None:
+    """A worker that may not call yields with the idempotent unknown still unknown (not
+    pending), and no retry is announced before one starts."""
+    planner, op = _unknown_idempotent_charge()
+    assert planner.advance(may_call=False) == Yield()
+    assert op.status == OperationStatus.UNKNOWN
+    assert op.attempts == 1
+    assert op.retrying_unknown
+    assert _names(planner) == ["outcome_unknown"]
+    assert planner.compensation_plan(include_unknown=False)[1] is not None
+    assert _invoke(planner) is op and op.attempts == 2
+    assert _names(planner) == ["unknown_retried", "attempt_started"]
+
+
+def test_unknown_blocked_by_a_saga_ceiling_is_compensated_as_unknown() -> None:
+    """The retry blocked by max_operations parks with the step unknown: compensate stops
+    there, and with include_unknown compensates it before the earlier step."""
+    planner, op = _unknown_idempotent_charge()
+    planner.saga.max_operations = 2
+    assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
+    assert op.status == OperationStatus.UNKNOWN and op.attempts == 1
+    assert planner.blocking_operation() is op
+    runs, stop = planner.compensation_plan(include_unknown=False)
+    assert runs == [] and stop is not None and "'charge'" in stop
+    runs, stop = planner.compensation_plan(include_unknown=True)
+    assert [step for step, _ in runs] == ["charge", "reserve"] and stop is None
+
+    planner.request_compensation(include_unknown=False, actor="ops")
+    assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
+    assert _ops(planner, "compensation") == []
+
+    planner.saga.max_operations = None
+    planner.request_compensation(include_unknown=True, actor="ops")
+    nxt, ran = _compensate_all(planner)
+    assert nxt == Stop(SagaStatus.COMPENSATED)
+    assert ran == [("charge", "compensation"), ("reserve", "compensation")]
+
+
+def test_cancel_with_include_unknown_undoes_a_blocked_unknown_retry() -> None:
+    """cancel() of a saga parked before an unknown step's retry compensates that step too."""
+    planner, _op = _unknown_idempotent_charge()
+    planner.saga.max_operations = 2
+    assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
+    planner.saga.max_operations = None
+    assert planner.request_cancel(reason="customer left", actor="ops", include_unknown=True)
+    nxt, ran = _compensate_all(planner)
+    assert nxt == Stop(SagaStatus.COMPENSATED)
+    assert ran == [("charge", "compensation"), ("reserve", "compensation")]
+
+
+def test_a_pending_row_left_retrying_unknown_is_read_as_unknown() -> None:
+    """A row an earlier release reset to pending before its retry started is unknown."""
+    planner, op = _unknown_idempotent_charge()
+    op.status, op.retrying_unknown = OperationStatus.PENDING, True
+    again = Planner(planner.definition, planner.saga, planner.ops)
+    assert op.status == OperationStatus.UNKNOWN
+    assert [e.event for e in again.take_events()] == ["outcome_unknown"]
+
+
+def test_a_retry_failing_transiently_after_an_unknown_attempt_stays_unknown() -> None:
+    """Below the ceiling the operation stays unknown while it waits out the backoff; the
+    retry at the ceiling failing too parks it, still unknown, without compensating."""
+    planner, op = _unknown_idempotent_charge(max_attempts=3)
+    assert _invoke(planner) is op
+    planner.record_failure(op, "TransientError: down", retryable=True, delay=5.0)
+    assert op.status == OperationStatus.UNKNOWN
+    assert isinstance(planner.advance(), Sleep)
+    assert planner.compensation_plan(include_unknown=False)[1] is not None
+    later = planner.now + timedelta(seconds=10)
+    assert _invoke(planner, later) is op and op.attempts == 3
+    planner.record_failure(op, "TransientError: down", retryable=True, delay=5.0)
+    assert op.status == OperationStatus.UNKNOWN
+    assert planner.saga.status == SagaStatus.NEEDS_REVIEW
+    error = planner.saga.error or ""
+    assert "attempt 3 failed at its ceiling" in error and "earlier attempt" in error
+    assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
+    assert _ops(planner, "compensation") == []
+
+
+def test_a_permanent_failure_after_an_unknown_attempt_parks() -> None:
+    """Even a PermanentError from the retry does not settle an earlier unknown attempt."""
+    planner, op = _unknown_idempotent_charge()
+    assert _invoke(planner) is op
+    planner.record_failure(op, "PermanentError: declined", retryable=False, delay=0.0)
+    assert op.status == OperationStatus.UNKNOWN
+    assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
+    assert planner.saga.direction == "forward"
+
+
+def test_a_deadline_after_an_unknown_attempt_parks() -> None:
+    """The step's deadline passing while its unknown outcome is retried parks it unknown."""
+    planner, op = _unknown_idempotent_charge()
+    op.deadline_at = planner.now - timedelta(seconds=1)
+    assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
+    assert op.status == OperationStatus.UNKNOWN
+    assert "deadline" in (planner.saga.error or "")
+
+
+def test_an_absent_answer_settles_the_unknown_attempt() -> None:
+    """After a settled Absent the provider confirmed nothing happened: the retry failing at
+    the ceiling fails the step as usual."""
+    planner = _planner(Spec("reserve"), Spec("charge", reconcile=True, max_attempts=2))
+    _succeed(planner)
+    op = _park_unknown(planner)
+    assert planner.advance() == AskReconcile(op)
+    planner.record_absent(op)
+    assert not op.retrying_unknown
+    assert _invoke(planner) is op
+    planner.record_failure(op, "TransientError: down", retryable=True, delay=0.0)
+    assert op.status == OperationStatus.FAILED
+
+
+def test_an_unclassified_prepare_failure_parks_with_the_step_pending() -> None:
+    """prepare raising a bug counts an attempt with no effect and parks; nothing fails."""
+    planner = _planner(Spec("reserve"), Spec("charge"))
+    _succeed(planner)
+    op = planner.find("charge", "action")
+    assert op is not None
+    planner.record_prepare_failure(op, "KeyError: 'x'", retryable=False, delay=0.0, park=True)
+    assert (op.status, op.attempts) == (OperationStatus.PENDING, 1)
+    assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
+    assert _ops(planner, "compensation") == []
+
+
+def test_record_unknown_keeps_the_traceback_in_the_event() -> None:
+    """An unclassified exception's traceback is recorded with the outcome_unknown event."""
+    planner = _planner(Spec("charge"))
+    op = _invoke(planner)
+    planner.take_events()
+    planner.record_unknown(op, "attempt 1 raised KeyError", park=False, traceback="Traceback...")
+    (event,) = planner.take_events()
+    assert event.event == "outcome_unknown"
+    assert event.detail == {"reason": "attempt 1 raised KeyError", "traceback": "Traceback..."}
 
 
 def test_reconcile_found_settles_as_succeeded() -> None:

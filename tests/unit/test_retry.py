@@ -21,6 +21,7 @@ def test_defaults_are_the_documented_ones() -> None:
     assert policy.multiplier == 2.0
     assert policy.jitter == 0.1
     assert policy.retry_on == (TransientError, ConnectionError, TimeoutError)
+    assert policy.fail_on == ()
 
 
 def test_policy_is_frozen() -> None:
@@ -68,6 +69,9 @@ def test_unknown_option_is_refused() -> None:
         {"retry_on": (ValueError, "oops")},
         {"retry_on": (int,)},
         {"retry_on": 42},
+        {"fail_on": (KeyError, "oops")},
+        {"fail_on": (int,)},
+        {"fail_on": 42},
     ],
     ids=[
         "zero-attempts",
@@ -83,6 +87,9 @@ def test_unknown_option_is_refused() -> None:
         "retry-on-str",
         "retry-on-non-exception-class",
         "retry-on-int",
+        "fail-on-str",
+        "fail-on-non-exception-class",
+        "fail-on-int",
     ],
 )
 def test_invalid_options_raise_validation_error(options: dict[str, Any]) -> None:
@@ -94,6 +101,7 @@ def test_invalid_options_raise_validation_error(options: dict[str, Any]) -> None
 def test_retry_on_accepts_a_single_class() -> None:
     """retry_on=SomeError is accepted as the one-element tuple (SomeError,)."""
     assert RetryPolicy(retry_on=ValueError).retry_on == (ValueError,)
+    assert RetryPolicy(fail_on=KeyError).fail_on == (KeyError,)
 
 
 def test_boundary_values_are_accepted() -> None:
@@ -214,8 +222,27 @@ def test_default_policy_retries_transient_errors(error: BaseException) -> None:
     ids=["permanent", "value", "key", "runtime"],
 )
 def test_default_policy_does_not_retry_other_errors(error: BaseException) -> None:
-    """PermanentError and anything unlisted fail the operation at once."""
+    """PermanentError and anything unlisted are not retried."""
     assert not RetryPolicy().is_retryable(error)
+
+
+def test_only_permanent_error_and_fail_on_are_failures() -> None:
+    """PermanentError and fail_on fail the operation; retry_on retries; anything else
+    leaves the outcome unknown (it may have been raised after the effect)."""
+    policy = RetryPolicy(fail_on=(KeyError,))
+    assert policy.classify(PermanentError("x")) == "failed"
+    assert policy.classify(KeyError("x")) == "failed"
+    assert policy.classify(TransientError("x")) == "retry"
+    assert policy.classify(ValueError("x")) == "unknown"
+    assert RetryPolicy().classify(KeyError("x")) == "unknown"
+
+
+def test_fail_on_wins_over_retry_on() -> None:
+    """An exception in both fail_on and retry_on fails the operation; it is not retried."""
+    policy = RetryPolicy(retry_on=(ConnectionError,), fail_on=(ConnectionRefusedError,))
+    assert policy.classify(ConnectionRefusedError()) == "failed"
+    assert not policy.is_retryable(ConnectionRefusedError())
+    assert policy.classify(ConnectionResetError()) == "retry"
 
 
 def test_listed_errors_are_retried() -> None:
