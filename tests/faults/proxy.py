@@ -153,11 +153,16 @@ class LostReplyProxy:
     # ----- plumbing ------------------------------------------------------------------
 
     def _accept(self) -> None:
+        # accept() is not woken by close() from another thread: look at _stopped often.
+        self._listener.settimeout(0.2)
         while not self._stopped.is_set():
             try:
                 client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 return
+            client.settimeout(None)
             threading.Thread(
                 target=self._serve, args=(client,), name="lost-reply-link", daemon=True
             ).start()
