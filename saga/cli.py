@@ -317,9 +317,15 @@ def _configure_logging(verbose: bool) -> None:
             structlog.dev.ConsoleRenderer(colors=False),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=_stderr_logger,
         cache_logger_on_first_use=False,
     )
+
+
+def _stderr_logger(*args: object) -> structlog.PrintLogger:
+    # sys.stderr as it is when the logger is made (loggers are not cached), not as it was
+    # at configure time: code that swaps stderr (a test harness) never gets a closed file.
+    return structlog.PrintLogger(sys.stderr)
 
 
 def _actor(args: argparse.Namespace) -> str:

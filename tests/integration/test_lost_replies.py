@@ -213,19 +213,27 @@ def test_prepared_request_whose_reply_was_lost_is_called(
         assert _unknown_events(orch, handle.id) == []
 
 
+def _killed_in_charge(
+    url: str, children: list[ChildApp], order_id: str, block: str, signal_line: str
+) -> str:
+    """A child SIGKILLed in the reconciled saga's charge step; its lease then expired."""
+    child = ChildApp(url, crash_app.RECONCILED.name, order_id, CRASH_APP_BLOCK=block)
+    children.append(child)
+    saga_id = child.expect("STARTED").split()[1]
+    child.expect(signal_line)
+    child.signal(signal.SIGKILL)
+    assert child.wait() == -signal.SIGKILL
+    wait_until(lambda: lease_expired(url, saga_id), timeout=15)
+    return saga_id
+
+
 def test_reconcile_answer_whose_reply_was_lost_is_not_applied_twice(
     app_url: str, proxy: LostReplyProxy, children: list[ChildApp]
 ) -> None:
     """Killed after charging: reconcile finds the charge, and that answer is committed with
     the start of the next step; the reply is lost. The next step is called, once, and
     nothing is parked as unknown."""
-    child = ChildApp(app_url, crash_app.RECONCILED.name, "o-1", CRASH_APP_BLOCK="after_effect")
-    children.append(child)
-    saga_id = child.expect("STARTED").split()[1]
-    child.expect("CHARGED")
-    child.signal(signal.SIGKILL)
-    assert child.wait() == -signal.SIGKILL
-    wait_until(lambda: lease_expired(app_url, saga_id), timeout=15)
+    saga_id = _killed_in_charge(app_url, children, "o-1", "after_effect", "CHARGED")
 
     with Orchestrator(proxy.url, sagas=crash_app.ALL_SAGAS, lease_seconds=2.0) as orch:
         proxy.lose_reply("saga.write_saga", '"reconcile_found"')
@@ -246,13 +254,7 @@ def test_reconcile_absent_whose_reply_was_lost_retries_once(
 ) -> None:
     """Killed before charging: reconcile answers Absent, and the retry with the same key is
     started in the same commit; the reply is lost. The retry is called once."""
-    child = ChildApp(app_url, crash_app.RECONCILED.name, "o-2", CRASH_APP_BLOCK="before_effect")
-    children.append(child)
-    saga_id = child.expect("STARTED").split()[1]
-    child.expect("IN_CHARGE")
-    child.signal(signal.SIGKILL)
-    assert child.wait() == -signal.SIGKILL
-    wait_until(lambda: lease_expired(app_url, saga_id), timeout=15)
+    saga_id = _killed_in_charge(app_url, children, "o-2", "before_effect", "IN_CHARGE")
 
     with Orchestrator(proxy.url, sagas=crash_app.ALL_SAGAS, lease_seconds=2.0) as orch:
         proxy.lose_reply("saga.write_saga", '"reconcile_absent"')
@@ -314,3 +316,36 @@ def test_proxy_loses_only_what_it_is_told(database_url: str, proxy: LostReplyPro
         state = orch.execute(saga, Order(order_id="o-1"))
     assert state.status == "completed"
     assert proxy.lost_replies() == []
+
+
+def test_confirmation_writes_whose_replies_were_lost_are_not_applied_twice(
+    database_url: str, proxy: LostReplyProxy, calls: list[tuple[str, int]]
+) -> None:
+    """The request for a confirmation, and then the approval, each commit and lose their
+    reply: each is recognised as landed, and the step runs once, after the approval."""
+    saga = order_saga("lost_confirmation")
+
+    @saga.step(confirm=True)
+    def payout(ctx: StepContext, order: Order) -> dict[str, Any]:
+        _record(database_url, ctx)
+        return {"paid": order.amount_cents}
+
+    with Orchestrator(proxy.url, sagas=[saga], confirmation_key="k" * 32) as orch:
+        handle = orch.start(saga, Order(order_id="o-1"))
+        proxy.lose_reply("saga.write_saga", '"confirmation_requested"')
+        waiting = orch.run(handle.id)
+        assert len(proxy.lost_replies()) == 1
+        assert waiting.status == "awaiting_confirmation", waiting.error
+        preview = orch.preview(handle.id)
+        assert preview is not None
+        approval = orch.approval(handle.id, "payout", preview.request_hash, actor="ops")
+        proxy.lose_reply("saga.write_saga", '"confirmation_approved"')
+        resumed = orch.confirm(handle.id, "payout", preview.request_hash, approval)
+        assert len(proxy.lost_replies()) == 2
+        assert resumed.status == "running"
+        done = orch.run(handle.id)
+        assert done.status == "completed", done.error
+        trail = [e.event for e in orch.history(handle.id)]
+        assert trail.count("confirmation_requested") == 1
+        assert trail.count("confirmation_approved") == 1
+        assert list(calls) == [("payout", 1)]
