@@ -258,37 +258,15 @@ class Runner:
                             _log.info("write_landed", saga_id=saga.id, fence=saga.fence)
                             return self.store.get_state(saga.id)
                     retried = True
-                    with self.store.pipelined() as conn:
-                        self.store.assert_fence_txn(
-                            conn,
-                            saga.id,
-                            owner=self.owner,
-                            fence=saga.fence,
-                            lease_seconds=self.lease_seconds,
-                        )
-                        loaded = self.store.load_txn(conn, saga.id)
-                    assert loaded is not None  # the fence check found the row
-                    fresh = Planner(planner.definition, *loaded)
+                    fresh = self._reload(planner)
                     fresh.park(reason)
-                    fresh.events.append(Event("lease_released", detail={"owner": self.owner}))
-                    events = fresh.take_events()
-                    state = self.store.apply_transition(
-                        fresh.saga,
-                        fresh.ops,
-                        events,
-                        owner=self.owner,
-                        lease_seconds=self.lease_seconds,
-                        release=True,
-                        lease_until=None,
-                        notify=False,
-                        return_state=True,
-                        token=token,
-                    )
+                    events: list[Event] = []
+                    self._transact_at_once(fresh, Stop(fresh.saga.status), token, events)
         except LeaseLost as lost:
             _log.warning("lease_lost", saga_id=saga.id, fence=saga.fence, error=str(lost))
             return None
         log_events(fresh, events)
-        return state
+        return fresh.final_state
 
     def _wait_until(self, planner: Planner, until: datetime) -> None:
         """Wait out a short backoff under the lease (`_hand_over` kept it for this), renewed

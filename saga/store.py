@@ -324,7 +324,7 @@ class Store:
         if not outcome["created"] and str(outcome["id"]) == saga.id:
             # This very start, retried after its reply was lost: it had landed. The saga
             # is ours, created as planned (its id is new to every start).
-            outcome = {"created": True, "landed_before": True}
+            outcome = {"created": True}
         if outcome["created"]:
             for op in ops:
                 op.new = op.dirty = False
@@ -364,14 +364,14 @@ class Store:
                 token=token,
             )()
 
-    def write_token(self, saga_id: str) -> tuple[str | None, str | None, int] | None:
-        """The token of the saga's last write, its lease owner and its fence; None when
-        the saga does not exist."""
+    def write_token(self, saga_id: str) -> tuple[str | None, str | None] | None:
+        """The token of the saga's last write and its lease owner; None when the saga
+        does not exist."""
         with self._connection() as conn:
             row = conn.execute(_q("write_token"), {"saga_id": saga_id}).fetchone()
         if row is None:
             return None
-        return row["write_token"], row["lease_owner"], int(row["fence"])
+        return row["write_token"], row["lease_owner"]
 
     def own_claim(self, *, owner: str, token: str) -> tuple[str, str, int] | None:
         """(id, name, version) of the runnable saga leased to `owner` whose last write

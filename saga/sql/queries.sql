@@ -222,9 +222,9 @@ WHERE status IN ('pending', 'running', 'compensating')
   AND write_token = %(token)s::uuid
 
 -- write_token --
--- The token of a saga's last write, its lease owner and fence: whether a write whose reply
--- was lost landed.
-SELECT write_token::text AS write_token, lease_owner, fence
+-- The token of a saga's last write and its lease owner: whether a write whose reply was
+-- lost landed.
+SELECT write_token::text AS write_token, lease_owner
 FROM saga.sagas
 WHERE id = %(saga_id)s
 
