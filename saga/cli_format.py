@@ -133,6 +133,9 @@ def show(state: SagaState, history: Sequence[HistoryEvent]) -> str:
     ]
     if state.error:
         head.append(["reason", state.error])
+    if state.spend_budget is not None or state.spent:
+        budget = "no budget" if state.spend_budget is None else f"of {state.spend_budget:g}"
+        head.append(["spent", f"{state.spent:g} {budget}"])
     head += [
         ["created", f"{timestamp(state.created_at)} ({age(state.created_at, now)})"],
         ["updated", f"{timestamp(state.updated_at)} ({age(state.updated_at, now)})"],

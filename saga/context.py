@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
+
+from saga.amounts import finite_amount
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,14 +39,33 @@ class StepContext:
     log: structlog.typing.FilteringBoundLogger
     request: Any = None
     _spent: list[float] = field(default_factory=list, repr=False)
+    # Set by the runner: persists the attempt's running total as each report is made.
+    _report: Callable[[float], None] | None = field(default=None, repr=False)
+    _refused: list[str] = field(default_factory=list, repr=False)
 
     def spend(self, amount: float) -> None:
-        """Report spend of this attempt; it counts against the saga's spend budget."""
-        if not (isinstance(amount, int | float) and amount >= 0 and amount == amount):
-            raise ValueError(f"spend amount must be a non-negative number, got {amount!r}")
-        self._spent.append(float(amount))
+        """Report spend of this attempt; it counts against the saga's spend budget.
+
+        The running total is written to the database at once, so what an attempt
+        reported before a crash is still counted after it. An amount that is not a
+        finite, non-negative number raises `ValueError` here; the refusal is recorded
+        with the attempt, whose outcome is kept, and the saga then parks for a human
+        to count what was spent.
+        """
+        value = finite_amount(amount)
+        if value is None:
+            reason = (
+                f"spend amount must be a finite, non-negative number, got {amount!r}; "
+                "nothing was counted"
+            )
+            self._refused.append(reason)
+            raise ValueError(reason)
+        self._spent.append(value)
+        if self._report is not None:
+            self._report(self.spent)
 
     @property
     def spent(self) -> float:
         """What this attempt reported with `spend()` so far."""
         return sum(self._spent)
+

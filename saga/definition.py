@@ -8,6 +8,7 @@ from typing import Any, Generic, TypeVar, overload
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from saga.amounts import finite_amount
 from saga.codec import ResultCodec
 from saga.errors import SagaDefinitionError
 from saga.keys import JsonValue, request_hash
@@ -36,7 +37,12 @@ class Ceilings(BaseModel):
         deadline_seconds: Wall-clock time from the saga's start after which no
             further attempt starts.
         spend_budget: Most spend: the declared costs of attempts started plus what
-            step code reports with `ctx.spend()`.
+            step code reports with `ctx.spend()` (persisted as it is reported). An
+            attempt starts only if the spend so far plus what it is expected to spend
+            (its cost, else its max_cost, and at least what one earlier attempt of it
+            reported) stays within the budget. An attempt lost to a crash or a timeout
+            is counted at its declared worst case; one that declares none parks the
+            saga for a human to count it.
         max_side_effects: Most attempts of operations declared `side_effect=True`.
     """
 
@@ -65,10 +71,12 @@ class Guards:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int | float) and value > 0):
                 raise SagaDefinitionError(f"{name} must be a positive number, got {value!r}")
-        if self.cost is not None and not (
-            callable(self.cost) or isinstance(self.cost, int | float)
-        ):
-            raise SagaDefinitionError(f"cost must be a number or a function, got {self.cost!r}")
+        cost = self.cost
+        if cost is not None and not (callable(cost) or finite_amount(cost) is not None):
+            raise SagaDefinitionError(
+                "cost must be a finite, non-negative number or a function returning one, "
+                f"got {self.cost!r}"
+            )
         if not (isinstance(self.confirm, bool) or callable(self.confirm)):
             raise SagaDefinitionError(f"confirm must be a bool or a function, got {self.confirm!r}")
 
@@ -338,9 +346,14 @@ class Saga(Generic[InputT]):
                 whose outcome is unknown may be retried with the same key.
             pivot: Point of no return: a later permanent failure parks the saga
                 instead of compensating.
-            cost: The attempt's cost, a number or a function of the saga input;
-                counted against the saga's spend budget when an attempt starts.
-            max_cost: Per-step limit: an attempt costing more parks the saga.
+            cost: The attempt's cost, a finite, non-negative number or a function of
+                the saga input returning one; counted against the saga's spend budget
+                when an attempt starts. A function that raises, or returns anything
+                else, parks the saga before the attempt, with the reason.
+            max_cost: Per-step limit: an attempt costing more parks the saga. For a
+                step that declares no `cost`, also its worst case: what its next
+                attempt is expected to spend under the saga's budget, and what an
+                attempt lost to a crash or a timeout is counted at.
             side_effect: Counts against the saga's `max_side_effects`.
             timeout_seconds: Longest attempt; one past it has an unknown outcome.
             deadline_seconds: Longest time from the first attempt, retries and waits

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
+from saga.amounts import finite_amount
 from saga.definition import Compensation, OperationSpec, Saga, Step
 from saga.errors import StepStateError
 from saga.keys import canonical_json, operation_key, request_hash
@@ -46,6 +47,11 @@ class OpRow:
     reconcile_started_at: datetime | None = None
     reconcile_asks: int = 0
     retrying_unknown: bool = False
+    # Spend reported with ctx.spend(): counted over all attempts, reported by the attempt
+    # in flight and not yet counted, and the most one attempt has reported (migration 0011).
+    spent: float = 0.0
+    attempt_spend: float = 0.0
+    peak_spend: float = 0.0
     new: bool = False
     dirty: bool = False
 
@@ -308,6 +314,9 @@ class Planner:
             if op.status == OperationStatus.RUNNING:
                 # Only a previous owner's attempt can still be running when we decide.
                 self._mark_unknown(op, f"attempt {op.attempts} was running when its lease expired")
+                uncounted = self._count_unknown_spend(op)
+                if uncounted is not None:
+                    self.park(uncounted)
         while True:
             status = self.saga.status
             if not status.is_runnable:
@@ -388,7 +397,10 @@ class Planner:
         spec = self.spec_of(op)
         if spec.prepare_fn is not None and (op.step, op.kind) not in self.prepared:
             return Prepare(op)
-        cost = self._cost(op, spec)
+        cost, unusable = self._cost(op, spec)
+        if unusable is not None:
+            self.park(unusable)
+            return None
         breach = self._ceiling_breach(op, spec, cost)
         if breach is not None:
             self.park(breach["reason"], ceiling=breach)
@@ -424,11 +436,40 @@ class Planner:
         op.error = f"{reason}; last error: {op.error}" if op.error else reason
         self._event("deadline_passed", op, deadline_at=str(op.deadline_at))
 
-    def _cost(self, op: OpRow, spec: OperationSpec) -> float | None:
-        cost = spec.guards.cost
-        if cost is None or isinstance(cost, int | float):
-            return None if cost is None else float(cost)
-        return float(cost(*self.arguments(op)))
+    def _cost(self, op: OpRow, spec: OperationSpec) -> tuple[float | None, str | None]:
+        """The declared cost of the operation's next attempt, and why it cannot be used
+        (a cost function that raises, or a cost that is not a finite, non-negative
+        number); the reason parks the saga before anything is called."""
+        declared = spec.guards.cost
+        if declared is None:
+            return None, None
+        what = _describe(op)
+        if isinstance(declared, int | float):
+            value: object = declared
+        else:
+            try:
+                value = declared(*self.arguments(op))
+            except Exception as exc:
+                return None, (
+                    f"the cost function of {what} raised {type(exc).__name__}: {exc}; "
+                    f"{what} not started"
+                )
+        cost = finite_amount(value)
+        if cost is None:
+            return None, (
+                f"the cost of {what} is {value!r}: a cost must be a finite, non-negative "
+                f"number; {what} not started"
+            )
+        return cost, None
+
+    def _expected_spend(self, op: OpRow, spec: OperationSpec, cost: float | None) -> float:
+        """What the next attempt of `op` is expected to spend: its declared cost, else
+        its declared max_cost, plus, at least, what one earlier attempt of it reported."""
+        if cost is not None:
+            return cost + op.peak_spend
+        if spec.guards.max_cost is not None:
+            return max(spec.guards.max_cost, op.peak_spend)
+        return op.peak_spend
 
     def _ceiling_breach(
         self, op: OpRow, spec: OperationSpec, cost: float | None
@@ -470,18 +511,19 @@ class Planner:
                 "reason": f"per-step limit max_cost: {what} would cost {cost:g}, above its "
                 f"limit of {spec.guards.max_cost:g}",
             }
-        if (
-            cost is not None
-            and saga.spend_budget is not None
-            and saga.spent + cost > saga.spend_budget
-        ):
+        if saga.spend_budget is None:
+            return None
+        expected = self._expected_spend(op, spec, cost)
+        # An action that declares and has reported nothing is stopped only by a budget
+        # already exceeded; a compensation (an undo) only by what it is expected to spend.
+        if (expected > 0 or op.kind == "action") and saga.spent + expected > saga.spend_budget:
             return {
                 "ceiling": "spend_budget",
                 "limit": saga.spend_budget,
                 "spent": saga.spent,
-                "cost": cost,
-                "reason": f"ceiling spend_budget reached: {saga.spent:g} spent + {cost:g} "
-                f"for {what} exceeds the budget of {saga.spend_budget:g}",
+                "cost": expected,
+                "reason": f"ceiling spend_budget reached: {saga.spent:g} spent + {expected:g} "
+                f"expected for {what} exceeds the budget of {saga.spend_budget:g}",
             }
         return None
 
@@ -606,12 +648,14 @@ class Planner:
     ) -> None:
         """The attempt returned `result` (already encoded as JSON)."""
         self._tick()
+        self._count_spend(op, op.attempt_spend)
         self._succeed(op, result, provider_reference)
         self._event("attempt_succeeded", op)
 
     def record_failure(self, op: OpRow, error: str, *, retryable: bool, delay: float) -> None:
         """The attempt raised; retry after `delay` seconds if allowed, else fail the operation."""
         self._tick()
+        self._count_spend(op, op.attempt_spend)
         op.error = error
         op.finished_at = self.now
         if (
@@ -652,13 +696,29 @@ class Planner:
         )
 
     def record_unknown(
-        self, op: OpRow, reason: str, *, park: bool, traceback: str | None = None
+        self,
+        op: OpRow,
+        reason: str,
+        *,
+        park: bool,
+        traceback: str | None = None,
+        spend_known: bool = False,
     ) -> None:
         """The attempt's outcome cannot be known (or stored); park the saga if asked.
 
-        `traceback` (of an unclassified exception) is kept in the audit event.
+        `traceback` (of an unclassified exception) is kept in the audit event. Whether the
+        effect happened is unknown, and so is what it spent: the attempt is counted at the
+        worst case it declared, unless `spend_known` (it returned, and only its result
+        cannot be stored: what it reported is what it spent).
         """
         self._tick()
+        if spend_known:
+            self._count_spend(op, op.attempt_spend)
+            uncounted = None
+        else:
+            uncounted = self._count_unknown_spend(op)
+        if uncounted is not None and not park:
+            park, reason = True, f"{reason}; {uncounted}"
         op.finished_at = self.now
         if op.status == OperationStatus.UNKNOWN:
             # Already unknown (a reconcile answer that cannot be stored): say why it stays so.
@@ -808,9 +868,59 @@ class Planner:
             "nothing was called; fix it, then retry, resolve or compensate"
         )
 
-    def add_spend(self, amount: float) -> None:
-        """Spend that step code reported with `ctx.spend()` during an attempt."""
+    def note_spend(self, op: OpRow, amount: float) -> None:
+        """Spend that step code reported with `ctx.spend()` during the attempt in flight
+        (its running total, persisted or not yet), counted when its outcome is recorded."""
+        if amount > op.attempt_spend:
+            op.attempt_spend = amount
+            op.dirty = True
+
+    def refuse_spend(self, op: OpRow, reason: str) -> None:
+        """Step code reported a spend that is not a finite, non-negative number: it was
+        refused and not counted. The attempt's outcome is recorded as it is; the saga
+        parks for a human to count what was spent."""
+        self._tick()
+        self._event("spend_refused", op, reason=reason)
+        self.park(
+            f"{_describe(op)} attempt {op.attempts} reported a spend that was refused ("
+            f"{reason}); its outcome is recorded, the spend is not counted: check what it "
+            "spent, then retry, resolve or compensate"
+        )
+
+    def _count_spend(self, op: OpRow, amount: float) -> None:
+        """Count what an attempt of `op` reported into the operation and the saga, once."""
+        if amount <= 0:
+            return
         self.saga.spent += amount
+        op.spent += amount
+        op.peak_spend = max(op.peak_spend, amount)
+        op.attempt_spend = 0.0
+        op.dirty = True
+
+    def _count_unknown_spend(self, op: OpRow) -> str | None:
+        """Count the spend of an attempt whose outcome is unknown (lost to a crash, past its
+        timeout, or ended by an exception that is not a verdict), once: what it reported,
+        raised to its declared max_cost when it declared no cost (a declared cost was
+        counted as it started). Returns why the saga must park instead, when a spend budget
+        is set and the step declares neither cost nor max_cost."""
+        if op.status == OperationStatus.UNKNOWN and op.attempt_spend == 0:
+            return None  # counted when it became unknown (a reconcile answer now)
+        spec = self._declared(op)
+        reported = op.attempt_spend
+        max_cost = spec.guards.max_cost if spec is not None else None
+        declares_cost = op.cost is not None  # counted as the attempt started
+        if not declares_cost and max_cost is not None:
+            self._count_spend(op, max(reported, max_cost))
+            return None
+        self._count_spend(op, reported)
+        if declares_cost or self.saga.spend_budget is None:
+            return None
+        return (
+            f"what attempt {op.attempts} of {_describe(op)} spent is unknown ({reported:g} "
+            "reported before it was lost) and it declares neither cost nor max_cost, so the "
+            "spend budget cannot count it: check with the provider, then retry, resolve or "
+            "compensate"
+        )
 
     # ----- operator requests ----------------------------------------------------------
 

@@ -509,6 +509,9 @@ class Runner:
             fence=saga.fence,
             results=planner.results(),
             request=planner.request_of(op) if planner.spec_of(op).prepare_fn else None,
+            _report=(
+                self._spend_reporter(saga, op) if op.status == OperationStatus.RUNNING else None
+            ),
             # Bound lazily, on the step's first log call.
             log=structlog.get_logger(
                 "saga",
@@ -519,6 +522,35 @@ class Runner:
                 idempotency_key=op.idempotency_key,
             ),
         )
+
+    def _spend_reporter(self, saga: SagaRow, op: OpRow) -> Callable[[float], None]:
+        """What persists the running total an attempt reports with `ctx.spend()`: retried
+        on transient errors (writing the same total twice changes nothing), and never
+        raised into step code, whose spend is counted from memory at its outcome if the
+        write cannot be made."""
+        where = {"saga_id": saga.id, "step": op.step, "kind": op.kind, "attempt": op.attempts}
+
+        def report(total: float) -> None:
+            try:
+                for attempt in retrying("report_spend", until=self.stopping):
+                    with attempt:
+                        written = self.store.report_spend(
+                            saga.id,
+                            step=op.step,
+                            kind=op.kind,
+                            attempt=op.attempts,
+                            total=total,
+                            owner=self.owner,
+                            fence=saga.fence,
+                        )
+                        if not written:
+                            _log.warning("spend_not_persisted", **where, total=total)
+            except Exception as exc:
+                _log.warning(
+                    "spend_not_persisted", **where, total=total, error=_describe_error(exc)
+                )
+
+        return report
 
     def _prepare(self, planner: Planner, op: OpRow) -> tuple[Planner, Next]:
         spec = planner.spec_of(op)
@@ -596,15 +628,20 @@ class Runner:
                 stored = codec.encode(value)
             except TypeError as exc:
                 reason = f"TypeError: {exc}; the effect may have happened, so a human decides"
-                mutate = lambda p: p.record_unknown(p.op(op.step, op.kind), reason, park=True)  # noqa: E731
+                mutate = lambda p: p.record_unknown(  # noqa: E731
+                    p.op(op.step, op.kind), reason, park=True, spend_known=True
+                )
             else:
                 mutate = lambda p: p.record_success(p.op(op.step, op.kind), stored)  # noqa: E731
-        if ctx.spent:
-            recorded, spent = mutate, ctx.spent
+        if ctx.spent or ctx._refused:
+            recorded, spent, refused = mutate, ctx.spent, list(ctx._refused)
 
             def mutate(p: Planner) -> None:
-                p.add_spend(spent)
+                target = p.op(op.step, op.kind)
+                p.note_spend(target, spent)
                 recorded(p)
+                if refused:
+                    p.refuse_spend(target, refused[0])
 
         faults.point("after_call", **where)
         result = self._transact(planner, mutate)

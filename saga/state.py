@@ -66,6 +66,7 @@ class OperationState(BaseModel):
     deadline_at: datetime | None = None
     cost: float | None = None
     reconcile_asks: int = 0
+    spent: float = 0.0
 
 
 class SagaState(BaseModel):

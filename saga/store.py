@@ -373,6 +373,33 @@ class Store:
             return None
         return row["write_token"], row["lease_owner"]
 
+    def report_spend(
+        self,
+        saga_id: str,
+        *,
+        step: str,
+        kind: str,
+        attempt: int,
+        total: float,
+        owner: str,
+        fence: int,
+    ) -> bool:
+        """Persist `total`, what attempt `attempt` of an operation has reported with
+        `ctx.spend()` so far, until its outcome counts it. Sending the same total again
+        changes nothing. False when it was not written: the lease is no longer
+        `owner`'s at `fence`, or that attempt's outcome is already recorded."""
+        params = {
+            "saga_id": saga_id,
+            "step": step,
+            "kind": kind,
+            "attempt": attempt,
+            "total": total,
+            "owner": owner,
+            "fence": fence,
+        }
+        with self._connection() as conn:
+            return conn.execute(_q("report_spend"), params).fetchone() is not None
+
     def own_claim(self, *, owner: str, token: str) -> tuple[str, str, int] | None:
         """(id, name, version) of the runnable saga leased to `owner` whose last write
         carries `token`: what a claim whose reply was lost took; None when there is none."""
@@ -670,6 +697,9 @@ def _op_params(op: OpRow) -> dict[str, Any]:
         "reconcile_started_at": op.reconcile_started_at,
         "reconcile_asks": op.reconcile_asks,
         "retrying_unknown": op.retrying_unknown,
+        "spent": op.spent,
+        "attempt_spend": op.attempt_spend,
+        "peak_spend": op.peak_spend,
     }
     return _compact(row)
 

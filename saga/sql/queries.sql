@@ -231,3 +231,26 @@ WHERE id = %(saga_id)s
 -- start_saga --
 -- Create a saga with its operations and first events in one statement (migration 0008).
 SELECT saga.start_saga(%(start)s) AS outcome
+
+-- report_spend --
+-- Spend that the running attempt of an operation has reported so far (its running total,
+-- so that sending it again changes nothing), kept until the attempt's outcome counts it
+-- (migration 0011). Only the lease holder's attempt in flight is written: no row when the
+-- lease is lost or the attempt's outcome is already recorded. The saga row is share-locked,
+-- so a claim by another owner either waits for this write (and then reads it) or has
+-- already moved the fence (and this writes nothing).
+WITH holder AS (
+    SELECT id
+    FROM saga.sagas
+    WHERE id = %(saga_id)s AND fence = %(fence)s AND lease_owner = %(owner)s
+    FOR SHARE
+)
+UPDATE saga.operations AS o
+SET attempt_spend = GREATEST(o.attempt_spend, %(total)s::numeric)
+FROM holder
+WHERE o.saga_id = holder.id
+  AND o.step = %(step)s
+  AND o.kind = %(kind)s
+  AND o.attempts = %(attempt)s
+  AND o.status = 'running'
+RETURNING o.attempt_spend

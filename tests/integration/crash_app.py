@@ -248,7 +248,53 @@ BACKOFF = _build_backoff("crash_backoff", backoff_seconds=10.0)
 # (h) the retry of an unknown charge fails (transiently) at its ceiling.
 CAPPED = _build_compensated("crash_capped", ceilings=Ceilings(max_side_effects=2))
 RETRIED = _build_compensated("crash_retried", max_attempts=2)
-ALL_SAGAS = (RECONCILED, IDEMPOTENT, PLAIN, AT_CEILING, LONG_BACKOFF, BACKOFF, CAPPED, RETRIED)
+
+
+def _build_spending(
+    name: str, *, max_cost: float | None, budget: float | None
+) -> Saga[CrashOrder]:
+    """reserve, then an idempotent charge that reports a spend of 10 with ctx.spend()
+    before it charges (and blocks, as `_charge` says)."""
+    ceilings = Ceilings(spend_budget=budget) if budget is not None else None
+    saga: Saga[CrashOrder] = Saga(
+        name, version=1, input=CrashOrder, key=lambda o: o.order_id, ceilings=ceilings
+    )
+
+    @saga.step
+    def reserve(ctx: StepContext, order: CrashOrder) -> dict[str, Any]:
+        _record_call(name, "reserve", ctx)
+        return {"reserved": order.order_id}
+
+    @saga.step(
+        idempotent=True,
+        max_cost=max_cost,
+        retry=RetryPolicy(max_attempts=3, initial_delay=0.01, max_delay=0.02),
+    )
+    def charge(ctx: StepContext, order: CrashOrder) -> dict[str, Any]:
+        ctx.spend(10)
+        return _charge(name, ctx, order)
+
+    return saga
+
+
+# (i) spend reported before a crash: counted at the declared worst case; without one, under
+# a budget, the saga parks; without a budget, what was reported is counted.
+SPEND_WORST_CASE = _build_spending("crash_spend_worst", max_cost=15, budget=100)
+SPEND_UNDECLARED = _build_spending("crash_spend_undeclared", max_cost=None, budget=100)
+SPEND_UNBUDGETED = _build_spending("crash_spend_unbudgeted", max_cost=None, budget=None)
+ALL_SAGAS = (
+    RECONCILED,
+    IDEMPOTENT,
+    PLAIN,
+    AT_CEILING,
+    LONG_BACKOFF,
+    BACKOFF,
+    CAPPED,
+    RETRIED,
+    SPEND_WORST_CASE,
+    SPEND_UNDECLARED,
+    SPEND_UNBUDGETED,
+)
 BY_NAME = {s.name: s for s in ALL_SAGAS}
 
 

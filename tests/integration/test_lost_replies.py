@@ -20,7 +20,7 @@ import pytest
 from faults.proxy import LostReplyProxy
 from support import FAST, ChildApp, Order, lease_expired, order_saga, wait_until
 
-from saga import Orchestrator, RetryPolicy, Saga, StepContext, TransientError
+from saga import Ceilings, Orchestrator, RetryPolicy, Saga, StepContext, TransientError
 
 pytestmark = pytest.mark.crash
 
@@ -349,3 +349,32 @@ def test_confirmation_writes_whose_replies_were_lost_are_not_applied_twice(
         assert trail.count("confirmation_requested") == 1
         assert trail.count("confirmation_approved") == 1
         assert list(calls) == [("payout", 1)]
+
+
+def test_spend_report_and_outcome_whose_replies_were_lost_count_the_spend_once(
+    database_url: str, proxy: LostReplyProxy, calls: list[tuple[str, int]]
+) -> None:
+    """ctx.spend()'s write commits and its reply is lost, then the outcome's: the retries
+    find both landed, and the saga counts the spend once."""
+    saga = Saga(
+        "lost_spend",
+        input=Order,
+        key=lambda o: o.order_id,
+        ceilings=Ceilings(spend_budget=100),
+    )
+
+    @saga.step
+    def pay(ctx: StepContext, order: Order) -> dict[str, Any]:
+        _record(database_url, ctx)
+        ctx.spend(30)
+        return {"paid": True}
+
+    with Orchestrator(proxy.url, sagas=[saga], lease_seconds=2.0) as orch:
+        proxy.lose_reply("attempt_spend = GREATEST")
+        proxy.lose_reply("saga.write_saga", '"attempt_succeeded"')
+        state = orch.execute(saga, Order(order_id="o-1"))
+        assert len(proxy.lost_replies("attempt_spend")) == 1
+        assert len(proxy.lost_replies("saga.write_saga")) == 1
+        assert state.status == "completed", state.error
+        assert state.spent == 30 and state.operation("pay").spent == 30
+        assert list(calls) == [("pay", 1)]
