@@ -8,15 +8,18 @@
 --   peak_spend     the most one attempt of it has reported: what its next attempt is
 --                  expected to spend, checked against the saga's budget before it starts
 --
--- saga.write_saga_v2 writes the three columns when they are sent and leaves them as they
--- are otherwise, so the previous release, which calls it without them, keeps working.
+-- saga.write_saga_v3 is saga.write_saga_v2 writing the three columns too (left as they are
+-- when a write does not send them). saga.write_saga_v2, which the previous release calls,
+-- is left unchanged (README, "Upgrades"); it writes none of them, so an attempt whose
+-- outcome the previous release records keeps its reported spend uncounted in
+-- attempt_spend. saga.write_saga_v2 is to be dropped one release after this one.
 
 ALTER TABLE saga.operations
     ADD COLUMN spent         numeric NOT NULL DEFAULT 0,
     ADD COLUMN attempt_spend numeric NOT NULL DEFAULT 0,
     ADD COLUMN peak_spend    numeric NOT NULL DEFAULT 0;
 
-CREATE OR REPLACE FUNCTION saga.write_saga_v2(p jsonb) RETURNS jsonb
+CREATE FUNCTION saga.write_saga_v3(p jsonb) RETURNS jsonb
 LANGUAGE plpgsql AS $$
 DECLARE
     v_id      uuid := (p->>'saga_id')::uuid;
@@ -92,7 +95,7 @@ BEGIN
             reconcile_started_at = x.reconcile_started_at,
             reconcile_asks = x.reconcile_asks,
             retrying_unknown = x.retrying_unknown,
-            -- Absent from a previous release's writes: left as they are.
+            -- Left as they are when a write does not send them.
             spent = COALESCE(x.spent, o.spent),
             attempt_spend = COALESCE(x.attempt_spend, o.attempt_spend),
             peak_spend = COALESCE(x.peak_spend, o.peak_spend),

@@ -400,7 +400,7 @@ class Runner:
     def _transact_at_once(
         self, planner: Planner, nxt: Next, token: str, written: list[Event]
     ) -> None:
-        """The common transition: one statement, one round trip (saga.write_saga_v2), which
+        """The common transition: one statement, one round trip (saga.write_saga_v3), which
         fails as a whole when the lease is no longer ours."""
         release, lease_until = self._hand_over(planner, nxt)
         written.extend(planner.take_events())

@@ -626,7 +626,7 @@ def _write(
     return_state: bool,
     token: str | None = None,
 ) -> dict[str, Any]:
-    """The argument of saga.write_saga_v2 (migration 0010) for a planner's changes; the
+    """The argument of saga.write_saga_v3 (migration 0011) for a planner's changes; the
     operations sent are marked clean, as the caller's transaction will have written them."""
     new = [op for op in ops if op.new]
     changed = [op for op in ops if op.dirty and not op.new]

@@ -208,8 +208,8 @@ SELECT saga.assert_fence(%(saga_id)s, %(owner)s, %(fence)s, %(lease_seconds)s)
 -- write_saga --
 -- A saga's decisions in one statement: its row (fenced for a lease holder), operations,
 -- events, wake-up, the write's token and, when asked, its state as it now stands (see
--- migrations 0008 and 0010).
-SELECT saga.write_saga_v2(%(write)s) AS state
+-- migrations 0008, 0010 and 0011).
+SELECT saga.write_saga_v3(%(write)s) AS state
 
 -- own_claim --
 -- The saga this owner's claim took, found by the token of the claim's first write: a worker

@@ -30,9 +30,9 @@ from saga.migrate import apply_migrations, load_migrations
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TREES = ("saga", "migrations")
 
-# main when the upgrade policy was written down (migrations 0001 to 0009).
+# The previous release: main with migrations 0001 to 0010 (write tokens, saga.write_saga_v2).
 PREVIOUS_RELEASE = os.environ.get(
-    "SAGA_TEST_PREVIOUS_RELEASE", "0298fd0a0a065077f2ff00f74426b418509a1d30"
+    "SAGA_TEST_PREVIOUS_RELEASE", "387e3ebd6c7296225fd562101bb49d2695aadbd8"
 )
 
 # Run by the previous release's package: migrate, then start a saga whose first step
