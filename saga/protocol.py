@@ -89,6 +89,8 @@ class ConfirmationRow:
     expires_at: datetime
     approved_by: str | None = None
     approved_at: datetime | None = None
+    # The attempt this confirmation's approval released (used it up), or None.
+    consumed_attempt: int | None = None
     new: bool = False
     dirty: bool = False
 
