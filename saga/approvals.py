@@ -4,6 +4,11 @@ An approval is the only way to confirm a step that waits in `awaiting_confirmati
 It is signed with a key the orchestrator is configured with, so nothing a step
 returns and nothing in a saga's input can confirm anything: a `"confirmed": true`
 in a payload is just data.
+
+The request hash an approval is bound to is `preview_hash` of the preview the approver
+was shown: everything the attempt reads (the whole saga input, volatile fields included,
+the prepared request, the results of earlier steps), the attempt's number and figures.
+One approval releases one attempt: the attempt it releases uses it up.
 """
 
 from __future__ import annotations
@@ -13,9 +18,12 @@ import hashlib
 import hmac
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from saga.errors import SagaError
+from saga.keys import request_hash as _hash_of
 
 
 class ApprovalRejected(SagaError, PermissionError):
@@ -28,6 +36,13 @@ class Approval:
 
     actor: str
     expires_at: float
+
+
+def preview_hash(preview: Mapping[str, Any]) -> str:
+    """The request hash of a confirmation: hex SHA-256 over everything its preview shows
+    (every key but `request_hash`, which holds this hash)."""
+    shown = {k: v for k, v in preview.items() if k != "request_hash"}
+    return _hash_of({"kind": "confirmation", "preview": shown})
 
 
 def _b64(data: bytes) -> str:

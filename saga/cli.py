@@ -255,8 +255,8 @@ def _parser() -> argparse.ArgumentParser:
 
     confirm = add(
         "confirm",
-        "approve the exact pending request of a step awaiting confirmation, signing the "
-        f"approval with the key in {ENV_CONFIRMATION_KEY}",
+        "approve the exact pending preview of a step awaiting confirmation (it releases "
+        f"one attempt), signing the approval with the key in {ENV_CONFIRMATION_KEY}",
         app,
         acting,
         drive,
@@ -635,8 +635,13 @@ def _preview(args: argparse.Namespace) -> int:
     print(f"saga {state.id} ({state.saga} v{state.version}, key {state.key})")
     print(f"  waits for confirmation of {view.get('target')} until {pending.expires_at}")
     print(f"  request hash: {pending.request_hash}")
+    print(f"  attempt:      {view.get('attempt')} (an approval releases this attempt only)")
     print(f"  amount:       {view.get('amount')}")
     print(f"  payload:      {json.dumps(view.get('payload'), sort_keys=True)}")
+    if "input" in view:
+        print(f"  input:        {json.dumps(view['input'], sort_keys=True)}")
+    if view.get("results"):
+        print(f"  results:      {json.dumps(view['results'], sort_keys=True)}")
     for check in view.get("policy_checks", []):
         print(f"  check:        {json.dumps(check, sort_keys=True)}")
     print(f"approve with: saga confirm {state.id} {pending.step} {pending.request_hash}")

@@ -359,9 +359,20 @@ class Saga(Generic[InputT]):
             deadline_seconds: Longest time from the first attempt, retries and waits
                 included, after which no attempt starts.
             confirm: Pause in `awaiting_confirmation` before each attempt (True), or
-                when this function of the request (the prepared request, else the
-                input) returns True.
-            confirm_ttl_seconds: How long a pending confirmation may be approved.
+                before each attempt for which this function of the request (the
+                prepared request, else the input) returns True. One approval, one
+                attempt: an approval releases exactly the attempt previewed, which
+                uses it up as it starts; every retry (after a transient failure, an
+                unknown outcome, a reconcile's Absent, an operator's retry) pauses
+                for a new approval of a fresh preview. The preview shows everything
+                the attempt reads (the prepared request, the whole input, volatile
+                fields included, and earlier steps' results), and the approval is
+                bound to the hash of all of it: if any of it differs when the attempt
+                would start, a new approval is asked for.
+            confirm_ttl_seconds: How long a confirmation may be approved, and how long
+                an approval then stays good for starting its attempt: one whose
+                confirmation has expired releases nothing, and a fresh preview is
+                asked for.
         """
         guards = Guards(
             cost=cost,

@@ -282,7 +282,7 @@ class Orchestrator:
         claimed: tuple[Planner, Next] | None = None
         if runner is not None:
             planner, nxt, released = runner.plan_new(saga, row, ops)
-            if any(c.new for c in planner.confirmations):
+            if any(c.new or c.dirty for c in planner.confirmations):
                 # Confirmation rows are not written at start: start plainly, then run.
                 return self._start(saga, model, runner=None)
             if released:
@@ -413,8 +413,13 @@ class Orchestrator:
         return self.store.confirmations(saga_id)
 
     def preview(self, saga_id: str) -> Confirmation | None:
-        """The confirmation a saga waits for (target, payload, amount, request hash and
-        policy checks in `preview`), or None when it waits for none."""
+        """The confirmation a saga waits for, or None when it waits for none.
+
+        Its `preview` shows exactly what the attempt will read: `payload` (the prepared
+        request, else the whole saga input, volatile fields included), `input` (the whole
+        saga input, beside a prepared request), `results` (of the steps before), and the
+        `target`, `attempt`, `amount` and `policy_checks`. `request_hash`, the hash of
+        all of it, is what an approval is bound to (`approval`, `confirm`)."""
         state = self.get(saga_id)
         if state.status != SagaStatus.AWAITING_CONFIRMATION:
             return None
@@ -430,7 +435,8 @@ class Orchestrator:
         actor: str,
         ttl_seconds: float = 600.0,
     ) -> str:
-        """Sign an approval token for exactly this saga, step and request hash.
+        """Sign an approval token for exactly this saga, step and request hash (the
+        `request_hash` of the preview approved, see `preview`).
 
         Whoever holds the confirmation key can approve: give it to the approvers'
         tooling, not to the processes that run step code.
@@ -449,9 +455,13 @@ class Orchestrator:
 
         The approval must be signed with this orchestrator's key and bound to this
         saga, step and the exact pending request hash, and neither the token nor the
-        confirmation may have expired. On resume the step's request is prepared again;
-        if it changed, a new confirmation is asked for. The saga is not driven here:
-        call `run` or leave it to a worker.
+        confirmation may have expired. One approval releases one attempt: the attempt
+        it releases uses it up when it starts, and any retry of the step (after a
+        failure, an unknown outcome, a reconcile's Absent, an operator's retry) asks
+        for a new confirmation. On resume the step's request is prepared again; if
+        anything previewed changed, or the confirmation expired before the attempt
+        could start, a new confirmation is asked for instead. The saga is not driven
+        here: call `run` or leave it to a worker.
         """
         granted = approvals.verify(
             self._require_key(), approval, saga_id=saga_id, step=step, request_hash=request_hash

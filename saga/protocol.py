@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from saga.amounts import finite_amount
+from saga.approvals import preview_hash
 from saga.definition import Compensation, OperationSpec, Saga, Step
 from saga.errors import StepStateError
 from saga.keys import canonical_json, operation_key, request_hash
@@ -95,6 +96,8 @@ class ConfirmationRow:
     expires_at: datetime
     approved_by: str | None = None
     approved_at: datetime | None = None
+    # The attempt this confirmation's approval released (used it up), or None.
+    consumed_attempt: int | None = None
     new: bool = False
     dirty: bool = False
 
@@ -405,7 +408,7 @@ class Planner:
         if breach is not None:
             self.park(breach["reason"], ceiling=breach)
             return None
-        if self._needs_confirmation(op, spec) and not self._approved(op):
+        if self._needs_confirmation(op, spec) and not self._use_approval(op, spec, cost):
             self._await_confirmation(op, spec, cost)
             return None
         self.prepared.discard((op.step, op.kind))
@@ -533,18 +536,52 @@ class Planner:
             return policy
         return bool(policy(self.request_of(op)))
 
-    def _approved(self, op: OpRow) -> bool:
-        confirmation = self._confirmation_for(op)
-        return confirmation is not None and confirmation.approved_at is not None
+    def _use_approval(self, op: OpRow, spec: OperationSpec, cost: float | None) -> bool:
+        """Whether an approval releases the attempt of `op` about to start, which then
+        uses it up (recorded with that attempt's start: one approval, one attempt).
 
-    def _confirmation_for(self, op: OpRow) -> ConfirmationRow | None:
+        Only an approval of exactly what would be previewed now (its hash covers the
+        attempt's number, so every retry needs a new one), not yet used, and whose
+        confirmation has not expired, releases anything."""
+        digest = self._preview(op, spec, cost)["request_hash"]
+        confirmation = self._confirmation_for(op.step, digest)
+        if (
+            confirmation is None
+            or confirmation.approved_at is None
+            or confirmation.consumed_attempt is not None
+        ):
+            return False
+        if confirmation.expires_at <= self.now:
+            self.events.append(
+                Event(
+                    "approval_expired",
+                    step=op.step,
+                    kind=op.kind,
+                    detail={
+                        "request_hash": digest,
+                        "approved_by": confirmation.approved_by,
+                        "expires_at": str(confirmation.expires_at),
+                    },
+                )
+            )
+            return False
+        attempt = op.attempts + 1
+        confirmation.consumed_attempt, confirmation.dirty = attempt, True
+        self.events.append(
+            Event(
+                "approval_used",
+                step=op.step,
+                kind=op.kind,
+                attempt=attempt,
+                detail={"request_hash": digest, "approved_by": confirmation.approved_by},
+            )
+        )
+        return True
+
+    def _confirmation_for(self, step: str, digest: str) -> ConfirmationRow | None:
         # At most one: (saga, step, request hash) is the confirmations' primary key.
         return next(
-            (
-                c
-                for c in self.confirmations
-                if c.step == op.step and c.request_hash == op.request_hash
-            ),
+            (c for c in self.confirmations if c.step == step and c.request_hash == digest),
             None,
         )
 
@@ -553,8 +590,11 @@ class Planner:
         waiting = [c for c in self.confirmations if c.approved_at is None]
         return max(waiting, key=lambda c: c.expires_at) if waiting else None
 
-    def _await_confirmation(self, op: OpRow, spec: OperationSpec, cost: float | None) -> None:
-        request = op.request if op.request is not None else self._business_input()
+    def _preview(self, op: OpRow, spec: OperationSpec, cost: float | None) -> dict[str, Any]:
+        """What the approver of the next attempt of `op` is shown: exactly what that
+        attempt reads (the prepared request and the whole saga input, volatile fields
+        included, and the results of the steps before), its number and figures, and
+        `request_hash`, the hash of all of it that an approval is bound to."""
         checks: list[dict[str, Any]] = [
             {"check": "confirm", "policy": "always"}
             if spec.guards.confirm is True
@@ -566,29 +606,49 @@ class Planner:
             checks.append(
                 {"check": "spend_budget", "limit": self.saga.spend_budget, "spent": self.saga.spent}
             )
-        preview = {
+        given = self.input_model().model_dump(mode="json")  # what the step receives
+        prepared = spec.prepare_fn is not None and op.request is not None
+        preview: dict[str, Any] = {
             "target": _describe(op),
             "step": op.step,
             "idempotency_key": op.idempotency_key,
-            "payload": request,
+            "attempt": op.attempts + 1,
+            # The request the attempt acts on: the prepared one (ctx.request), else the input.
+            "payload": op.request if prepared else given,
+            **({"input": given} if prepared else {}),
+            # ctx.results, as stored.
+            "results": {
+                o.step: o.result for o in self.actions if o.status == OperationStatus.SUCCEEDED
+            },
             "amount": cost,
-            "request_hash": op.request_hash,
             "policy_checks": checks,
         }
+        preview["request_hash"] = preview_hash(preview)
+        return preview
+
+    def _await_confirmation(self, op: OpRow, spec: OperationSpec, cost: float | None) -> None:
+        preview = self._preview(op, spec, cost)
+        digest = preview["request_hash"]
         expires_at = self.now + timedelta(seconds=spec.guards.confirm_ttl_seconds)
-        existing = self._confirmation_for(op)
+        existing = self._confirmation_for(op.step, digest)
         if existing is None:
             self.confirmations.append(
-                ConfirmationRow(op.step, op.request_hash, preview, expires_at, new=True)
+                ConfirmationRow(op.step, digest, preview, expires_at, new=True)
             )
         else:
-            existing.preview, existing.expires_at, existing.new = preview, expires_at, True
+            # Asked again (it expired, approved or not): an earlier approval is withdrawn.
+            existing.preview, existing.expires_at = preview, expires_at
+            existing.approved_by = existing.approved_at = existing.consumed_attempt = None
+            existing.new, existing.dirty = True, False
         self._set_status(SagaStatus.AWAITING_CONFIRMATION)
-        self.saga.error = f"{_describe(op)} waits for confirmation of request {op.request_hash}"
+        self.saga.error = (
+            f"{_describe(op)} waits for confirmation of attempt {op.attempts + 1} "
+            f"(request {digest})"
+        )
         self._event(
             "confirmation_requested",
             op,
-            request_hash=op.request_hash,
+            request_hash=digest,
             preview=preview,
             expires_at=str(expires_at),
         )

@@ -146,7 +146,12 @@ class WorkerInfo(BaseModel):
 
 
 class Confirmation(BaseModel):
-    """A step waiting for (or given) a human's approval of its exact request."""
+    """A step's attempt waiting for (or given) a human's approval of its exact preview.
+
+    `request_hash` is the hash of `preview` (`saga.approvals.preview_hash`), the one an
+    approval is bound to; it is not the operation's idempotency `request_hash`, which
+    leaves volatile input fields out. One approval releases one attempt.
+    """
 
     model_config = ConfigDict(frozen=True)
 
@@ -158,3 +163,6 @@ class Confirmation(BaseModel):
     expires_at: datetime
     approved_by: str | None = None
     approved_at: datetime | None = None
+    # The attempt whose start used the approval up (one approval, one attempt), and when.
+    consumed_attempt: int | None = None
+    consumed_at: datetime | None = None

@@ -223,7 +223,9 @@ class Store:
         """Queue a planner's changes in a transaction: the saga row, new and changed
         operations and events (saga.write_saga, fenced when `owner` holds the lease; an
         operator passes None and holds the row lock instead), then confirmations asked
-        for or approved. A lost fence fails the transaction with everything in it.
+        for, approved, or used up by the attempt they release (refused, with the whole
+        transaction, when that approval has released an attempt already). A lost fence
+        fails the transaction with everything in it.
 
         `token` (see `new_token`) is stored as the saga's write token: a writer that lost
         the reply learns from `write_token` whether this write landed.
@@ -257,6 +259,15 @@ class Store:
                     },
                 )
                 confirmation.new = False
+            elif confirmation.dirty and confirmation.consumed_attempt is not None:
+                self.consume_confirmation_txn(
+                    conn,
+                    saga.id,
+                    step=confirmation.step,
+                    request_hash=confirmation.request_hash,
+                    attempt=confirmation.consumed_attempt,
+                )
+                confirmation.dirty = False
             elif confirmation.dirty:
                 approved = self.approve_confirmation_txn(
                     conn,
@@ -440,6 +451,32 @@ class Store:
         ).fetchone()
         return row is not None
 
+    def consume_confirmation_txn(
+        self, conn: Conn, saga_id: str, *, step: str, request_hash: str, attempt: int
+    ) -> None:
+        """Use an approval up: record `attempt` as the one it released, in the transaction
+        that records that attempt as running. `StepStateError` (the caller's transaction
+        then rolls back, the attempt's start with it) when the confirmation is not
+        approved or its approval has released an attempt already: one approval, one
+        attempt, whatever a stale snapshot believes."""
+        row = conn.execute(
+            _q("consume_confirmation"),
+            {"saga_id": saga_id, "step": step, "request_hash": request_hash, "attempt": attempt},
+        ).fetchone()
+        assert row is not None  # the query returns one row, found or not
+        if row["used"] is not None:
+            return
+        what = f"the approval of step {step!r} (request {request_hash[:12]})"
+        if row["released"] is not None:
+            why = f"{what} already released attempt {row['released']}"
+        elif row["approved"]:
+            why = f"{what} was used up meanwhile"
+        else:
+            why = f"{what} is not approved (any more)"
+        raise StepStateError(
+            f"{why}: one approval releases one attempt, so attempt {attempt} is not started"
+        )
+
     def purge_finished(self, *, retention_seconds: float, batch_size: int) -> int:
         """Delete one batch of sagas that ended before the retention cutoff; how many."""
         with self._connection() as conn:
@@ -604,6 +641,7 @@ def _confirmation_row(row: dict[str, Any]) -> ConfirmationRow:
         expires_at=row["expires_at"],
         approved_by=row["approved_by"],
         approved_at=row["approved_at"],
+        consumed_attempt=row["consumed_attempt"],
     )
 
 

@@ -129,7 +129,12 @@ def _charge(saga: str, ctx: StepContext, order: CrashOrder) -> dict[str, Any]:
 
 
 def _build(
-    name: str, *, idempotent: bool, reconcile: bool, max_attempts: int = 3
+    name: str,
+    *,
+    idempotent: bool,
+    reconcile: bool,
+    max_attempts: int = 3,
+    confirm: bool = False,
 ) -> Saga[CrashOrder]:
     saga: Saga[CrashOrder] = Saga(name, version=1, input=CrashOrder, key=lambda o: o.order_id)
 
@@ -141,6 +146,7 @@ def _build(
     @saga.step(
         idempotent=idempotent,
         retry=RetryPolicy(max_attempts=max_attempts, initial_delay=0.01, max_delay=0.02),
+        confirm=confirm,
     )
     def charge(ctx: StepContext, order: CrashOrder) -> dict[str, Any]:
         return _charge(name, ctx, order)
@@ -210,6 +216,12 @@ RECONCILED = _build("crash_reconciled", idempotent=False, reconcile=True)
 IDEMPOTENT = _build("crash_idempotent", idempotent=True, reconcile=False)
 PLAIN = _build("crash_plain", idempotent=False, reconcile=False)
 AT_CEILING = _build("crash_at_ceiling", idempotent=True, reconcile=False, max_attempts=1)
+# (i) a charge that waits for an approval before each attempt, settled by an idempotent
+# retry, or (j) by asking the provider.
+CONFIRMED = _build("crash_confirmed", idempotent=True, reconcile=False, confirm=True)
+CONFIRMED_RECONCILED = _build(
+    "crash_confirmed_reconciled", idempotent=False, reconcile=True, confirm=True
+)
 
 
 def _build_backoff(name: str, *, backoff_seconds: float) -> Saga[CrashOrder]:
@@ -287,6 +299,8 @@ ALL_SAGAS = (
     IDEMPOTENT,
     PLAIN,
     AT_CEILING,
+    CONFIRMED,
+    CONFIRMED_RECONCILED,
     LONG_BACKOFF,
     BACKOFF,
     CAPPED,

@@ -30,6 +30,12 @@ def test_preview_then_confirm_runs_the_approved_request(
     assert pending["step"] == "pay_back"
     assert pending["preview"]["payload"]["order_id"] == "r-1"
     request_hash = pending["request_hash"]
+    assert pending["preview"]["attempt"] == 1
+    text = saga_cmd("preview", "--database-url", database_url, saga_id)
+    assert text.returncode == 0, text.stderr
+    assert f"request hash: {request_hash}" in text.stdout
+    assert "attempt:      1 (an approval releases this attempt only)" in text.stdout
+    assert f"saga confirm {saga_id} pay_back {request_hash}" in text.stdout
 
     common = ("--database-url", database_url, "--app", "cli_app", "--actor", "ops@example")
     no_key = saga_cmd("confirm", *common, saga_id, "pay_back", request_hash, app_dir=app_dir)

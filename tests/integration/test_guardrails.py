@@ -26,6 +26,7 @@ from saga import (
     StepStateError,
     TransientError,
 )
+from saga.approvals import preview_hash
 
 KEY = "test-confirmation-key"
 
@@ -381,7 +382,9 @@ def test_a_large_refund_waits_for_a_signed_approval(database_url: str) -> None:
         assert len(calls) == 1
         preview = orch.preview(state.id)
         assert preview is not None
-        assert preview.request_hash == state.operation("refund").request_hash
+        # Bound to everything previewed, not the operation's idempotency request hash.
+        assert preview.request_hash == preview_hash(preview.preview)
+        assert preview.request_hash != state.operation("refund").request_hash
         assert preview.preview["payload"] == {
             "order_id": "r-big",
             "amount_cents": 5000,

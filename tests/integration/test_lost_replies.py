@@ -378,3 +378,54 @@ def test_spend_report_and_outcome_whose_replies_were_lost_count_the_spend_once(
         assert state.status == "completed", state.error
         assert state.spent == 30 and state.operation("pay").spent == 30
         assert list(calls) == [("pay", 1)]
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["claim", "after_prepare"])
+def test_an_approval_releases_one_attempt_when_its_start_lost_the_reply(
+    database_url: str, proxy: LostReplyProxy, calls: list[tuple[str, int]], prepared: bool
+) -> None:
+    """The write that starts the approved attempt (and uses the approval up) commits and
+    its reply is lost, at the claim's first move or after a prepare: that attempt is
+    called once, and its transient failure's retry waits for a new approval."""
+    saga = order_saga(f"lost_approved_start_{'prepared' if prepared else 'plain'}")
+
+    @saga.step(confirm=True, retry=FAST)
+    def payout(ctx: StepContext, order: Order) -> dict[str, Any]:
+        _record(database_url, ctx)
+        if ctx.attempt == 1:
+            raise TransientError("gateway busy")
+        return {"paid": order.amount_cents}
+
+    if prepared:
+
+        @payout.prepare
+        def plan(ctx: StepContext, order: Order) -> dict[str, Any]:
+            return {"amount_cents": order.amount_cents}
+
+    with Orchestrator(proxy.url, sagas=[saga], confirmation_key="k" * 32) as orch:
+
+        def approve() -> str:
+            pending = orch.preview(handle.id)
+            assert pending is not None
+            token = orch.approval(handle.id, "payout", pending.request_hash, actor="ops")
+            orch.confirm(handle.id, "payout", pending.request_hash, token)
+            return pending.request_hash
+
+        handle = orch.start(saga, Order(order_id="o-1"))
+        assert orch.run(handle.id).status == "awaiting_confirmation"
+        first = approve()
+        proxy.lose_reply("saga.write_saga", '"attempt_started"')
+        state = orch.run(handle.id)
+        assert len(proxy.lost_replies()) == 1
+        assert list(calls) == [("payout", 1)]
+        assert state.status == "awaiting_confirmation", state.error
+        assert _unknown_events(orch, handle.id) == []
+        used = {c.request_hash: c.consumed_attempt for c in orch.confirmations(handle.id)}
+        assert used[first] == 1
+
+        second = approve()
+        done = orch.run(handle.id)
+        assert done.status == "completed", done.error
+        assert list(calls) == [("payout", 1), ("payout", 2)]
+        used = {c.request_hash: c.consumed_attempt for c in orch.confirmations(handle.id)}
+        assert used == {first: 1, second: 2}
