@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import getpass
 import importlib
 import json
 import os
@@ -329,12 +328,15 @@ def _stderr_logger(*args: object) -> structlog.PrintLogger:
 
 
 def _actor(args: argparse.Namespace) -> str:
-    if getattr(args, "actor", None):
-        return str(args.actor)
-    try:
-        return getpass.getuser()
-    except Exception:  # no login name in some containers
-        return f"uid-{os.getuid()}"
+    actor = getattr(args, "actor", None)
+    if actor is None:
+        return operator.os_user()
+    if not actor.strip():
+        raise UsageError(
+            f"--actor {actor!r} names nobody: give who runs this (a person or a system), "
+            "for the saga's audit trail, or leave it out to use your OS user"
+        )
+    return str(actor)
 
 
 def load_app(spec: str | None, database_url: str | None) -> Orchestrator:
@@ -408,9 +410,10 @@ def _reader(database_url: str | None) -> Orchestrator:
 
 
 def _operator(args: argparse.Namespace) -> Orchestrator:
+    actor = _actor(args)  # a blank --actor is refused before the app is even loaded
     orch = load_app(args.app, args.database_url)
     # Leases this command takes are named after who ran it, in the audit trail too.
-    orch.owner = f"saga-cli:{_actor(args)}@{socket.gethostname()}:{os.getpid()}"
+    orch.owner = f"saga-cli:{actor}@{socket.gethostname()}:{os.getpid()}"
     return orch
 
 

@@ -35,6 +35,7 @@ from saga.keys import check_saga_input
 from saga.keys import request_hash as hash_business_fields
 from saga.leases import LeaseKeeper
 from saga.migrate import apply_migrations
+from saga.operator import actor_or_os_user, check_actor
 from saga.protocol import Event, Next, Planner, SagaRow, new_action_rows
 from saga.runner import Runner, RunnerOptions, log_events
 from saga.state import (
@@ -391,7 +392,14 @@ class Orchestrator:
     ) -> SagaState:
         """Raise a saga's persisted ceilings (lowering is refused) and, if it was parked,
         make it runnable again; recorded as `ceilings_raised` with the before and after.
-        The saga is not driven here: call `run` or leave it to a worker."""
+        The saga is not driven here: call `run` or leave it to a worker.
+
+        A ceiling the saga does not have is unlimited, the highest there is: setting
+        one (even `max_operations=1`) would lower it, and is refused (`StepStateError`)
+        like any lowering, writing nothing. `actor` is who makes the change, recorded in
+        the audit trail; an empty or blank one is refused (`ValueError`).
+        """
+        check_actor("raise_ceilings", actor)
         return self._operator_change(
             saga_id,
             lambda p: p.raise_ceilings(
@@ -433,8 +441,11 @@ class Orchestrator:
         """Sign an approval token for exactly this saga, step and request hash.
 
         Whoever holds the confirmation key can approve: give it to the approvers'
-        tooling, not to the processes that run step code.
+        tooling, not to the processes that run step code. `actor` is who approves,
+        recorded when the approval is used; an empty or blank one is refused
+        (`ValueError`).
         """
+        check_actor("approval", actor)
         return approvals.sign(
             self._require_key(),
             saga_id=saga_id,
@@ -514,7 +525,11 @@ class Orchestrator:
         stays in needs_review saying so) unless `include_unknown=True`, in which case
         its compensation runs with `result=None`. A saga a live worker holds is refused
         (`StepStateError`) unless `force=True`, which takes its lease over.
+
+        `actor` is who asks, recorded in the audit trail; None records the OS user
+        running the call, and an empty or blank one is refused (`ValueError`).
         """
+        actor = actor_or_os_user("compensate", actor)
         state = self._operator_change(
             saga_id,
             lambda p: p.request_compensation(include_unknown=include_unknown, actor=actor),
@@ -540,12 +555,13 @@ class Orchestrator:
         `outcome="succeeded"` records `result` (validated like a step's return value);
         `outcome="failed"` records the failure, so the next run compensates. The saga
         is not driven here: call `run` or leave it to a worker. `force=True` takes over
-        the lease of a live worker instead of refusing.
+        the lease of a live worker instead of refusing. `actor` is who checked and
+        settled the step, recorded in the audit trail; an empty or blank one is refused
+        (`ValueError`).
         """
         if outcome not in ("succeeded", "failed"):
             raise ValueError(f"outcome must be 'succeeded' or 'failed', got {outcome!r}")
-        if not actor:
-            raise ValueError("resolve() needs an actor naming who settled the step")
+        check_actor("resolve", actor)
         state = self.get(saga_id)
         definition = self.definition(state.saga, state.version)
         target = definition.step_named(step)
@@ -580,11 +596,13 @@ class Orchestrator:
         made still count, so a retry past the ceiling needs extra attempts. An
         unknown outcome is settled again (reconcile hook or idempotent retry); one
         that is neither idempotent nor reconcilable is refused: resolve it instead.
-        The request is recorded as `retry_requested`. The saga is not driven here:
-        call `run` or leave it to a worker.
+        The request is recorded as `retry_requested` with `actor`, who asks (None: the
+        OS user running the call; an empty or blank one is refused, `ValueError`). The
+        saga is not driven here: call `run` or leave it to a worker.
         """
         if extra_attempts < 0:
             raise ValueError(f"extra_attempts must not be negative, got {extra_attempts}")
+        actor = actor_or_os_user("retry", actor)
         return self._operator_change(
             saga_id,
             lambda p: p.request_retry(extra_attempts=extra_attempts, actor=actor),
@@ -606,10 +624,13 @@ class Orchestrator:
         Recorded as `cancel_requested` with the reason and actor, which also becomes
         the saga's `error`. A completed saga, or one past a succeeded pivot step, is
         refused (`StepStateError`); one already compensating is returned unchanged.
-        The saga is not driven here: call `run` or leave it to a worker.
+        The saga is not driven here: call `run` or leave it to a worker. `actor` is
+        who asks (None: the OS user running the call; an empty or blank one is
+        refused, `ValueError`).
         """
         if not reason:
             raise ValueError("cancel() needs a reason")
+        actor = actor_or_os_user("cancel", actor)
         return self._operator_change(
             saga_id,
             lambda p: p.request_cancel(reason=reason, actor=actor, include_unknown=include_unknown),
