@@ -1,4 +1,5 @@
-"""Operator jobs behind the `saga` command: compensation-only batches and the reconcile sweep."""
+"""Operator jobs behind the `saga` command: compensation-only batches, the reconcile sweep,
+the purge's dry run, and the actor every operator verb records."""
 
 from __future__ import annotations
 
@@ -329,6 +330,36 @@ def _compensated_detail(state: SagaState) -> str:
     if not ran:
         return f"{state.status} (nothing to undo)"
     return f"{state.status}: undid {', '.join(ran)}"
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeCandidate:
+    """An ended saga a purge would delete."""
+
+    saga_id: str
+    saga: str
+    status: SagaStatus
+    finished_at: datetime
+
+
+def purge_candidates(
+    orch: Orchestrator, *, older_than_days: float | None, limit: int
+) -> tuple[list[PurgeCandidate], int]:
+    """What `orch.purge(older_than_days=...)` would delete now, oldest first (at most
+    `limit`), and how many in all; deletes nothing. A cutoff shorter than the
+    orchestrator's retention is refused (`ValueError`), as `purge` refuses it."""
+    days = orch.purge_cutoff_days(older_than_days)
+    rows, total = orch.store.purgeable(retention_seconds=days * 86400.0, limit=limit)
+    found = [
+        PurgeCandidate(
+            saga_id=str(row["id"]),
+            saga=f"{row['name']} v{row['version']}",
+            status=SagaStatus(row["status"]),
+            finished_at=row["finished_at"],
+        )
+        for row in rows
+    ]
+    return found, total
 
 
 def parse_duration(text: str) -> timedelta:

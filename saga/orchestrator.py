@@ -492,12 +492,7 @@ class Orchestrator:
         Sagas that are pending, running, compensating, parked or awaiting confirmation
         are never deleted, and neither are their operations.
         """
-        days = self.retention_days if older_than_days is None else older_than_days
-        if days < self.retention_days:
-            raise ValueError(
-                f"older_than_days ({days}) is shorter than the retention of "
-                f"{self.retention_days} days"
-            )
+        days = self.purge_cutoff_days(older_than_days)
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         total = 0
@@ -510,6 +505,17 @@ class Orchestrator:
                 break
         _log.info("sagas_purged", count=total, older_than_days=days)
         return total
+
+    def purge_cutoff_days(self, older_than_days: float | None = None) -> float:
+        """How long ago (days) a saga must have ended for `purge` to delete it: the
+        retention, or `older_than_days`; `ValueError` when that is shorter."""
+        days = self.retention_days if older_than_days is None else older_than_days
+        if not days >= self.retention_days:
+            raise ValueError(
+                f"older_than_days ({days}) is shorter than the retention of "
+                f"{self.retention_days} days"
+            )
+        return days
 
     def compensate(
         self,

@@ -1,5 +1,5 @@
 """The `saga` command's operator guardrails: a ceiling set where there was none is a
-lowering, and an actor is never blank."""
+lowering, an actor is never blank, and `purge` keeps what the app's retention keeps."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import cli_app
+import psycopg
 import pytest
 from cli_app import Job
 from support import OrchestratorFactory
@@ -142,3 +143,98 @@ def test_without_actor_the_command_records_the_os_user(
     assert done.returncode == 0, done.stdout + done.stderr
     event = next(e for e in orch.history(saga_id) if e.event == "cancel_requested")
     assert event.detail["actor"] == _os_user()
+
+
+# ----- item 11: purge honours the app's retention -------------------------------------------
+
+
+def _ended(orch_url: str, saga_id: str, days: int) -> None:
+    with psycopg.connect(orch_url, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE saga.sagas SET finished_at = now() - make_interval(days => %s),"
+            " updated_at = now() - make_interval(days => %s) WHERE id = %s",
+            (days, days, saga_id),
+        )
+
+
+def test_purge_uses_the_retention_of_the_app(
+    make_orch: OrchestratorFactory, database_url: str, app_dir: Path
+) -> None:
+    """With --app, purge keeps what the app's `retention_days=90` keeps: a saga that ended
+    40 days ago stays, one that ended 100 days ago goes. It says on stderr which retention
+    it applies and where it comes from; --dry-run lists what would go and deletes
+    nothing; an explicit --older-than shorter than the app's retention is refused."""
+    orch = make_orch(*cli_app.SAGAS)
+    forty = orch.execute(cli_app.shop, Job(order_id="forty")).id
+    hundred = orch.execute(cli_app.shop, Job(order_id="hundred")).id
+    fresh = orch.execute(cli_app.shop, Job(order_id="fresh")).id
+    parked = _park_unknown(orch, "parked")
+    _ended(database_url, forty, 40)
+    _ended(database_url, hundred, 100)
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE saga.sagas SET updated_at = now() - interval '400 days' WHERE id = %s",
+            (parked,),
+        )
+    app = ("--database-url", database_url, "--app", "cli_app_retention")
+    before = _rows(database_url)
+
+    planned = saga_cmd("purge", *app, "--dry-run", app_dir=app_dir)
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    assert (
+        "sagas that ended more than 90 days ago (retention_days of the app's orchestrator"
+        in planned.stderr
+    ), planned.stderr
+    listed = [line for line in planned.stdout.splitlines() if line.startswith(hundred)]
+    assert len(listed) == 1, planned.stdout
+    assert "shop v1" in listed[0] and "completed" in listed[0]
+    finished = orch.get(hundred).finished_at
+    assert finished is not None and finished.astimezone().strftime("%Y-%m-%d") in listed[0]
+    assert forty not in planned.stdout and fresh not in planned.stdout
+    assert parked not in planned.stdout
+    assert "would purge 1 ended saga(s)" in planned.stdout
+    assert _rows(database_url) == before
+
+    # An explicit cutoff wins when it is longer, and is refused below the app's retention.
+    longer = saga_cmd("purge", *app, "--older-than", "150d", "--dry-run", app_dir=app_dir)
+    assert longer.returncode == 0, longer.stdout + longer.stderr
+    assert "more than 150 days ago (--older-than; the retention is 90 days" in longer.stderr
+    assert "nothing to purge" in longer.stdout
+    for option, value in (("--older-than", "30d"), ("--retention-days", "30")):
+        short = saga_cmd("purge", *app, option, value, app_dir=app_dir)
+        assert short.returncode == 2, short.stdout + short.stderr
+        line = _one_line_error(short)
+        assert option in line and "retention of 90 days" in line, line
+    assert _rows(database_url) == before
+
+    purged = saga_cmd("purge", *app, app_dir=app_dir)
+    assert purged.returncode == 0, purged.stdout + purged.stderr
+    assert (
+        "purging sagas that ended more than 90 days ago (retention_days of the app's orchestrator"
+        in purged.stderr
+    ), purged.stderr
+    assert "purged 1 ended saga(s)" in purged.stdout
+    assert {s.id for s in orch.list()} == {forty, fresh, parked}
+
+
+def test_purge_without_an_app_says_it_uses_the_default(
+    make_orch: OrchestratorFactory, database_url: str, app_dir: Path
+) -> None:
+    """Without --app or an explicit retention, purge applies its default of 30 days and
+    says so; an explicit --retention-days is named as the source."""
+    orch = make_orch(*cli_app.SAGAS)
+    forty = orch.execute(cli_app.shop, Job(order_id="forty")).id
+    _ended(database_url, forty, 40)
+    before = _rows(database_url)
+
+    planned = saga_cmd("purge", "--database-url", database_url, "--dry-run")
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    assert "more than 30 days ago (the default retention" in planned.stderr, planned.stderr
+    assert forty in planned.stdout
+    assert _rows(database_url) == before
+
+    kept = saga_cmd("purge", "--database-url", database_url, "--retention-days", "45")
+    assert kept.returncode == 0, kept.stdout + kept.stderr
+    assert "more than 45 days ago (--retention-days)" in kept.stderr, kept.stderr
+    assert "purged 0" in kept.stdout
+    assert {s.id for s in orch.list()} == {forty}
