@@ -103,11 +103,16 @@ def _parked(orch_factory: OrchestratorFactory) -> tuple[Any, str]:
     return orch, saga_id
 
 
+VERBS = ["raise_ceilings", "resolve", "retry", "compensate", "cancel", "approval"]
+
+
+@pytest.mark.parametrize("verb", VERBS)
 @pytest.mark.parametrize("blank", ["", "   "])
 def test_every_operator_verb_refuses_an_empty_actor_and_writes_nothing(
     make_orch: OrchestratorFactory,
     database_url: str,
     monkeypatch: pytest.MonkeyPatch,
+    verb: str,
     blank: str,
 ) -> None:
     """raise_ceilings, resolve, retry, compensate, cancel and approval each refuse an empty
@@ -127,11 +132,10 @@ def test_every_operator_verb_refuses_an_empty_actor_and_writes_nothing(
         "cancel": lambda: orch.cancel(pending, reason="customer asked", actor=blank),
         "approval": lambda: orch.approval(saga_id, "ship", "0" * 64, actor=blank),
     }
-    for verb, call in calls.items():
-        with pytest.raises(ValueError, match=rf"^{verb}\(\) needs an actor: ") as refused:
-            call()
-        assert "audit trail" in str(refused.value), verb
-        assert _rows(database_url) == before, verb
+    with pytest.raises(ValueError, match=rf"^{verb}\(\) needs an actor: ") as refused:
+        calls[verb]()
+    assert "audit trail" in str(refused.value)
+    assert _rows(database_url) == before
 
 
 def test_verbs_without_an_actor_record_the_os_user(make_orch: OrchestratorFactory) -> None:
