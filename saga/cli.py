@@ -679,12 +679,9 @@ def _purge(args: argparse.Namespace) -> int:
     verb = "dry run: would purge" if args.dry_run else "purging"
     print(f"{verb} sagas that ended more than {days:g} days ago ({source})", file=sys.stderr)
     # The app's own Orchestrator purges with its retention; else one with the chosen one.
+    retention = DEFAULT_RETENTION_DAYS if args.retention_days is None else args.retention_days
     orch = app or Orchestrator(
-        args.database_url or None,
-        auto_migrate=False,
-        retention_days=DEFAULT_RETENTION_DAYS
-        if args.retention_days is None
-        else args.retention_days,
+        args.database_url or None, auto_migrate=False, retention_days=retention
     )
     with orch:
         if args.dry_run:
