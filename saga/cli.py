@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import getpass
 import importlib
 import json
 import os
@@ -34,6 +33,8 @@ EXIT_PARTIAL = 1
 EXIT_USAGE = 2
 ENV_APP = "SAGA_APP"
 ENV_TRACEBACK = "SAGA_TRACEBACK"
+# The retention `saga purge` applies without --app or --retention-days, as Orchestrator's.
+DEFAULT_RETENTION_DAYS = 30.0
 
 _EPILOG = """exit codes:
   0  done
@@ -268,20 +269,34 @@ def _parser() -> argparse.ArgumentParser:
     purge = add(
         "purge",
         "delete completed and compensated sagas older than the retention, in batches; "
-        "sagas still running or parked are never touched",
+        "sagas still running or parked are never touched. With --app the retention is "
+        "the retention_days of the app's Orchestrator",
+        app,
     )
     purge.add_argument(
         "--retention-days",
-        type=float,
-        default=30.0,
+        type=_amount,
         metavar="DAYS",
-        help="keep ended sagas at least this long (30)",
+        help="keep ended sagas at least this long (default: the app's retention_days "
+        f"with --app, else {DEFAULT_RETENTION_DAYS:g}; never shorter than the app's)",
     )
     purge.add_argument(
         "--older-than",
         type=_duration,
         metavar="AGE",
         help="delete only sagas ended longer ago than AGE (at least the retention)",
+    )
+    purge.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="list the sagas that would be deleted (id, saga, status, finished); delete nothing",
+    )
+    purge.add_argument(
+        "--limit",
+        type=_positive,
+        default=100,
+        metavar="N",
+        help="with --dry-run: list at most N (100)",
     )
     purge.add_argument("--batch-size", type=_positive, default=1000, help="rows per batch (1000)")
 
@@ -329,12 +344,15 @@ def _stderr_logger(*args: object) -> structlog.PrintLogger:
 
 
 def _actor(args: argparse.Namespace) -> str:
-    if getattr(args, "actor", None):
-        return str(args.actor)
-    try:
-        return getpass.getuser()
-    except Exception:  # no login name in some containers
-        return f"uid-{os.getuid()}"
+    actor = getattr(args, "actor", None)
+    if actor is None:
+        return operator.os_user()
+    if not actor.strip():
+        raise UsageError(
+            f"--actor {actor!r} names nobody: give who runs this (a person or a system), "
+            "for the saga's audit trail, or leave it out to use your OS user"
+        )
+    return str(actor)
 
 
 def load_app(spec: str | None, database_url: str | None) -> Orchestrator:
@@ -408,9 +426,10 @@ def _reader(database_url: str | None) -> Orchestrator:
 
 
 def _operator(args: argparse.Namespace) -> Orchestrator:
+    actor = _actor(args)  # a blank --actor is refused before the app is even loaded
     orch = load_app(args.app, args.database_url)
     # Leases this command takes are named after who ran it, in the audit trail too.
-    orch.owner = f"saga-cli:{_actor(args)}@{socket.gethostname()}:{os.getpid()}"
+    orch.owner = f"saga-cli:{actor}@{socket.gethostname()}:{os.getpid()}"
     return orch
 
 
@@ -660,13 +679,53 @@ def _confirm(args: argparse.Namespace) -> int:
 
 
 def _purge(args: argparse.Namespace) -> int:
-    with Orchestrator(
-        args.database_url or None, auto_migrate=False, retention_days=args.retention_days
-    ) as orch:
-        days = None if args.older_than is None else args.older_than / 86400.0
+    app = load_app(args.app, args.database_url) if args.app else None
+    days, source = _purge_cutoff(args, None if app is None else app.retention_days)
+    verb = "dry run: would purge" if args.dry_run else "purging"
+    print(f"{verb} sagas that ended more than {days:g} days ago ({source})", file=sys.stderr)
+    # The app's own Orchestrator purges with its retention; else one with the chosen one.
+    retention = DEFAULT_RETENTION_DAYS if args.retention_days is None else args.retention_days
+    orch = app or Orchestrator(
+        args.database_url or None, auto_migrate=False, retention_days=retention
+    )
+    with orch:
+        if args.dry_run:
+            found, total = operator.purge_candidates(orch, older_than_days=days, limit=args.limit)
+            print(fmt.purge_list(found, total))
+            return EXIT_OK
         deleted = orch.purge(older_than_days=days, batch_size=args.batch_size)
     print(f"purged {deleted} ended saga(s)")
     return EXIT_OK
+
+
+def _purge_cutoff(args: argparse.Namespace, app_retention: float | None) -> tuple[float, str]:
+    """The age in days past which `purge` deletes an ended saga, and where it comes from:
+    --older-than, else --retention-days, else the app's retention_days, else the default.
+    Neither option may go below the app's retention (nor --older-than below the
+    retention)."""
+    if app_retention is None:
+        retention = DEFAULT_RETENTION_DAYS
+        source = "the default retention; --app applies your app's retention_days"
+    else:
+        retention = app_retention
+        source = f"retention_days of the app's orchestrator, {args.app}"
+    if args.retention_days is not None:
+        if app_retention is not None and args.retention_days < app_retention:
+            raise UsageError(
+                f"--retention-days {args.retention_days:g} is shorter than the retention of "
+                f"{app_retention:g} days of the app's orchestrator ({args.app}): purge never "
+                "deletes what the app keeps"
+            )
+        retention, source = args.retention_days, "--retention-days"
+    if args.older_than is None:
+        return retention, source
+    days = args.older_than / 86400.0
+    if days < retention:
+        raise UsageError(
+            f"--older-than ({days:g} days) is shorter than the retention of {retention:g} "
+            f"days ({source})"
+        )
+    return days, f"--older-than; the retention is {retention:g} days, {source}"
 
 
 def _after_request(orch: Orchestrator, state: SagaState, run: bool) -> int:

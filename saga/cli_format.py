@@ -8,7 +8,7 @@ from collections.abc import Collection, Sequence
 from datetime import datetime
 from typing import Any, TextIO
 
-from saga.operator import Outcome, PlannedSaga, Report
+from saga.operator import Outcome, PlannedSaga, PurgeCandidate, Report
 from saga.state import HistoryEvent, OperationState, SagaState
 
 _OUTCOME_EVENTS = {
@@ -261,3 +261,15 @@ class ProgressLine:
             self.stream.write("\r\x1b[K")
             self.stream.flush()
             self.shown = False
+
+
+def purge_list(found: Sequence[PurgeCandidate], total: int) -> str:
+    """What a purge would delete (id, saga, status, finished_at), and how many in all."""
+    if not total:
+        return "nothing to purge: no ended saga is past the retention"
+    rows = [[c.saga_id, c.saga, str(c.status), timestamp(c.finished_at)] for c in found]
+    lines = [table(rows, ["ID", "SAGA", "STATUS", "FINISHED"])]
+    if total > len(found):
+        lines.append(f"... and {total - len(found)} more (--limit shows more)")
+    lines.append(f"would purge {total} ended saga(s); nothing was deleted")
+    return "\n".join(lines)

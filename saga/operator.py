@@ -1,8 +1,11 @@
-"""Operator jobs behind the `saga` command: compensation-only batches and the reconcile sweep."""
+"""Operator jobs behind the `saga` command: compensation-only batches, the reconcile sweep,
+the purge's dry run, and the actor every operator verb records."""
 
 from __future__ import annotations
 
 import functools
+import getpass
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +67,35 @@ class Report:
     def complete(self) -> bool:
         """Every selected saga is done: nothing parked, skipped or left out."""
         return not self.interrupted and len(self.outcomes) == self.count("done")
+
+
+def os_user() -> str:
+    """The login name of the user running this process (`uid-N` when it has none)."""
+    try:
+        return getpass.getuser()
+    except Exception:  # no login name in some containers
+        getuid = getattr(os, "getuid", None)
+        return f"uid-{getuid()}" if getuid is not None else "unknown-user"
+
+
+def check_actor(verb: str, actor: str) -> str:
+    """`actor` when it names someone; `ValueError` naming `verb` when it is empty or blank.
+
+    An actor is who makes an operator's change (a person, or the system acting for
+    one), recorded with it in the saga's audit trail.
+    """
+    if not isinstance(actor, str) or not actor.strip():
+        raise ValueError(
+            f"{verb}() needs an actor: who makes this change (a person or a system), "
+            f"recorded in the saga's audit trail; got {actor!r}"
+        )
+    return actor
+
+
+def actor_or_os_user(verb: str, actor: str | None) -> str:
+    """The actor an operator verb records: `actor`, or the OS user running the call when
+    it is None; `ValueError` (see `check_actor`) when it is empty or blank."""
+    return os_user() if actor is None else check_actor(verb, actor)
 
 
 def describe(state: SagaState) -> str:
@@ -298,6 +330,36 @@ def _compensated_detail(state: SagaState) -> str:
     if not ran:
         return f"{state.status} (nothing to undo)"
     return f"{state.status}: undid {', '.join(ran)}"
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeCandidate:
+    """An ended saga a purge would delete."""
+
+    saga_id: str
+    saga: str
+    status: SagaStatus
+    finished_at: datetime
+
+
+def purge_candidates(
+    orch: Orchestrator, *, older_than_days: float | None, limit: int
+) -> tuple[list[PurgeCandidate], int]:
+    """What `orch.purge(older_than_days=...)` would delete now, oldest first (at most
+    `limit`), and how many in all; deletes nothing. A cutoff shorter than the
+    orchestrator's retention is refused (`ValueError`), as `purge` refuses it."""
+    days = orch.purge_cutoff_days(older_than_days)
+    rows, total = orch.store.purgeable(retention_seconds=days * 86400.0, limit=limit)
+    found = [
+        PurgeCandidate(
+            saga_id=str(row["id"]),
+            saga=f"{row['name']} v{row['version']}",
+            status=SagaStatus(row["status"]),
+            finished_at=row["finished_at"],
+        )
+        for row in rows
+    ]
+    return found, total
 
 
 def parse_duration(text: str) -> timedelta:

@@ -35,6 +35,7 @@ from saga.keys import check_saga_input
 from saga.keys import request_hash as hash_business_fields
 from saga.leases import LeaseKeeper
 from saga.migrate import apply_migrations
+from saga.operator import actor_or_os_user, check_actor
 from saga.protocol import Event, Next, Planner, SagaRow, new_action_rows
 from saga.runner import Runner, RunnerOptions, log_events
 from saga.state import (
@@ -391,7 +392,14 @@ class Orchestrator:
     ) -> SagaState:
         """Raise a saga's persisted ceilings (lowering is refused) and, if it was parked,
         make it runnable again; recorded as `ceilings_raised` with the before and after.
-        The saga is not driven here: call `run` or leave it to a worker."""
+        The saga is not driven here: call `run` or leave it to a worker.
+
+        A ceiling the saga does not have is unlimited, the highest there is: setting
+        one (even `max_operations=1`) would lower it, and is refused (`StepStateError`)
+        like any lowering, writing nothing. `actor` is who makes the change, recorded in
+        the audit trail; an empty or blank one is refused (`ValueError`).
+        """
+        check_actor("raise_ceilings", actor)
         return self._operator_change(
             saga_id,
             lambda p: p.raise_ceilings(
@@ -439,8 +447,11 @@ class Orchestrator:
         `request_hash` of the preview approved, see `preview`).
 
         Whoever holds the confirmation key can approve: give it to the approvers'
-        tooling, not to the processes that run step code.
+        tooling, not to the processes that run step code. `actor` is who approves,
+        recorded when the approval is used; an empty or blank one is refused
+        (`ValueError`).
         """
+        check_actor("approval", actor)
         return approvals.sign(
             self._require_key(),
             saga_id=saga_id,
@@ -491,12 +502,7 @@ class Orchestrator:
         Sagas that are pending, running, compensating, parked or awaiting confirmation
         are never deleted, and neither are their operations.
         """
-        days = self.retention_days if older_than_days is None else older_than_days
-        if days < self.retention_days:
-            raise ValueError(
-                f"older_than_days ({days}) is shorter than the retention of "
-                f"{self.retention_days} days"
-            )
+        days = self.purge_cutoff_days(older_than_days)
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         total = 0
@@ -509,6 +515,17 @@ class Orchestrator:
                 break
         _log.info("sagas_purged", count=total, older_than_days=days)
         return total
+
+    def purge_cutoff_days(self, older_than_days: float | None = None) -> float:
+        """How long ago (days) a saga must have ended for `purge` to delete it: the
+        retention, or `older_than_days`; `ValueError` when that is shorter."""
+        days = self.retention_days if older_than_days is None else older_than_days
+        if not days >= self.retention_days:
+            raise ValueError(
+                f"older_than_days ({days}) is shorter than the retention of "
+                f"{self.retention_days} days"
+            )
+        return days
 
     def compensate(
         self,
@@ -524,7 +541,11 @@ class Orchestrator:
         stays in needs_review saying so) unless `include_unknown=True`, in which case
         its compensation runs with `result=None`. A saga a live worker holds is refused
         (`StepStateError`) unless `force=True`, which takes its lease over.
+
+        `actor` is who asks, recorded in the audit trail; None records the OS user
+        running the call, and an empty or blank one is refused (`ValueError`).
         """
+        actor = actor_or_os_user("compensate", actor)
         state = self._operator_change(
             saga_id,
             lambda p: p.request_compensation(include_unknown=include_unknown, actor=actor),
@@ -550,12 +571,13 @@ class Orchestrator:
         `outcome="succeeded"` records `result` (validated like a step's return value);
         `outcome="failed"` records the failure, so the next run compensates. The saga
         is not driven here: call `run` or leave it to a worker. `force=True` takes over
-        the lease of a live worker instead of refusing.
+        the lease of a live worker instead of refusing. `actor` is who checked and
+        settled the step, recorded in the audit trail; an empty or blank one is refused
+        (`ValueError`).
         """
         if outcome not in ("succeeded", "failed"):
             raise ValueError(f"outcome must be 'succeeded' or 'failed', got {outcome!r}")
-        if not actor:
-            raise ValueError("resolve() needs an actor naming who settled the step")
+        check_actor("resolve", actor)
         state = self.get(saga_id)
         definition = self.definition(state.saga, state.version)
         target = definition.step_named(step)
@@ -590,11 +612,13 @@ class Orchestrator:
         made still count, so a retry past the ceiling needs extra attempts. An
         unknown outcome is settled again (reconcile hook or idempotent retry); one
         that is neither idempotent nor reconcilable is refused: resolve it instead.
-        The request is recorded as `retry_requested`. The saga is not driven here:
-        call `run` or leave it to a worker.
+        The request is recorded as `retry_requested` with `actor`, who asks (None: the
+        OS user running the call; an empty or blank one is refused, `ValueError`). The
+        saga is not driven here: call `run` or leave it to a worker.
         """
         if extra_attempts < 0:
             raise ValueError(f"extra_attempts must not be negative, got {extra_attempts}")
+        actor = actor_or_os_user("retry", actor)
         return self._operator_change(
             saga_id,
             lambda p: p.request_retry(extra_attempts=extra_attempts, actor=actor),
@@ -616,10 +640,13 @@ class Orchestrator:
         Recorded as `cancel_requested` with the reason and actor, which also becomes
         the saga's `error`. A completed saga, or one past a succeeded pivot step, is
         refused (`StepStateError`); one already compensating is returned unchanged.
-        The saga is not driven here: call `run` or leave it to a worker.
+        The saga is not driven here: call `run` or leave it to a worker. `actor` is
+        who asks (None: the OS user running the call; an empty or blank one is
+        refused, `ValueError`).
         """
         if not reason:
             raise ValueError("cancel() needs a reason")
+        actor = actor_or_os_user("cancel", actor)
         return self._operator_change(
             saga_id,
             lambda p: p.request_cancel(reason=reason, actor=actor, include_unknown=include_unknown),

@@ -1212,7 +1212,11 @@ class Planner:
         extend_deadline_seconds: float | None = None,
     ) -> None:
         """An operator raises saga ceilings (never lowers them); a saga parked in
-        needs_review becomes runnable again, its counters untouched."""
+        needs_review becomes runnable again, its counters untouched.
+
+        A ceiling the saga does not have is unlimited, the highest there is: setting
+        one there would lower it, and is refused like any lowering. One refused
+        ceiling refuses the whole request, changing nothing."""
         self._tick()
         self._refuse_when_final("raise a ceiling for")
         saga = self.saga
@@ -1231,7 +1235,13 @@ class Planner:
             ("spend_budget", spend_budget, saga.spend_budget),
             ("max_side_effects", max_side_effects, saga.max_side_effects),
         ):
-            if new is not None and old is not None and new < old:
+            if new is None:
+                continue
+            if new != new:  # NaN: no ceiling would ever be reached, nor compared
+                raise ValueError(f"{name} must be a number, got {new!r}")
+            if old is None:
+                raise StepStateError(f"{name} can only be raised: it is unlimited, not {new:g}")
+            if new < old:
                 raise StepStateError(f"{name} can only be raised: it is {old:g}, not {new:g}")
         if extend_deadline_seconds is not None and extend_deadline_seconds <= 0:
             raise ValueError("extend_deadline_seconds must be positive")

@@ -486,6 +486,18 @@ class Store:
             ).fetchone()
         return int(row["purged"]) if row else 0
 
+    def purgeable(
+        self, *, retention_seconds: float, limit: int
+    ) -> tuple[list[dict[str, Any]], int]:
+        """The sagas `purge_finished` would delete with this cutoff, oldest first (at most
+        `limit`: id, name, version, status, finished_at), and how many in all."""
+        with self._connection() as conn:
+            rows = conn.execute(
+                _q("list_purgeable_sagas"),
+                {"retention_seconds": retention_seconds, "limit": limit},
+            ).fetchall()
+        return rows, int(rows[0]["total"]) if rows else 0
+
     def operations_txn(self, conn: Conn, saga_id: str) -> list[OpRow]:
         """The operation rows of a saga."""
         rows = conn.execute(_q("get_operations"), {"saga_id": saga_id}).fetchall()

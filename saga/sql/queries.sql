@@ -223,6 +223,16 @@ WITH doomed AS (
 )
 SELECT count(*) AS purged FROM gone
 
+-- list_purgeable_sagas --
+-- The sagas purge_finished_sagas would delete with this cutoff, oldest first, and how many
+-- there are in all: a dry run, which neither locks nor deletes anything.
+SELECT id::text AS id, name, version, status, finished_at, count(*) OVER () AS total
+FROM saga.sagas
+WHERE status IN ('completed', 'compensated')
+  AND finished_at < now() - make_interval(secs => %(retention_seconds)s::float8)
+ORDER BY finished_at
+LIMIT %(limit)s
+
 -- assert_fence --
 -- The fence check of a pipelined transition: fails the transaction (SQLSTATE SG001) when
 -- another owner has claimed the saga, so the writes queued after it are rolled back.
