@@ -270,11 +270,11 @@ def test_a_changed_request_after_an_unknown_outcome_parks_even_after_a_failed_pr
     plans = iter([100, TransientError("pricing unavailable"), 200, 200, 200])
     sent: list[int] = []
 
-    @saga.step(idempotent=True, retry=RETRY5)
-    def pay(ctx: StepContext, order: Order) -> dict[str, Any]:
+    @saga.step(idempotent=True, retry=RETRY5, timeout_seconds=0.2)
+    async def pay(ctx: StepContext, order: Order) -> dict[str, Any]:
         sent.append(ctx.request.amount_cents)
         if len(sent) == 1:
-            raise RuntimeError("connection reset after the request was sent")
+            await asyncio.sleep(5)  # sent, and no reply before the timeout: unknown
         return {"paid": ctx.request.amount_cents}
 
     @pay.prepare
