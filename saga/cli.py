@@ -738,12 +738,8 @@ def _cancel(args: argparse.Namespace) -> int:
 def _cancel_parks(orch: Orchestrator, state: SagaState, *, include_unknown: bool) -> str | None:
     """What a cancel of `state` will undo before its compensation stops and the saga
     parks, and why; None when it would not park (or the cancel does not compensate)."""
-    if state.status.is_terminal or state.status == SagaStatus.COMPENSATING:
-        return None
-    if operator.succeeded_pivot(orch, state) is not None:
-        return None  # refused: past a pivot a saga only goes forward
-    planned = operator.plan_compensation(orch, state, include_unknown=include_unknown)
-    if planned.stop is None:
+    planned = operator.cancel_plan(orch, state, include_unknown=include_unknown)
+    if planned is None or planned.stop is None:
         return None
     undo = ", ".join(repr(step) for step, _ in planned.compensations)
     runs = f"it will run the compensations of {undo}, then" if undo else "it will undo nothing and"

@@ -159,6 +159,26 @@ def plan_compensation(
     return PlannedSaga(state.id, describe(state), runs, stop=stop, raises=planner.fresh_budgets())
 
 
+def cancel_plan(
+    orch: Orchestrator, state: SagaState, *, include_unknown: bool
+) -> PlannedSaga | None:
+    """What cancelling `state` would compensate, changing nothing; None when the cancel
+    would start no compensation (the saga is completed, already compensating, or past a
+    pivot step, which `cancel` refuses)."""
+    if state.status == SagaStatus.COMPLETED or succeeded_pivot(orch, state) is not None:
+        return None
+    definition = orch.definition(state.saga, state.version)
+    with orch.store.transaction() as conn:
+        loaded = orch.store.load_txn(conn, state.id)
+    if loaded is None:
+        return None
+    planner = Planner(definition, *loaded)
+    if planner.saga.direction == "backward":
+        return None
+    runs, stop = planner.compensation_plan(include_unknown=include_unknown)
+    return PlannedSaga(state.id, describe(state), runs, stop=stop, raises=planner.fresh_budgets())
+
+
 def dry_run(
     orch: Orchestrator,
     states: Sequence[SagaState],

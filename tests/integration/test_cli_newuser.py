@@ -89,6 +89,11 @@ def test_cancel_says_up_front_that_the_saga_will_park(
         assert "include-unknown" not in out and not _PYTHON_WORDING.search(out), out
         assert orch.get(saga_id).status == "needs_review"
 
+    # Parked while compensating, the saga is refused a second cancel: nothing is announced.
+    again = saga_cmd(*base, plain, "--reason", "again", app_dir=app_dir)
+    assert again.returncode == 1 and again.stdout == "", again.stdout
+    assert "already compensating" in _one_line_error(again)
+
 
 def test_resolve_succeeded_without_result_warns_when_a_compensation_gets_null(
     make_orch: OrchestratorFactory, database_url: str, app_dir: Path
