@@ -31,6 +31,20 @@ from saga.state import (
 )
 from saga.worker import Worker
 
+
+def _installed_version() -> str:
+    """The version of the installed distribution; `0+unknown` when it is not installed
+    (the source tree imported from a checkout)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("saga-orchestrator")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _installed_version()
+
 __all__ = [
     "Absent",
     "ApprovalRejected",

@@ -16,8 +16,8 @@ import psycopg
 import pydantic
 import structlog
 
+from saga import __version__, operator
 from saga import cli_format as fmt
-from saga import operator
 from saga.database import ENV_URL, check_connection, describe_url, resolve_database_url, unavailable
 from saga.errors import (
     DatabaseUnavailable,
@@ -146,6 +146,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"saga {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
 
@@ -204,7 +205,12 @@ def _parser() -> argparse.ArgumentParser:
     comp.add_argument(
         "--include-unknown",
         action="store_true",
-        help="also compensate steps whose outcome is unknown (their compensation gets None)",
+        help="also compensate steps whose outcome is unknown (their compensation gets null)",
+    )
+    comp.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per saga (JSON Lines), then a summary object",
     )
 
     resolve = add(
@@ -299,6 +305,11 @@ def _parser() -> argparse.ArgumentParser:
         help="with --dry-run: list at most N (100)",
     )
     purge.add_argument("--batch-size", type=_positive, default=1000, help="rows per batch (1000)")
+    purge.add_argument(
+        "--json",
+        action="store_true",
+        help="JSON Lines: with --dry-run one object per saga, then a summary object",
+    )
 
     cancel = add("cancel", "stop a saga's forward progress and compensate it", app, acting, drive)
     cancel.add_argument("saga_id", metavar="ID")
@@ -316,6 +327,25 @@ def _parser() -> argparse.ArgumentParser:
         app,
     )
     rec.add_argument("--limit", type=_positive, default=100, help="at most this many sagas")
+    rec.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per saga (JSON Lines), then a summary object",
+    )
+
+    versions = add(
+        "versions",
+        "count the sagas in flight (not ended) per saga name and version; with --app, "
+        "whether the app registers each version: old definitions must stay registered "
+        "until their sagas drain",
+    )
+    versions.add_argument(
+        "--app",
+        metavar="MODULE[:ATTR]",
+        default=os.environ.get(ENV_APP),
+        help="also say whether this app registers each version (or SAGA_APP)",
+    )
+    versions.add_argument("--json", action="store_true", help="one JSON object per line")
     return parser
 
 
@@ -433,6 +463,21 @@ def _operator(args: argparse.Namespace) -> Orchestrator:
     return orch
 
 
+def _full_id(orch: Orchestrator, args: argparse.Namespace) -> str:
+    """The saga id given, expanded from a unique prefix (`saga show 6f0c`)."""
+    args.saga_id = operator.expand_id(orch.store, args.saga_id)
+    return str(args.saga_id)
+
+
+def _given(args: argparse.Namespace) -> dict[str, object]:
+    """The flags of this run that messages might otherwise suggest, with their values."""
+    return {
+        "--include-unknown": getattr(args, "include_unknown", False),
+        "--extra-attempts": getattr(args, "extra_attempts", 0),
+        "--force": getattr(args, "force", False),
+    }
+
+
 # ----- commands ------------------------------------------------------------------------
 
 
@@ -491,7 +536,7 @@ def _list(args: argparse.Namespace) -> int:
 
 def _show(args: argparse.Namespace) -> int:
     with _reader(args.database_url) as orch:
-        state = orch.get(args.saga_id)
+        state = orch.get(_full_id(orch, args))
         history = orch.history(state.id)
     print(fmt.to_json(state, history) if args.json else fmt.show(state, history))
     return EXIT_OK
@@ -516,7 +561,7 @@ def _compensate(args: argparse.Namespace) -> int:
     actor = _actor(args)
     with orch:
         if args.saga_id is not None:
-            states = [orch.get(args.saga_id)]
+            states = [orch.get(_full_id(orch, args))]
         else:
             from datetime import timedelta
 
@@ -532,16 +577,13 @@ def _compensate(args: argparse.Namespace) -> int:
             plans = operator.dry_run(
                 orch, states, include_unknown=args.include_unknown, force=args.force, batch=batch
             )
-            print(fmt.plan(plans))
+            print("\n".join(fmt.plan_json(plans)) if args.json else fmt.plan(plans))
             return EXIT_OK
-        if batch and not states:
+        if batch and not states and not args.json:
             print("compensate: no sagas match; nothing to do")
             return EXIT_OK
         progress = fmt.ProgressLine("compensating")
-
-        def show(outcome: operator.Outcome) -> None:
-            progress.clear()
-            print(fmt.outcome_line(outcome), flush=True)
+        show = _outcome_printer(args, progress)
 
         report = operator.compensate_batch(
             orch,
@@ -554,8 +596,27 @@ def _compensate(args: argparse.Namespace) -> int:
             on_outcome=show,
         )
         progress.clear()
-    print(fmt.summary(report, "compensate"))
+    if args.json:
+        print(fmt.summary_json(report, "compensate"))
+    else:
+        print(fmt.summary(report, "compensate"))
     return EXIT_OK if report.complete else EXIT_PARTIAL
+
+
+def _outcome_printer(
+    args: argparse.Namespace, progress: fmt.ProgressLine
+) -> Callable[[operator.Outcome], None]:
+    """How a batch job prints each saga's outcome: a text line, or a JSON line."""
+    given = _given(args)
+
+    def show(outcome: operator.Outcome) -> None:
+        progress.clear()
+        if args.json:
+            print(fmt.outcome_json(outcome, given), flush=True)
+        else:
+            print(fmt.outcome_line(outcome, given), flush=True)
+
+    return show
 
 
 def _resolve(args: argparse.Namespace) -> int:
@@ -573,9 +634,10 @@ def _resolve(args: argparse.Namespace) -> int:
     actor = _actor(args)
     outcome: Literal["succeeded", "failed"] = "succeeded" if args.succeeded else "failed"
     with orch:
+        saga_id = _full_id(orch, args)
         try:
             state = orch.resolve(
-                args.saga_id,
+                saga_id,
                 args.step,
                 outcome=outcome,
                 result=result,
@@ -587,7 +649,32 @@ def _resolve(args: argparse.Namespace) -> int:
         except pydantic.ValidationError as exc:
             raise UsageError(f"--result does not fit step {args.step!r}: {_errors(exc)}") from None
         print(f"resolved {args.step!r} of saga {state.id} as {outcome}, by {actor}")
-        return _after_request(orch, state, args.run)
+        if args.succeeded and args.result is None:
+            _warn_null_result(orch, state, args.step, args.kind)
+        return _after_request(orch, state, args.run, _given(args))
+
+
+def _warn_null_result(orch: Orchestrator, state: SagaState, step: str, kind: str | None) -> None:
+    """A step resolved as succeeded without --result has the result null, which its
+    compensation receives: say so when it has one."""
+    try:
+        op = state.operation(step, "compensation" if kind == "compensation" else "action")
+    except KeyError:
+        return
+    if op.kind != "action" or op.result is not None:
+        return  # the compensation itself was resolved, or the step has its result
+    declared = orch.definition(state.saga, state.version).step_named(step)
+    comp = None if declared is None else declared.compensation_op
+    if comp is None:
+        return
+    name = getattr(comp.fn, "__name__", "compensation")
+    print(
+        f"saga: warning: {step!r} is resolved as succeeded without --result, so its "
+        f"compensation {name!r} will receive null as the step's result if the saga is "
+        "compensated; resolve with --result JSON (what the provider returned) before then "
+        "if it needs one",
+        file=sys.stderr,
+    )
 
 
 def _retry(args: argparse.Namespace) -> int:
@@ -603,13 +690,18 @@ def _retry(args: argparse.Namespace) -> int:
         if args.extra_attempts:
             raise UsageError("--extra-attempts and the saga ceiling options go in two runs")
         with orch:
-            state = orch.raise_ceilings(args.saga_id, actor=actor, force=args.force, **raising)
+            state = orch.raise_ceilings(
+                _full_id(orch, args), actor=actor, force=args.force, **raising
+            )
             given = ", ".join(f"{k}={v:g}" for k, v in raising.items() if v is not None)
             print(f"raised ceilings of saga {state.id}, by {actor}: {given}")
-            return _after_request(orch, state, args.run)
+            return _after_request(orch, state, args.run, _given(args))
     with orch:
         state = orch.retry(
-            args.saga_id, extra_attempts=args.extra_attempts, actor=actor, force=args.force
+            _full_id(orch, args),
+            extra_attempts=args.extra_attempts,
+            actor=actor,
+            force=args.force,
         )
         last = next(e for e in reversed(orch.history(state.id)) if e.event == "retry_requested")
         what = last.step if last.kind == "action" else f"compensation of {last.step}"
@@ -618,14 +710,17 @@ def _retry(args: argparse.Namespace) -> int:
             f"ceiling {last.detail.get('previous_max_attempts')} -> "
             f"{last.detail.get('max_attempts')}, {last.attempt or 0} attempt(s) used"
         )
-        return _after_request(orch, state, args.run)
+        return _after_request(orch, state, args.run, _given(args))
 
 
 def _cancel(args: argparse.Namespace) -> int:
     orch = _operator(args)
     actor = _actor(args)
     with orch:
-        before = orch.get(args.saga_id)
+        before = orch.get(_full_id(orch, args))
+        warning = _cancel_parks(orch, before, include_unknown=args.include_unknown)
+        if warning is not None:
+            print(warning, flush=True)
         state = orch.cancel(
             before.id,
             reason=args.reason,
@@ -637,12 +732,26 @@ def _cancel(args: argparse.Namespace) -> int:
             print(f"saga {state.id} is already {state.status}; nothing to cancel")
         else:
             print(f"cancelled saga {state.id}, by {actor}: {args.reason}")
-        return _after_request(orch, state, args.run)
+        return _after_request(orch, state, args.run, _given(args))
+
+
+def _cancel_parks(orch: Orchestrator, state: SagaState, *, include_unknown: bool) -> str | None:
+    """What a cancel of `state` will undo before its compensation stops and the saga
+    parks, and why; None when it would not park (or the cancel does not compensate)."""
+    planned = operator.cancel_plan(orch, state, include_unknown=include_unknown)
+    if planned is None or planned.stop is None:
+        return None
+    undo = ", ".join(repr(step) for step, _ in planned.compensations)
+    runs = f"it will run the compensations of {undo}, then" if undo else "it will undo nothing and"
+    return (
+        f"cancel: {runs} the saga will park in needs_review: "
+        f"{fmt.cli_wording(planned.stop, {'--include-unknown': include_unknown})}"
+    )
 
 
 def _preview(args: argparse.Namespace) -> int:
     with _reader(args.database_url) as orch:
-        state = orch.get(args.saga_id)
+        state = orch.get(_full_id(orch, args))
         pending = orch.preview(state.id)
     if pending is None:
         print(f"saga {state.id} is {state.status}: it waits for no confirmation")
@@ -671,11 +780,12 @@ def _confirm(args: argparse.Namespace) -> int:
     orch = _operator(args)
     actor = _actor(args)
     with orch:
-        token = orch.approval(args.saga_id, args.step, args.request_hash, actor=actor)
-        state = orch.confirm(args.saga_id, args.step, args.request_hash, token)
+        saga_id = _full_id(orch, args)
+        token = orch.approval(saga_id, args.step, args.request_hash, actor=actor)
+        state = orch.confirm(saga_id, args.step, args.request_hash, token)
         print(f"confirmed {args.step!r} of saga {state.id}, request {args.request_hash}")
         print(f"approved by {actor}")
-        return _after_request(orch, state, args.run)
+        return _after_request(orch, state, args.run, _given(args))
 
 
 def _purge(args: argparse.Namespace) -> int:
@@ -691,10 +801,17 @@ def _purge(args: argparse.Namespace) -> int:
     with orch:
         if args.dry_run:
             found, total = operator.purge_candidates(orch, older_than_days=days, limit=args.limit)
-            print(fmt.purge_list(found, total))
+            if args.json:
+                print("\n".join(fmt.purge_json(found, total)))
+            else:
+                print(fmt.purge_list(found, total))
             return EXIT_OK
         deleted = orch.purge(older_than_days=days, batch_size=args.batch_size)
-    print(f"purged {deleted} ended saga(s)")
+    if args.json:
+        summary = {"summary": True, "command": "purge", "purged": deleted, "older_than_days": days}
+        print(json.dumps(summary, separators=(",", ":")))
+    else:
+        print(f"purged {deleted} ended saga(s)")
     return EXIT_OK
 
 
@@ -728,11 +845,13 @@ def _purge_cutoff(args: argparse.Namespace, app_retention: float | None) -> tupl
     return days, f"--older-than; the retention is {retention:g} days, {source}"
 
 
-def _after_request(orch: Orchestrator, state: SagaState, run: bool) -> int:
+def _after_request(
+    orch: Orchestrator, state: SagaState, run: bool, given: dict[str, object]
+) -> int:
     if run and state.status.is_runnable:
         state = orch.run(state.id)
     if state.status == SagaStatus.NEEDS_REVIEW:
-        print(f"saga {state.id} is needs_review: {state.error}")
+        print(f"saga {state.id} is needs_review: {fmt.cli_wording(state.error or '', given)}")
         return EXIT_PARTIAL
     if state.status.is_runnable:
         holder = f"; {state.lease_owner} is driving it" if state.lease_owner else ""
@@ -745,19 +864,35 @@ def _after_request(orch: Orchestrator, state: SagaState, run: bool) -> int:
 def _reconcile(args: argparse.Namespace) -> int:
     orch = _operator(args)
     progress = fmt.ProgressLine("reconciling")
-
-    def show(outcome: operator.Outcome) -> None:
-        progress.clear()
-        print(fmt.outcome_line(outcome), flush=True)
-
+    show = _outcome_printer(args, progress)
     with orch:
         report = operator.reconcile(orch, limit=args.limit, progress=progress, on_outcome=show)
         progress.clear()
-    if not report.selected:
+    if args.json:
+        print(fmt.summary_json(report, "reconcile"))
+    elif not report.selected:
         print("reconcile: no operation is left running under an expired lease or unknown")
-        return EXIT_OK
-    print(fmt.summary(report, "reconcile"))
+    else:
+        print(fmt.summary(report, "reconcile"))
     return EXIT_OK if report.complete else EXIT_PARTIAL
+
+
+def _versions(args: argparse.Namespace) -> int:
+    registered: set[tuple[str, int]] | None = None
+    if args.app:
+        app = load_app(args.app, args.database_url)
+        registered = {(s.name, s.version) for s in app.registered()}
+        app.close()
+    with _reader(args.database_url) as orch:
+        rows = operator.versions_in_flight(orch.store, registered)
+    if args.json:
+        for line in fmt.versions_json(rows):
+            print(line)
+    elif rows:
+        print(fmt.versions(rows, args.app))
+    else:
+        print("no saga is in flight", file=sys.stderr)
+    return EXIT_OK
 
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
@@ -773,6 +908,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "preview": _preview,
     "confirm": _confirm,
     "purge": _purge,
+    "versions": _versions,
 }
 
 
@@ -808,9 +944,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         return _fail(f"{args.command}: {exc}", EXIT_USAGE)
     except StepStateError as exc:
-        return _fail(f"refused: {exc}", EXIT_PARTIAL)
+        return _fail(f"refused: {fmt.cli_wording(str(exc), _given(args))}", EXIT_PARTIAL)
     except SagaError as exc:
-        return _fail(str(exc), EXIT_PARTIAL)
+        return _fail(fmt.cli_wording(str(exc), _given(args)), EXIT_PARTIAL)
     except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName):
         return _fail(
             "the saga schema is missing from this database; run `saga migrate`", EXIT_PARTIAL

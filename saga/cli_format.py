@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TextIO
 
-from saga.operator import Outcome, PlannedSaga, PurgeCandidate, Report
+from saga.operator import IN_FLIGHT, Outcome, PlannedSaga, PurgeCandidate, Report, VersionInFlight
 from saga.state import HistoryEvent, OperationState, SagaState
 
 _OUTCOME_EVENTS = {
@@ -19,6 +20,40 @@ _OUTCOME_EVENTS = {
     "reconcile_absent",
     "reconcile_inconclusive",
 }
+
+
+# Library wording in messages (refusals, park reasons) and the command's flag for it.
+_FLAG_WORDING = (
+    ("compensate with include_unknown=True", "compensate with --include-unknown"),
+    ("compensate with include_unknown", "compensate with --include-unknown"),
+    ("include_unknown=True", "--include-unknown"),
+    ("include_unknown", "--include-unknown"),
+    ("raise its ceiling with extra attempts", "raise its ceiling with --extra-attempts N"),
+    ("or force it", "or pass --force"),
+    ("pass Orchestrator(confirmation_key=...) or set ", "set "),
+)
+_USED = re.compile(r"has used (\d+) of its (\d+) attempts")
+
+
+def cli_wording(text: str, given: Mapping[str, object] | None = None) -> str:
+    """A library message in the command's words: flags (`--include-unknown`), not Python
+    keywords (`include_unknown=True`). `given` holds the flags the user passed (flag to
+    value): a message never suggests one of them again as if it had not been passed."""
+    for words, flag in _FLAG_WORDING:
+        text = text.replace(words, flag)
+    extra = (given or {}).get("--extra-attempts")
+    if isinstance(extra, int) and extra > 0:
+        used = _USED.search(text)
+        needed = (
+            f"; it needs at least {int(used[1]) - int(used[2]) + 1}" if used is not None else ""
+        )
+        text = text.replace(
+            "raise its ceiling with --extra-attempts N to retry it",
+            f"--extra-attempts {extra} does not raise its ceiling far enough{needed}",
+        )
+    if (given or {}).get("--include-unknown"):
+        text = text.replace(", or compensate with --include-unknown", "")
+    return text
 
 
 def table(rows: Sequence[Sequence[str]], headers: Sequence[str]) -> str:
@@ -90,7 +125,7 @@ def saga_list(states: Sequence[SagaState], known_kinds: Collection[str]) -> str:
             age(s.updated_at),
             f"waiting for a worker: no live worker runs {s.saga} v{s.version}"
             if waiting_for_worker(s, known_kinds)
-            else one_line(s.error, 60),
+            else one_line(cli_wording(s.error) if s.error else None, 60),
         ]
         for s in states
     ]
@@ -132,7 +167,7 @@ def show(state: SagaState, history: Sequence[HistoryEvent]) -> str:
         ["status", str(state.status)],
     ]
     if state.error:
-        head.append(["reason", state.error])
+        head.append(["reason", cli_wording(state.error)])
     if state.spend_budget is not None or state.spent:
         budget = "no budget" if state.spend_budget is None else f"of {state.spend_budget:g}"
         head.append(["spent", f"{state.spent:g} {budget}"])
@@ -191,9 +226,42 @@ def _value(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
-def outcome_line(outcome: Outcome) -> str:
+def outcome_line(outcome: Outcome, given: Mapping[str, object] | None = None) -> str:
     """One saga of a batch report."""
-    return f"{outcome.result:<8} {outcome.saga_id}  {outcome.saga}  {outcome.detail}"
+    detail = cli_wording(outcome.detail, given)
+    return f"{outcome.result:<8} {outcome.saga_id}  {outcome.saga}  {detail}"
+
+
+def outcome_json(outcome: Outcome, given: Mapping[str, object] | None = None) -> str:
+    """One saga of a batch report as one line of JSON."""
+    return _line(
+        {
+            "saga_id": outcome.saga_id,
+            "saga": outcome.saga,
+            "result": outcome.result,
+            "detail": cli_wording(outcome.detail, given),
+        }
+    )
+
+
+def summary_json(report: Report, what: str) -> str:
+    """The last line of a batch job with --json: how many sagas ended how."""
+    return _line(
+        {
+            "summary": True,
+            "command": what,
+            "selected": report.selected,
+            "done": report.count("done"),
+            "parked": report.count("parked"),
+            "skipped": report.count("skipped"),
+            "not_handled": report.selected - len(report.outcomes),
+            "interrupted": report.interrupted,
+        }
+    )
+
+
+def _line(data: Mapping[str, Any]) -> str:
+    return json.dumps(data, separators=(",", ":"), default=str)
 
 
 def summary(report: Report, what: str) -> str:
@@ -213,7 +281,7 @@ def plan(plans: Sequence[PlannedSaga]) -> str:
     notes: list[str] = []
     for p in plans:
         if p.skip is not None:
-            notes.append(f"skipped  {p.saga_id}  {p.saga}  {p.skip}")
+            notes.append(f"skipped  {p.saga_id}  {p.saga}  {cli_wording(p.skip)}")
             continue
         if not p.compensations and p.stop is None:
             notes.append(f"nothing  {p.saga_id}  {p.saga}  no compensation to run")
@@ -225,7 +293,7 @@ def plan(plans: Sequence[PlannedSaga]) -> str:
                 f"{before} -> {after} attempts"
             )
         if p.stop is not None:
-            notes.append(f"parks    {p.saga_id}  {p.saga}  would stop: {p.stop}")
+            notes.append(f"parks    {p.saga_id}  {p.saga}  would stop: {cli_wording(p.stop)}")
     out = []
     if rows:
         out.append(table(rows, ["SAGA ID", "SAGA", "COMPENSATES STEP", "IDEMPOTENCY KEY"]))
@@ -238,6 +306,43 @@ def plan(plans: Sequence[PlannedSaga]) -> str:
         f"({runs} compensations), {would_park} would park, {skipped} skipped; nothing was changed"
     )
     return "\n".join(out)
+
+
+def plan_json(plans: Sequence[PlannedSaga]) -> list[str]:
+    """A compensation dry run with --json: one line per saga, then a summary line."""
+    lines = [
+        _line(
+            {
+                "saga_id": p.saga_id,
+                "saga": p.saga,
+                "compensations": [{"step": s, "idempotency_key": k} for s, k in p.compensations],
+                "raises": [
+                    {"step": s, "max_attempts": before, "raised_to": after}
+                    for s, before, after in p.raises
+                ],
+                "stop": None if p.stop is None else cli_wording(p.stop),
+                "skip": None if p.skip is None else cli_wording(p.skip),
+            }
+        )
+        for p in plans
+    ]
+    would_park = sum(1 for p in plans if p.stop is not None and p.skip is None)
+    skipped = sum(1 for p in plans if p.skip is not None)
+    lines.append(
+        _line(
+            {
+                "summary": True,
+                "command": "compensate",
+                "dry_run": True,
+                "selected": len(plans),
+                "would_be_done": len(plans) - would_park - skipped,
+                "compensations": sum(len(p.compensations) for p in plans),
+                "would_park": would_park,
+                "skipped": skipped,
+            }
+        )
+    )
+    return lines
 
 
 class ProgressLine:
@@ -273,3 +378,70 @@ def purge_list(found: Sequence[PurgeCandidate], total: int) -> str:
         lines.append(f"... and {total - len(found)} more (--limit shows more)")
     lines.append(f"would purge {total} ended saga(s); nothing was deleted")
     return "\n".join(lines)
+
+
+def purge_json(found: Sequence[PurgeCandidate], total: int) -> list[str]:
+    """A purge dry run with --json: one line per saga listed, then a summary line."""
+    lines = [
+        _line(
+            {
+                "saga_id": c.saga_id,
+                "saga": c.saga,
+                "status": str(c.status),
+                "finished_at": c.finished_at.isoformat(),
+            }
+        )
+        for c in found
+    ]
+    lines.append(
+        _line(
+            {
+                "summary": True,
+                "command": "purge",
+                "dry_run": True,
+                "listed": len(found),
+                "would_purge": total,
+            }
+        )
+    )
+    return lines
+
+
+def versions(rows: Sequence[VersionInFlight], app: str | None) -> str:
+    """The table of `saga versions`: sagas in flight per name and version, by status,
+    and (with an app) whether it registers the version."""
+    headers = ["SAGA", "VERSION", *(s.value.upper() for s in IN_FLIGHT), "IN FLIGHT"]
+    if app is not None:
+        headers.append("REGISTERED")
+    body = []
+    for r in rows:
+        cells = [r.saga, str(r.version), *(str(r.counts[s]) for s in IN_FLIGHT), str(r.in_flight)]
+        if app is not None:
+            cells.append("yes" if r.registered else "no")
+        body.append(cells)
+    lines = [table(body, headers)]
+    missing = [r for r in rows if r.registered is False and r.in_flight]
+    if missing:
+        kinds = ", ".join(f"{r.saga} v{r.version}" for r in missing)
+        lines.append(
+            f"{sum(r.in_flight for r in missing)} saga(s) in flight of versions not registered "
+            f"by {app} ({kinds}): no worker of this app drives them; keep those definitions "
+            "registered until they drain"
+        )
+    return "\n".join(lines)
+
+
+def versions_json(rows: Sequence[VersionInFlight]) -> list[str]:
+    """`saga versions --json`: one line per name and version."""
+    return [
+        _line(
+            {
+                "saga": r.saga,
+                "version": r.version,
+                **{s.value: r.counts[s] for s in IN_FLIGHT},
+                "in_flight": r.in_flight,
+                "registered": r.registered,
+            }
+        )
+        for r in rows
+    ]

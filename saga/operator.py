@@ -1,22 +1,25 @@
 """Operator jobs behind the `saga` command: compensation-only batches, the reconcile sweep,
-the purge's dry run, and the actor every operator verb records."""
+the purge's dry run, id prefixes, the versions in flight, and the actor every operator
+verb records."""
 
 from __future__ import annotations
 
 import functools
 import getpass
 import os
+import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Literal
 
 import psycopg
 
-from saga.errors import DatabaseUnavailable, SagaError
+from saga.errors import DatabaseUnavailable, SagaError, SagaNotFound
 from saga.protocol import Planner
 from saga.state import OperationStatus, SagaState, SagaStatus
+from saga.store import Store, parse_id
 
 if TYPE_CHECKING:
     from saga.orchestrator import Orchestrator
@@ -152,6 +155,26 @@ def plan_compensation(
     if loaded is None:
         return PlannedSaga(state.id, describe(state), [], skip="the saga no longer exists")
     planner = Planner(definition, *loaded)
+    runs, stop = planner.compensation_plan(include_unknown=include_unknown)
+    return PlannedSaga(state.id, describe(state), runs, stop=stop, raises=planner.fresh_budgets())
+
+
+def cancel_plan(
+    orch: Orchestrator, state: SagaState, *, include_unknown: bool
+) -> PlannedSaga | None:
+    """What cancelling `state` would compensate, changing nothing; None when the cancel
+    would start no compensation (the saga is completed, already compensating, or past a
+    pivot step, which `cancel` refuses)."""
+    if state.status == SagaStatus.COMPLETED or succeeded_pivot(orch, state) is not None:
+        return None
+    definition = orch.definition(state.saga, state.version)
+    with orch.store.transaction() as conn:
+        loaded = orch.store.load_txn(conn, state.id)
+    if loaded is None:
+        return None
+    planner = Planner(definition, *loaded)
+    if planner.saga.direction == "backward":
+        return None
     runs, stop = planner.compensation_plan(include_unknown=include_unknown)
     return PlannedSaga(state.id, describe(state), runs, stop=stop, raises=planner.fresh_budgets())
 
@@ -374,3 +397,105 @@ def parse_duration(text: str) -> timedelta:
     if not parts or "".join(n + u for n, u in parts) != cleaned:
         raise ValueError(f"invalid duration {text!r}: use e.g. 90s, 15m, 1h, 2d or 1h30m")
     return timedelta(seconds=sum(float(n) * units[u] for n, u in parts))
+
+
+# ----- id prefixes ---------------------------------------------------------------------
+
+# The fewest hex digits of an id `expand_id` looks a saga up by, and how many candidates
+# an ambiguous prefix names.
+MIN_ID_PREFIX = 4
+_CANDIDATES = 5
+_PREFIX = re.compile(r"[0-9a-f][0-9a-f-]*")
+
+
+class UnknownIdPrefix(SagaNotFound):
+    """No saga id starts with the prefix given."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__(prefix)
+        self.args = (f"no saga id starts with {prefix!r}",)
+
+
+class AmbiguousIdPrefix(ValueError):
+    """Several saga ids start with the prefix given."""
+
+    def __init__(self, prefix: str, candidates: Sequence[str], more: bool) -> None:
+        listed = ", ".join(candidates) + (", ..." if more else "")
+        super().__init__(
+            f"saga id prefix {prefix!r} is ambiguous: it matches {listed}; give more of the id"
+        )
+        self.prefix = prefix
+        self.candidates = list(candidates)
+
+
+def expand_id(store: Store, text: str) -> str:
+    """The saga id that `text` is, or that it is the unique prefix of (as git takes a
+    commit's). A full id is returned as it is (checked when used); a prefix shorter than
+    `MIN_ID_PREFIX` hex digits is `ValueError`, an ambiguous one `AmbiguousIdPrefix`
+    (naming a few), one nothing starts with `UnknownIdPrefix`."""
+    if parse_id(text) is not None:
+        return text
+    prefix = text.strip().lower()
+    digits = prefix.replace("-", "")
+    if not _PREFIX.fullmatch(prefix) or len(digits) > 32:
+        raise SagaNotFound(text)
+    if len(digits) < MIN_ID_PREFIX:
+        raise ValueError(
+            f"saga id prefix {text!r} is too short: give at least {MIN_ID_PREFIX} "
+            "characters of the id"
+        )
+    found = store.ids_with_prefix(prefix, limit=_CANDIDATES + 1)
+    if not found:
+        raise UnknownIdPrefix(text)
+    if len(found) > 1:
+        raise AmbiguousIdPrefix(text, found[:_CANDIDATES], more=len(found) > _CANDIDATES)
+    return found[0]
+
+
+# ----- versions in flight --------------------------------------------------------------
+
+IN_FLIGHT = (
+    SagaStatus.PENDING,
+    SagaStatus.RUNNING,
+    SagaStatus.COMPENSATING,
+    SagaStatus.AWAITING_CONFIRMATION,
+    SagaStatus.NEEDS_REVIEW,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class VersionInFlight:
+    """How many sagas of one name and version have not ended, by status, and whether the
+    app asked about registers that version (None when no app was given)."""
+
+    saga: str
+    version: int
+    counts: dict[SagaStatus, int]
+    registered: bool | None
+
+    @property
+    def in_flight(self) -> int:
+        """Every saga of this version that has not ended (parked ones included)."""
+        return sum(self.counts.values())
+
+
+def versions_in_flight(
+    store: Store, registered: Collection[tuple[str, int]] | None = None
+) -> list[VersionInFlight]:
+    """Sagas not yet ended per (name, version), sorted; with `registered` (the app's
+    name/version pairs), each says whether the app registers it, and registered versions
+    with nothing in flight are listed too."""
+    counts: dict[tuple[str, int], dict[SagaStatus, int]] = {}
+    for name, version, status, n in store.in_flight_by_version():
+        counts.setdefault((name, version), dict.fromkeys(IN_FLIGHT, 0))[SagaStatus(status)] = n
+    for kind in registered or ():
+        counts.setdefault(kind, dict.fromkeys(IN_FLIGHT, 0))
+    return [
+        VersionInFlight(
+            saga=name,
+            version=version,
+            counts=by_status,
+            registered=None if registered is None else (name, version) in registered,
+        )
+        for (name, version), by_status in sorted(counts.items())
+    ]

@@ -373,7 +373,7 @@ class Planner:
             if act.status == OperationStatus.UNKNOWN:
                 self.park(
                     f"cannot compensate past step {act.step!r}: its outcome is unknown; "
-                    "resolve it first, or compensate with include_unknown=True"
+                    + _unknown_remedy(comp_def)
                 )
                 return None
             # pending or failed: the step had no effect, there is nothing to undo.
@@ -1377,9 +1377,8 @@ class Planner:
                 key = comp.idempotency_key if comp is not None else self._compensation_key(act.step)
                 runs.append((act.step, key))
             elif unknown:
-                return runs, (
-                    f"step {act.step!r} has an unknown outcome; resolve it first, or include "
-                    "unknown steps"
+                return runs, f"step {act.step!r} has an unknown outcome; " + _unknown_remedy(
+                    comp_def
                 )
         return runs, None
 
@@ -1487,3 +1486,11 @@ class Planner:
 
 def _describe(op: OpRow) -> str:
     return f"step {op.step!r}" if op.kind == "action" else f"compensation of step {op.step!r}"
+
+
+def _unknown_remedy(compensation: Compensation | None) -> str:
+    """What settles a step of unknown outcome that compensation cannot go past: including
+    unknown steps helps only when the step declares a compensation."""
+    if compensation is None:
+        return "it has no compensation, so resolve it (succeeded or failed) first"
+    return "resolve it first, or compensate with include_unknown=True"

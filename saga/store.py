@@ -606,6 +606,27 @@ class Store:
             ).fetchall()
 
 
+    def ids_with_prefix(self, prefix: str, *, limit: int) -> list[str]:
+        """Ids of sagas that start with `prefix` (lowercase hex, dashes where a full id has
+        them), in id order, at most `limit`; read through the primary key index."""
+        digits = prefix.replace("-", "")
+        low = str(uuid.UUID(digits.ljust(32, "0")))
+        high = str(uuid.UUID(digits.ljust(32, "f")))
+        with self._connection() as conn:
+            rows = conn.execute(
+                _q("saga_ids_by_prefix"),
+                {"low": low, "high": high, "pattern": prefix + "%", "limit": limit},
+            ).fetchall()
+        return [str(r["id"]) for r in rows]
+
+    def in_flight_by_version(self) -> list[tuple[str, int, str, int]]:
+        """(name, version, status, how many) of the sagas not ended yet, by name and
+        version."""
+        with self._connection() as conn:
+            rows = conn.execute(_q("in_flight_by_version")).fetchall()
+        return [(r["name"], int(r["version"]), r["status"], int(r["sagas"])) for r in rows]
+
+
 _FIELD_NAMES: dict[type[Any], tuple[str, ...]] = {}
 
 

@@ -113,16 +113,48 @@ RETURNING fence
 
 -- find_unsettled_sagas --
 -- Runnable sagas of the given (name:version) pairs with an operation left running under
--- an expired lease, or already unknown: the reconcile job's work list, oldest first.
+-- an expired lease, or already unknown: the reconcile job's work list, oldest first. The
+-- limit counts sagas (not operations); each saga's unsettled operations follow it, actions
+-- in step order, then compensations.
+WITH picked AS (
+    SELECT s.id, s.updated_at
+    FROM saga.sagas AS s
+    WHERE s.status IN ('pending', 'running', 'compensating')
+      AND (s.lease_owner IS NULL OR s.lease_expires_at <= now())
+      AND s.name || ':' || s.version = ANY(%(kinds)s::text[])
+      AND EXISTS (
+          SELECT 1
+          FROM saga.operations AS o
+          WHERE o.saga_id = s.id AND o.status IN ('running', 'unknown')
+      )
+    ORDER BY s.updated_at, s.id
+    LIMIT %(limit)s
+)
 SELECT s.id::text, s.name, s.version, o.step, o.kind, o.status, o.idempotency_key
-FROM saga.sagas AS s
-JOIN saga.operations AS o ON o.saga_id = s.id
-WHERE s.status IN ('pending', 'running', 'compensating')
-  AND (s.lease_owner IS NULL OR s.lease_expires_at <= now())
-  AND o.status IN ('running', 'unknown')
-  AND s.name || ':' || s.version = ANY(%(kinds)s::text[])
-ORDER BY s.updated_at, s.id
+FROM picked AS p
+JOIN saga.sagas AS s ON s.id = p.id
+JOIN saga.operations AS o ON o.saga_id = s.id AND o.status IN ('running', 'unknown')
+ORDER BY p.updated_at, p.id, o.kind = 'compensation',
+         CASE WHEN o.kind = 'action' THEN o.position ELSE -o.position END
+
+-- saga_ids_by_prefix --
+-- Ids of sagas that start with a prefix, in id order (at most the limit): the bounds are
+-- the prefix padded with 0s and fs, so the primary key index finds them on a large table;
+-- the LIKE keeps only ids written with the prefix as given (dashes included).
+SELECT id::text AS id
+FROM saga.sagas
+WHERE id >= %(low)s::uuid AND id <= %(high)s::uuid
+  AND id::text LIKE %(pattern)s
+ORDER BY id
 LIMIT %(limit)s
+
+-- in_flight_by_version --
+-- How many sagas of each name and version are not ended yet, by status.
+SELECT name, version, status, count(*) AS sagas
+FROM saga.sagas
+WHERE status IN ('pending', 'running', 'compensating', 'awaiting_confirmation', 'needs_review')
+GROUP BY name, version, status
+ORDER BY name, version, status
 
 -- upsert_worker --
 -- A worker says it is alive, which kinds it runs, and until when to believe it.

@@ -262,3 +262,21 @@ def test_load_app_finds_the_single_orchestrator_or_explains(
     finally:
         for name in files:
             sys.modules.pop(name, None)
+
+
+def test_cli_wording_names_flags_and_never_suggests_one_already_passed() -> None:
+    """Library messages become the command's words; a flag the user passed is not
+    suggested again as if it had not been."""
+    from saga.cli_format import cli_wording
+
+    parked = "resolve it first, or compensate with include_unknown=True"
+    assert cli_wording(parked) == "resolve it first, or compensate with --include-unknown"
+    assert cli_wording(parked, {"--include-unknown": True}) == "resolve it first"
+    used = (
+        "step 'x' has used 3 of its 2 attempts; raise its ceiling with extra attempts to retry it"
+    )
+    assert cli_wording(used).endswith("raise its ceiling with --extra-attempts N to retry it")
+    assert cli_wording(used, {"--extra-attempts": 1}).endswith(
+        "--extra-attempts 1 does not raise its ceiling far enough; it needs at least 2"
+    )
+    assert cli_wording("wait for the lease to expire, or force it").endswith("or pass --force")
