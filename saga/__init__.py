@@ -14,6 +14,7 @@ from saga.errors import (
     SagaNotFound,
     SchemaTooNew,
     StepStateError,
+    SyncCallInEventLoop,
     TransientError,
 )
 from saga.orchestrator import Orchestrator
@@ -74,6 +75,7 @@ __all__ = [
     "Step",
     "StepContext",
     "StepStateError",
+    "SyncCallInEventLoop",
     "TransientError",
     "Worker",
     "WorkerInfo",

@@ -12,6 +12,7 @@ from pydantic_core import PydanticSerializationError
 
 from saga.errors import SagaDefinitionError
 from saga.keys import check_json
+from saga.signatures import annotated_function
 
 # Return annotations that mean "plain JSON, store and replay as is".
 _PLAIN = {None, type(None), Any, dict, list, str, int, float, bool, inspect.Signature.empty}
@@ -63,7 +64,7 @@ def _first_line(exc: Exception) -> str:
 
 def _return_annotation(fn: Callable[..., Any], where: str) -> Any:
     try:
-        hints = typing.get_type_hints(fn)
+        hints = typing.get_type_hints(annotated_function(fn))
     except Exception as exc:
         # Guessing "plain JSON" would hand step code a dict where it expects a model.
         raise SagaDefinitionError(

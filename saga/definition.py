@@ -13,6 +13,7 @@ from saga.codec import ResultCodec
 from saga.errors import SagaDefinitionError
 from saga.keys import JsonValue, request_hash
 from saga.retry import RetryPolicy
+from saga.signatures import check_signature
 
 InputT = TypeVar("InputT", bound=BaseModel)
 Fn = TypeVar("Fn", bound=Callable[..., Any])
@@ -85,10 +86,25 @@ class OperationSpec:
     """What steps and compensations share: function, retries, guards and hooks."""
 
     label: str
+    # What the operation's function and its reconcile and prepare hooks are passed; its
+    # cost function is passed the same but the context.
+    takes: tuple[str, ...]
 
     def __init__(
-        self, fn: Callable[..., Any], *, retry: RetryPolicy, idempotent: bool, guards: Guards
+        self,
+        fn: Callable[..., Any],
+        *,
+        retry: RetryPolicy,
+        idempotent: bool,
+        guards: Guards,
+        saga: Saga[Any],
     ) -> None:
+        self.where = f"{self.label} of saga {saga.name!r}"
+        check_signature(fn, self.where, self.takes)
+        if callable(guards.cost):
+            check_signature(guards.cost, f"cost function of {self.where}", self.takes[1:])
+        if callable(guards.confirm):
+            check_signature(guards.confirm, f"confirm function of {self.where}", ("request",))
         self.fn = fn
         self.retry = retry
         self.idempotent = idempotent
@@ -117,6 +133,9 @@ class OperationSpec:
     ) -> Fn | Callable[[Fn], Fn]:
         """Decorator: ask the provider, by key, whether an unknown attempt happened.
 
+        The hook is passed what the operation is: `(ctx, input)` for a step, `(ctx,
+        input, result)` for a compensation.
+
         Args:
             window_seconds: For how long an `Inconclusive` (or an unsettled `Absent`)
                 answer is asked again, with backoff, before the saga parks; 0 parks
@@ -131,6 +150,7 @@ class OperationSpec:
             if self.reconcile_fn is not None:
                 raise SagaDefinitionError(f"{self.label} already has a reconcile function")
             _check_callable(func, f"reconcile of {self.label}")
+            check_signature(func, f"reconcile of {self.where}", self.takes)
             self.reconcile_fn = func
             self.reconcile_window_seconds = float(window_seconds)
             if retry is not None:
@@ -150,6 +170,7 @@ class OperationSpec:
         if self.prepare_fn is not None:
             raise SagaDefinitionError(f"{self.label} already has a prepare function")
         _check_callable(fn, f"prepare of {self.label}")
+        check_signature(fn, f"prepare of {self.where}", self.takes)
         self.prepare_fn = fn
         self.request_codec = ResultCodec(fn, where=f"request of {self.label}")
         return fn
@@ -157,6 +178,8 @@ class OperationSpec:
 
 class Compensation(OperationSpec):
     """The compensating action of one step (see `Step.compensation`)."""
+
+    takes = ("ctx", "input", "result")
 
     def __init__(
         self,
@@ -169,11 +192,13 @@ class Compensation(OperationSpec):
     ) -> None:
         self.step = step
         self.label = f"compensation of step {step.name!r}"
-        super().__init__(fn, retry=retry, idempotent=idempotent, guards=guards)
+        super().__init__(fn, retry=retry, idempotent=idempotent, guards=guards, saga=step.saga)
 
 
 class Step(OperationSpec):
     """One forward step of a saga; use it as a decorator target for its hooks."""
+
+    takes = ("ctx", "input")
 
     def __init__(
         self,
@@ -193,7 +218,7 @@ class Step(OperationSpec):
         self.pivot = pivot
         self.label = f"step {name!r}"
         self.compensation_op: Compensation | None = None
-        super().__init__(fn, retry=retry, idempotent=idempotent, guards=guards)
+        super().__init__(fn, retry=retry, idempotent=idempotent, guards=guards, saga=saga)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Calling the step calls its function (handy in unit tests of step code)."""
@@ -229,8 +254,19 @@ class Step(OperationSpec):
     ) -> Compensation | Callable[[Callable[..., Any]], Compensation]:
         """Decorator: declare the compensating action of this step (at most one).
 
+        The function takes `(ctx, input, result)`: the saga input and the step's
+        result as the step returned it (a model when its return annotation says so).
+        It receives `result=None` when the step's outcome was unknown and it is
+        compensated all the same (`compensate(include_unknown=True)`,
+        `cancel(include_unknown=True)`): no result was recorded, and the effect may or
+        may not be in place, whatever the step's return annotation. Type it so,
+        `result: Charge | None`, and undo by what the input identifies (or look the
+        effect up) when it is None. Its reconcile and prepare hooks take the same
+        arguments; a function that cannot take them is refused here
+        (`SagaDefinitionError`).
+
         The guard options mean what they mean for `Saga.step`; a `cost` function
-        receives the saga input and the step's result.
+        receives the saga input and the step's result (None likewise).
         """
         guards = Guards(
             cost=cost,
@@ -338,6 +374,11 @@ class Saga(Generic[InputT]):
         confirm_ttl_seconds: float = 600.0,
     ) -> Step | Callable[[Callable[..., Any]], Step]:
         """Decorator: append a step; it runs after the steps declared before it.
+
+        The function takes `(ctx, input)`, sync or async; one that cannot be called
+        so (too few or too many positional parameters, a required keyword-only one)
+        is refused here with a `SagaDefinitionError` naming it, and so are hooks,
+        `cost` and `confirm` functions of the wrong shape.
 
         Args:
             name: Step name (default: the function's name).

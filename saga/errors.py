@@ -66,6 +66,12 @@ class SchemaTooNew(SagaError):
         self.package_version = package_version
 
 
+class SyncCallInEventLoop(SagaError, RuntimeError):
+    """A blocking call of the sync API was made from a running event loop, and refused
+    before it did anything: use `AsyncOrchestrator`, or call it in a thread
+    (`await asyncio.to_thread(...)`)."""
+
+
 class PermanentError(Exception):
     """Raised by step code: the operation failed and must not be retried."""
 

@@ -34,6 +34,7 @@ from saga.errors import (
 from saga.keys import check_saga_input
 from saga.keys import request_hash as hash_business_fields
 from saga.leases import LeaseKeeper
+from saga.loopguard import sync_only
 from saga.migrate import apply_migrations
 from saga.operator import actor_or_os_user, check_actor
 from saga.protocol import Event, Next, Planner, SagaRow, new_action_rows
@@ -62,6 +63,12 @@ MAX_LEASE_POLL_SECONDS = 0.5
 
 class Orchestrator:
     """Runs registered sagas against one PostgreSQL database.
+
+    Its methods block while they wait for the database and run steps (an async step in
+    an event loop of its own). From async code, call them in a thread (`await
+    asyncio.to_thread(orch.execute, ...)`): called from a running event loop, every
+    method that reads, writes or runs steps raises `SyncCallInEventLoop` before doing
+    anything.
 
     Args:
         database_url: PostgreSQL URL; else `SAGA_DATABASE_URL`; else an embedded
@@ -194,6 +201,7 @@ class Orchestrator:
         self._pool = pool
         return Store(pool)
 
+    @sync_only()
     def ensure_pool_size(self, connections: int) -> None:
         """Grow the connection pool to at least `connections` (workers call this)."""
         self.store.pool.resize(
@@ -224,6 +232,7 @@ class Orchestrator:
 
     # ----- starting ----------------------------------------------------------------------
 
+    @sync_only()
     def start(self, saga: Saga[Any], data: BaseModel | dict[str, Any]) -> SagaHandle:
         """Create a saga instance, idempotently on (tenant, saga name, key).
 
@@ -233,6 +242,7 @@ class Orchestrator:
         """
         return self._start(saga, data, runner=None)[0]
 
+    @sync_only(runs_steps=True)
     def execute(self, saga: Saga[Any], data: BaseModel | dict[str, Any]) -> SagaState:
         """Start a saga and drive it here: `start` then `run`, one commit cheaper.
 
@@ -337,6 +347,7 @@ class Orchestrator:
 
     # ----- driving -----------------------------------------------------------------------
 
+    @sync_only(runs_steps=True)
     def run(self, saga_id: str, *, wait_seconds: float = 0.0) -> SagaState:
         """Drive a saga here until it is completed, compensated or parked.
 
@@ -379,6 +390,7 @@ class Orchestrator:
         until_end = (state.lease_expires_at - datetime.now().astimezone()).total_seconds()
         return min(left, max(until_end, 0.0) + LEASE_POLL_SECONDS, MAX_LEASE_POLL_SECONDS)
 
+    @sync_only()
     def raise_ceilings(
         self,
         saga_id: str,
@@ -415,11 +427,13 @@ class Orchestrator:
 
     # ----- confirmations -----------------------------------------------------------------
 
+    @sync_only()
     def confirmations(self, saga_id: str) -> builtins.list[Confirmation]:
         """Every confirmation a saga asked for, pending and approved, oldest first."""
         self.get(saga_id)
         return self.store.confirmations(saga_id)
 
+    @sync_only()
     def preview(self, saga_id: str) -> Confirmation | None:
         """The confirmation a saga waits for, or None when it waits for none.
 
@@ -461,6 +475,7 @@ class Orchestrator:
             ttl_seconds=ttl_seconds,
         )
 
+    @sync_only()
     def confirm(self, saga_id: str, step: str, request_hash: str, approval: str) -> SagaState:
         """Resume a saga waiting in `awaiting_confirmation` with a signed approval.
 
@@ -495,6 +510,7 @@ class Orchestrator:
 
     # ----- retention ---------------------------------------------------------------------
 
+    @sync_only()
     def purge(self, *, older_than_days: float | None = None, batch_size: int = 1000) -> int:
         """Delete completed and compensated sagas that ended longer ago than the retention
         (or `older_than_days`, which may only be longer), in batches; returns how many.
@@ -527,6 +543,7 @@ class Orchestrator:
             )
         return days
 
+    @sync_only(runs_steps=True)
     def compensate(
         self,
         saga_id: str,
@@ -554,6 +571,7 @@ class Orchestrator:
         )
         return self.run(state.id)
 
+    @sync_only()
     def resolve(
         self,
         saga_id: str,
@@ -598,6 +616,7 @@ class Orchestrator:
             actor=actor,
         )
 
+    @sync_only()
     def retry(
         self,
         saga_id: str,
@@ -626,6 +645,7 @@ class Orchestrator:
             actor=actor,
         )
 
+    @sync_only()
     def cancel(
         self,
         saga_id: str,
@@ -786,6 +806,7 @@ class Orchestrator:
 
     # ----- reading -----------------------------------------------------------------------
 
+    @sync_only()
     def get(self, saga_id: str) -> SagaState:
         """The saga and its operations; `SagaNotFound` when there is none."""
         if parse_id(saga_id) is None:
@@ -795,6 +816,7 @@ class Orchestrator:
             raise SagaNotFound(saga_id)
         return state
 
+    @sync_only()
     def list(
         self,
         status: str | None = None,
@@ -822,10 +844,12 @@ class Orchestrator:
             status=status, name=saga, tenant_id=tenant, limit=limit, older_than_seconds=seconds
         )
 
+    @sync_only()
     def workers(self) -> builtins.list[WorkerInfo]:
         """Live workers of this database and the saga kinds (name:version) each runs."""
         return self.store.live_workers()
 
+    @sync_only()
     def history(self, saga_id: str) -> builtins.list[HistoryEvent]:
         """The audit trail of a saga, oldest first."""
         self.get(saga_id)

@@ -788,6 +788,25 @@ class Planner:
         if park:
             self.park(reason)
 
+    def record_not_called(self, op: OpRow, reason: str) -> None:
+        """The orchestrator's own machinery failed before any of the operation's code ran
+        (`reason` names its error): the attempt was never made, so it has no outcome, and
+        the error is no verdict on the step; nothing is compensated. An attempt recorded
+        as running goes back to what it was before (pending, or unknown while an earlier
+        attempt's outcome is); it stays counted (its number, its declared cost, the
+        ceilings), as an attempt whose prepare raised does. The saga parks with the reason
+        for a human to fix the cause and retry."""
+        self._tick()
+        if op.status == OperationStatus.RUNNING:
+            back = OperationStatus.UNKNOWN if op.retrying_unknown else OperationStatus.PENDING
+            self._touch(op, status=back)
+            op.finished_at = self.now
+        op.error = reason
+        op.next_attempt_at = None
+        op.dirty = True
+        self._event("attempt_not_called", op, reason=reason)
+        self.park(f"{reason}; fix the cause, then retry")
+
     def record_found(self, op: OpRow, result: Any, provider_reference: str | None) -> None:
         """Reconcile: the provider performed the effect."""
         self._tick()

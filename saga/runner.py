@@ -564,6 +564,18 @@ class Runner:
         failure: Exception | None = None
         try:
             prepared = _call(spec.prepare_fn, ctx, *planner.arguments(op))
+        except (_NotCalled, _MachineryFailed) as exc:
+            # Our machinery, not the hook: no verdict on the operation, whose attempt was
+            # not started; the saga parks with the reason.
+            _log.error("prepare_not_run", step=op.step, kind=op.kind, error=str(exc))
+            reason = (
+                f"prepare of {_describe_op(op)} could not be run: the orchestrator failed "
+                f"({exc}); the attempt was not called"
+            )
+            return self._transact(
+                planner,
+                lambda p: p.record_not_called(p.op(op.step, op.kind), reason),
+            )
         except Exception as exc:
             verdict, failure = spec.retry.classify(exc), exc
         else:
@@ -604,6 +616,24 @@ class Runner:
         except _AttemptTimedOut as exc:
             reason, park = str(exc), exc.still_running
             mutate = lambda p: p.record_unknown(p.op(op.step, op.kind), reason, park=park)  # noqa: E731
+        except _NotCalled as exc:
+            # Our machinery failed before any of the step ran: no outcome to record.
+            _log.error("attempt_not_called", **where, error=str(exc), traceback=_traceback_of(exc))
+            reason = (
+                f"attempt {op.attempts} of {_describe_op(op)} was not called: the orchestrator "
+                f"could not run it ({exc}); nothing of it ran"
+            )
+            mutate = lambda p: p.record_not_called(p.op(op.step, op.kind), reason)  # noqa: E731
+        except _MachineryFailed as exc:
+            # Not the step's verdict, whatever its policy says of the error: unknown, parked.
+            trace = _traceback_of(exc)
+            reason = (
+                f"attempt {op.attempts}: the orchestrator failed after the step's function "
+                f"had started ({exc}); its outcome is unknown"
+            )
+            mutate = lambda p: p.record_unknown(  # noqa: E731
+                p.op(op.step, op.kind), reason, park=True, traceback=trace
+            )
         except Exception as exc:
             error = _describe_error(exc)
             verdict = policy.classify(exc)
@@ -680,6 +710,10 @@ class Runner:
                     "or Inconclusive"
                 )
                 mutate = lambda p: p.record_inconclusive(p.op(op.step, op.kind), reason)  # noqa: E731
+        except (_NotCalled, _MachineryFailed) as exc:
+            # No answer: the orchestrator could not run the hook.
+            reason = f"reconcile could not be run: the orchestrator failed ({exc})"
+            mutate = lambda p: p.record_inconclusive(p.op(op.step, op.kind), reason)  # noqa: E731
         except Exception as exc:
             reason = f"reconcile raised {_describe_error(exc)}"
             mutate = lambda p: p.record_inconclusive(p.op(op.step, op.kind), reason)  # noqa: E731
@@ -753,15 +787,10 @@ def _call_with_timeout(
     if timeout_seconds is None:
         return _call(fn, *args)
     what = f"attempt exceeded its timeout of {timeout_seconds:g}s; its outcome is unknown"
-    if inspect.iscoroutinefunction(fn):
-
-        async def bounded() -> Any:
-            try:
-                return await asyncio.wait_for(fn(*args), timeout_seconds)
-            except TimeoutError:
-                raise _AttemptTimedOut(what) from None
-
-        return asyncio.run(bounded())
+    if _is_async(fn):
+        return _run_async(
+            lambda: fn(*args), began=False, timeout=timeout_seconds, timed_out=what
+        )
     outcome: list[Any] = []
     failure: list[BaseException] = []
     tracked: list[abandoned.Abandoned] = []
@@ -801,15 +830,91 @@ def _call_with_timeout(
     return outcome[0]
 
 
+class _NotCalled(Exception):
+    """The orchestrator's own machinery failed before any of the user function ran (an
+    event loop for an async function could not be started): the call was never made."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(_describe_error(cause))
+        self.cause = cause
+
+
+class _MachineryFailed(Exception):
+    """The orchestrator's own machinery failed after the user function may have started
+    (the sync part of a callable that returned an awaitable ran): its outcome is unknown,
+    and the error says nothing about it."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(_describe_error(cause))
+        self.cause = cause
+
+
 def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    """Call a user function; an async one (or one that returns an awaitable) is awaited in
+    an event loop of its own. `_NotCalled` or `_MachineryFailed` when that loop fails."""
+    if _is_async(fn):
+        # Nothing of an async function runs before its coroutine is awaited, in the loop.
+        return _run_async(lambda: fn(*args), began=False)
     result = fn(*args)
     if inspect.isawaitable(result):
-        return asyncio.run(_await(result))
+        return _run_async(lambda: result, began=True)
     return result
 
 
-async def _await(awaitable: Any) -> Any:
-    return await awaitable
+def _is_async(fn: Callable[..., Any]) -> bool:
+    """Whether calling `fn` only creates a coroutine (async def, a partial of one, or an
+    object whose `__call__` is one)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - the method, not callability
+    )
+
+
+def _run_async(
+    make: Callable[[], Any],
+    *,
+    began: bool,
+    timeout: float | None = None,
+    timed_out: str = "",
+) -> Any:
+    """Await `make()` in a new event loop (bounded by `timeout`, past which
+    `_AttemptTimedOut(timed_out)`), telling the machinery's failures from the function's.
+
+    `began`: user code already ran to produce the awaitable. If the loop fails before our
+    coroutine starts, that is `_NotCalled` (nothing of the function ran) or, when `began`,
+    `_MachineryFailed`; if it fails as it closes after the function returned, the result
+    stands. An exception of the function itself is raised as it is.
+    """
+    entered = False
+    returned: list[Any] = []
+
+    async def main() -> Any:
+        nonlocal entered
+        entered = True
+        try:
+            value = await (make() if timeout is None else asyncio.wait_for(make(), timeout))
+        except TimeoutError:
+            if timeout is None:
+                raise
+            raise _AttemptTimedOut(timed_out) from None
+        returned.append(value)
+        return value
+
+    coro = main()
+    try:
+        return asyncio.run(coro)
+    except Exception as exc:
+        if not entered:
+            coro.close()
+            if began:
+                pending = make()
+                if inspect.iscoroutine(pending):
+                    pending.close()  # never to be awaited: no "never awaited" warning
+                raise _MachineryFailed(exc) from exc
+            raise _NotCalled(exc) from exc
+        if returned:
+            _log.warning("event_loop_close_failed", error=_describe_error(exc))
+            return returned[0]
+        raise
 
 
 # Longest traceback kept in an audit event (characters; its last lines are kept).
@@ -819,6 +924,10 @@ _MAX_TRACEBACK_CHARS = 8000
 def _traceback_of(exc: BaseException) -> str:
     text = "".join(traceback.format_exception(exc))
     return text if len(text) <= _MAX_TRACEBACK_CHARS else "..." + text[-_MAX_TRACEBACK_CHARS:]
+
+
+def _describe_op(op: OpRow) -> str:
+    return f"step {op.step!r}" if op.kind == "action" else f"compensation of step {op.step!r}"
 
 
 def _describe_error(exc: BaseException) -> str:

@@ -17,6 +17,7 @@ import structlog
 from psycopg import sql
 
 from saga.dbretry import is_transient, retrying
+from saga.loopguard import sync_only
 from saga.protocol import Next, Planner
 from saga.runner import Runner
 
@@ -89,6 +90,7 @@ class Worker:
         with self._lock:
             return len(self._in_flight)
 
+    @sync_only(runs_steps=True)
     def run(self, until_idle: bool = False, *, handle_signals: bool | None = None) -> None:
         """Claim and drive sagas until `stop()`, or, with `until_idle`, until none is open.
 

@@ -193,3 +193,10 @@ def test_nan_inside_a_model_result_is_refused() -> None:
     codec = _codec(price, "price")
     with pytest.raises(TypeError, match="price"):
         codec.encode(Price(value=float("nan")))
+
+
+def test_no_result_decodes_to_none_whatever_the_annotation() -> None:
+    """A compensation of a step whose outcome was unknown gets `result=None`: no result
+    was recorded. Decoding it never validates None against the step's model."""
+    for fn in (charge, maybe_charge, typed_reserve, reserve, unannotated):
+        assert ResultCodec(fn, where="step 'x'").decode(None) is None

@@ -36,6 +36,7 @@ EXPECTED_ALL = [
     "Step",
     "StepContext",
     "StepStateError",
+    "SyncCallInEventLoop",
     "TransientError",
     "Worker",
     "WorkerInfo",
