@@ -115,16 +115,20 @@ def test_every_python_block_of_the_readme_runs(
             before = saga_statuses(database_url)
             # Padded so that a traceback names the README's own line numbers.
             code = compile("\n" * (block.line - 1) + block.code, str(README), "exec")
+            failure = None
             try:
                 exec(code, namespace)
             except BaseException:
-                pytest.fail(f"{block.where()} raised:\n{traceback.format_exc()}")
+                failure = f"{block.where()} raised:\n{traceback.format_exc()}"
+            if failure is not None:
+                pytest.fail(failure, pytrace=False)
             for saga_id, (name, version, status, error) in saga_statuses(database_url).items():
                 changed = before.get(saga_id, (None, None, None, None))[2] != status
                 if changed and status in UNEXPECTED and status not in block.expected:
                     pytest.fail(
                         f"{block.where()}: saga {name!r} v{version} ({saga_id}) ended {status}"
-                        f" ({error}); a block that expects this says so (`# ends {status}`)"
+                        f" ({error}); a block that expects this says so (`# ends {status}`)",
+                        pytrace=False,
                     )
     finally:
         for value in list(namespace.values()):
