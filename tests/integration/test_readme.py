@@ -15,15 +15,19 @@ Blocks that are not Python are fenced as ```text, ```console or ```sh, and not r
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+import structlog
 
 from saga import Orchestrator
 
@@ -88,33 +92,39 @@ def saga_statuses(url: str) -> dict[str, tuple[str, int, str, str | None]]:
         return {r[0]: (r[1], r[2], r[3], r[4]) for r in rows}
 
 
-def test_python_blocks_parse_in_order() -> None:
-    """The extraction finds the blocks (a README without any would make the test vacuous)."""
-    blocks = python_blocks(README.read_text(encoding="utf-8"))
-    assert len(blocks) >= 5
-    assert blocks[0].section == "What it does"
+@pytest.fixture
+def isolated_process_state() -> Iterator[None]:
+    """What a block may change for the whole process (a Logging section configures
+    structlog and logging, a block may set environment variables) is put back after."""
+    config = structlog.get_config()
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    environ = dict(os.environ)
+    try:
+        yield
+    finally:
+        structlog.configure(**config)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        os.environ.clear()
+        os.environ.update(environ)
 
 
-def test_every_python_block_of_the_readme_runs(
-    database_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Each block runs with the names the blocks before it defined; none raises, and no
-    saga ends compensated or parked unless its block says it expects that."""
-    monkeypatch.setenv("SAGA_DATABASE_URL", database_url)
-    monkeypatch.syspath_prepend(str(ROOT))
-    blocks = python_blocks(README.read_text(encoding="utf-8"))
+def run_blocks(blocks: list[Block], database_url: str, source: Path = README) -> list[str]:
+    """Run the blocks in order in one namespace; returns the skipped ones with their reason,
+    and fails the calling test at the first block that raises or ends a saga unannounced."""
     namespace: dict[str, Any] = {"__name__": "readme"}
     skipped: list[str] = []
-    started = time.monotonic()
     try:
         for block in blocks:
+            # Padded so that a traceback names the README's own line numbers. A skipped
+            # block must still be Python.
+            code = compile("\n" * (block.line - 1) + block.code, str(source), "exec")
             reason = block.skip_reason
             if reason is not None:
                 skipped.append(f"{block.where()}: {reason}")
                 continue
             before = saga_statuses(database_url)
-            # Padded so that a traceback names the README's own line numbers.
-            code = compile("\n" * (block.line - 1) + block.code, str(README), "exec")
             failure = None
             try:
                 exec(code, namespace)
@@ -134,6 +144,84 @@ def test_every_python_block_of_the_readme_runs(
         for value in list(namespace.values()):
             if isinstance(value, Orchestrator):
                 value.close()
+    return skipped
+
+
+def test_python_blocks_parse_in_order() -> None:
+    """The extraction finds the blocks (a README without any would make the test vacuous)."""
+    blocks = python_blocks(README.read_text(encoding="utf-8"))
+    assert len(blocks) >= 5
+    assert blocks[0].section == "What it does"
+
+
+def test_every_python_block_of_the_readme_runs(
+    database_url: str, monkeypatch: pytest.MonkeyPatch, isolated_process_state: None
+) -> None:
+    """Each block runs with the names the blocks before it defined; none raises, and no
+    saga ends compensated or parked unless its block says it expects that."""
+    monkeypatch.setenv("SAGA_DATABASE_URL", database_url)
+    monkeypatch.syspath_prepend(str(ROOT))
+    blocks = python_blocks(README.read_text(encoding="utf-8"))
+    started = time.monotonic()
+    skipped = run_blocks(blocks, database_url)
     print(f"{len(blocks)} blocks, {len(skipped)} skipped, {time.monotonic() - started:.1f} s")
     for line in skipped:
         print(f"  skipped {line}")
+
+
+PARKING = """# Title
+
+## Parks
+
+```python
+from pydantic import BaseModel
+from saga import Orchestrator, Saga, StepContext
+
+class Job(BaseModel):
+    key: str
+
+job = Saga("job", input=Job, key=lambda j: j.key)
+
+@job.step
+def work(ctx: StepContext, j: Job) -> dict:
+    return undefined_provider.call()
+```
+
+```text
+not Python: not run
+```
+
+```python
+# not run: shows the skip marker
+raise AssertionError("never run")
+```
+
+```python
+with Orchestrator(sagas=[job]) as orch:
+    orch.execute(job, {"key": "k-1"}){comment}
+```
+"""
+
+
+def test_a_block_whose_saga_parks_unannounced_fails(
+    database_url: str, monkeypatch: pytest.MonkeyPatch, isolated_process_state: None
+) -> None:
+    """The check bites: a saga parked on a NameError fails the run, naming the block and
+    the reason; announced with `# ends needs_review`, it passes. Text blocks are not run,
+    and the skip marker skips with its reason."""
+    monkeypatch.setenv("SAGA_DATABASE_URL", database_url)
+    text = PARKING.replace("{comment}", "")
+    blocks = python_blocks(text)
+    assert [(b.line, b.section) for b in blocks] == [(6, "Parks"), (24, "Parks"), (29, "Parks")]
+    with pytest.raises(pytest.fail.Exception) as failed:
+        run_blocks(blocks, database_url)
+    message = str(failed.value)
+    assert "README.md line 29 (section 'Parks'): saga 'job' v1" in message
+    assert "ended needs_review" in message and "NameError" in message
+
+    announced = python_blocks(PARKING.replace("{comment}", "  # ends needs_review"))
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("TRUNCATE saga.sagas CASCADE")
+    assert run_blocks(announced, database_url) == [
+        "README.md line 24 (section 'Parks'): shows the skip marker"
+    ]
