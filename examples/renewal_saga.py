@@ -4,8 +4,8 @@ Run it with `make demo` (embedded PostgreSQL) or with SAGA_DATABASE_URL set. The
 and the payment provider are simulated in the schema `demo_provider` of the same database;
 like real providers, they honour idempotency keys, and the steps that call them say so
 (`idempotent=True`), so an attempt whose outcome a crash left unknown is retried with the same
-key. The carrier takes no key: `create_shipment` declares nothing, and a crash while it is in
-flight parks the saga for a human to check with the carrier.
+key. The carrier takes no key: `create_shipment` is neither idempotent nor reconcilable, and a
+crash while it is in flight parks the saga for a human to check with the carrier.
 """
 
 from __future__ import annotations
