@@ -1,8 +1,11 @@
 """A subscription renewal told end to end: a clean run, a crash after the charge, a refusal.
 
-Run it with `make demo` (embedded PostgreSQL) or with SAGA_DATABASE_URL set. The warehouse,
-the payment provider and the carrier are simulated in the schema `demo_provider` of the same
-database; like real providers, they honour idempotency keys.
+Run it with `make demo` (embedded PostgreSQL) or with SAGA_DATABASE_URL set. The warehouse
+and the payment provider are simulated in the schema `demo_provider` of the same database;
+like real providers, they honour idempotency keys, and the steps that call them say so
+(`idempotent=True`), so an attempt whose outcome a crash left unknown is retried with the same
+key. The carrier takes no key: `create_shipment` is neither idempotent nor reconcilable, and a
+crash while it is in flight parks the saga for a human to check with the carrier.
 """
 
 from __future__ import annotations
@@ -121,7 +124,8 @@ def say(message: str) -> None:
     print(f"  {tag}{message}", flush=True)
 
 
-@renewal.step(retry=RetryPolicy(max_attempts=3, initial_delay=0.25, max_delay=1.0))
+# The warehouse dedupes on ctx.idempotency_key: a retry after a crash reserves nothing twice.
+@renewal.step(idempotent=True, retry=RetryPolicy(max_attempts=3, initial_delay=0.25, max_delay=1.0))
 def reserve_inventory(ctx: StepContext, r: Renewal) -> dict[str, str]:
     reservation_id = provider.reserve(ctx.idempotency_key, r.order_id)
     say(f"reserve_inventory: reserved {reservation_id} for order {r.order_id}")
@@ -158,7 +162,9 @@ def find_charge(ctx: StepContext, r: Renewal) -> Found | Absent:
     return Absent() if found is None else Found(found, provider_reference=found.charge_id)
 
 
-@renewal.step(pivot=True)  # the parcel leaves the warehouse: no way back after this
+# The parcel leaves the warehouse: no way back after this. The carrier has no idempotency
+# key, so the step is not declared idempotent: an attempt a crash left unknown parks.
+@renewal.step(pivot=True)
 def create_shipment(ctx: StepContext, r: Renewal) -> dict[str, str]:
     if r.ship_to == "Atlantis":
         say("create_shipment: the carrier refuses: no delivery to Atlantis")

@@ -44,7 +44,8 @@ class Ceilings(BaseModel):
             reported) stays within the budget. An attempt lost to a crash or a timeout
             is counted at its declared worst case; one that declares none parks the
             saga for a human to count it.
-        max_side_effects: Most attempts of operations declared `side_effect=True`.
+        max_side_effects: Most attempts of steps and compensations that count as side
+            effects: every one not declared `side_effect=False` (the default is True).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -34,15 +34,13 @@ def charges(url: str) -> dict[str, int]:
     return {str(k): int(n) for k, n in rows}
 
 
-# Where a kill parks the renewal for a human: around the call of a step that is neither
-# idempotent nor reconcilable (`reserve_inventory`, and the pivot `create_shipment`). The
-# transaction that records a step's outcome also starts the next step, so a kill before
-# it commits (`before_record` of the next step) or just after (`after_record`) leaves
-# such a step's attempt in flight too.
+# Where a kill parks the renewal for a human: around the call of the pivot
+# `create_shipment`, the one step that is neither idempotent nor reconcilable (the carrier
+# takes no key). The transaction that records a step's outcome also starts the next step,
+# so a kill just after the charge's outcome is committed (`after_record` of `charge`)
+# leaves the shipment's attempt in flight too. The warehouse and the gateway dedupe on the
+# key and their steps say so: a kill around either is retried (or reconciled) and completes.
 PARKED = {
-    "before_call:action:reserve_inventory",
-    "after_call:action:reserve_inventory",
-    "before_record:action:charge",
     "after_record:action:charge",
     "before_call:action:create_shipment",
     "after_call:action:create_shipment",
@@ -51,8 +49,9 @@ PARKED = {
 
 def test_renewal_survives_a_kill_at_every_fault_point(database_url: str) -> None:
     """The README's worked example: a renewal killed at each of the 4 fault points of each
-    of its 3 steps is resumed; it completes, or is parked for a human where a step that is
-    neither idempotent nor reconcilable was in flight; no charge is ever made twice."""
+    of its 3 steps is resumed; it completes, or is parked for a human where the step that is
+    neither idempotent nor reconcilable (the shipment) was in flight; no charge is ever made
+    twice."""
     report = crash_test(
         app="faults.renewal_app:orch",
         saga="renewal",
