@@ -604,15 +604,30 @@ class Runner:
     def _invoke(self, planner: Planner, op: OpRow) -> tuple[Planner, Next]:
         spec = planner.spec_of(op)
         fn, codec, policy = spec.fn, spec.codec, spec.retry
-        ctx = self._context(planner, op)
         where = {"step": op.step, "kind": op.kind}
         mutate: Mutation
+        try:
+            # What the step is handed (its context, the earlier results, its arguments) is
+            # built by our machinery: a failure here is no outcome of the step, which
+            # has not been called.
+            ctx = self._context(planner, op)
+            arguments = (ctx, *planner.arguments(op))
+        except Exception as exc:
+            if is_transient(exc):
+                raise
+            _log.error("attempt_not_called", **where, error=_describe_error(exc))
+            reason = (
+                f"attempt {op.attempts} of {_describe_op(op)} was not called: its arguments "
+                f"could not be built ({_describe_error(exc)}); nothing of it ran"
+            )
+            return self._transact(
+                planner,
+                lambda p: p.record_not_called(p.op(op.step, op.kind), reason),
+            )
         faults.point("before_call", **where)
         try:
             with self.keeper.holding(planner.saga.id, planner.saga.fence):
-                value = _call_with_timeout(
-                    fn, (ctx, *planner.arguments(op)), spec.guards.timeout_seconds
-                )
+                value = _call_with_timeout(fn, arguments, spec.guards.timeout_seconds)
         except _AttemptTimedOut as exc:
             reason, park = str(exc), exc.still_running
             mutate = lambda p: p.record_unknown(p.op(op.step, op.kind), reason, park=park)  # noqa: E731
