@@ -188,3 +188,43 @@ def test_capture_logs_still_sees_the_library_events(make_orch: Any) -> None:
     assert "attempt_succeeded" in names
     entry = next(e for e in logs if e["event"] == "attempt_succeeded")
     assert entry["saga_id"] == state.id and entry["step"] == "only"
+
+
+class _Keep(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_stdlib_records_carry_the_event_and_its_fields(
+    make_orch: Any, structlog_defaults: None
+) -> None:
+    """A structured handler finds the event name and its bound fields on each record."""
+    saga = order_saga("structured")
+
+    @saga.step
+    def only(ctx: StepContext, o: Order) -> dict:
+        ctx.log.info("from_the_step", extra_field=1)
+        return {}
+
+    keep = _Keep()
+    library = logging.getLogger("saga")
+    previous_level = library.level
+    library.addHandler(keep)
+    library.setLevel(logging.INFO)
+    try:
+        state = make_orch(saga).execute(saga, Order(order_id="o-1"))
+    finally:
+        library.removeHandler(keep)
+        library.setLevel(previous_level)
+    by_event = {getattr(r, "saga_event", None): r for r in keep.records}
+    done = by_event["attempt_succeeded"]
+    assert done.name == "saga" and done.levelno == logging.INFO
+    fields = getattr(done, "saga_fields", {})
+    assert fields["saga_id"] == state.id and fields["step"] == "only"
+    assert fields["idempotency_key"] == "structured:v1:acme:o-1:only"
+    step_fields = getattr(by_event["from_the_step"], "saga_fields", {})
+    assert step_fields["extra_field"] == 1 and step_fields["attempt"] == 1
