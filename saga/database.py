@@ -114,10 +114,12 @@ def _refusal(text: str) -> str | None:
     """The server's reason when `text` is a refusal (bad credentials, unknown role or
     database, an access rule), else None."""
     for line in text.splitlines():
-        reason = line.rsplit("FATAL:", 1)[-1] if "FATAL:" in line else line
-        reason = reason.split("fe_sendauth:", 1)[-1]
-        if any(marker in reason for marker in _REFUSALS):
-            return " ".join(reason.split())
+        # Only what the server said (FATAL) or libpq's answer to its request for a password.
+        for said in ("FATAL:", "fe_sendauth:"):
+            if said in line:
+                reason = line.rsplit(said, 1)[-1]
+                if any(marker in reason for marker in _REFUSALS):
+                    return " ".join(reason.split())
     return None
 
 

@@ -17,7 +17,9 @@ MASK = "***"
 # `password=VALUE` (conninfo keyword or URL query parameter): quoted with '...' (backslash
 # escapes, possibly unterminated) or bare up to whitespace (or `&`, in a URL's query).
 _PASSWORD_KV = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*(?:'|$)|[^\s&]*)", re.IGNORECASE)
-_BARE_VALUE = re.compile(r"password\s*=\s*(\S*)", re.IGNORECASE)
+# In key=value conninfo, what the writer may have meant as the password: up to the next
+# `keyword=` (a space left unquoted in the value), `&` included.
+_BARE_VALUE = re.compile(r"password\s*=\s*(.*?)(?=\s+[A-Za-z_]+\s*=|$)", re.IGNORECASE)
 # `scheme://userinfo@` anywhere in a text: the userinfo up to the last `@` of that word.
 _URL_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)\S*@")
 # Where a driver may cut a malformed URL into pieces (host, port, dbname...).
@@ -43,12 +45,12 @@ def _credential_span(url: str) -> str:
 def redact_url(url: str) -> str:
     """A form of `url` fit to show: credentials before the last `@` and `password=` values
     replaced by `***`, whether or not the URL parses."""
-    span = _credential_span(url)
-    if span or "@" in url:
-        start = url.find("://")
-        start = 0 if start < 0 else start + 3
-        url = url[:start] + MASK + url[url.rfind("@") :]
-    return redact(url)
+    shown = url
+    start = url.find("://")
+    start = 0 if start < 0 else start + 3
+    if url.rfind("@") >= start:
+        shown = url[:start] + MASK + url[url.rfind("@") :]
+    return redact(_remove_secrets(shown, url))
 
 
 def url_secrets(url: str) -> list[str]:
@@ -66,7 +68,6 @@ def url_secrets(url: str) -> list[str]:
             passwords.add(re.sub(r"\\(.)", r"\1", value))
         passwords.add(value)
     if "://" not in url:
-        # In key=value conninfo a bare value runs up to whitespace, `&` included.
         passwords.update(m.group(1) for m in _BARE_VALUE.finditer(url))
     try:
         from psycopg.conninfo import conninfo_to_dict
@@ -84,17 +85,20 @@ def url_secrets(url: str) -> list[str]:
     return sorted(found, key=lambda s: (-len(s), s))
 
 
+def _remove_secrets(text: str, url: str) -> str:
+    for secret in url_secrets(url):
+        if len(secret) >= _SHORT:
+            text = text.replace(secret, MASK)
+        else:
+            bounded = rf"(?<![\w.-]){re.escape(secret)}(?![\w.-])"
+            text = re.sub(bounded, MASK, text)
+    return text
+
+
 def scrub(text: str, *urls: str | None) -> str:
     """`text` without any password of `urls` (the raw URLs shown redacted) and without any
     `password=` value or URL userinfo of its own."""
     for url in urls:
-        if not url:
-            continue
-        text = text.replace(url, redact_url(url))
-        for secret in url_secrets(url):
-            if len(secret) >= _SHORT:
-                text = text.replace(secret, MASK)
-            else:
-                bounded = rf"(?<![A-Za-z0-9]){re.escape(secret)}(?![A-Za-z0-9])"
-                text = re.sub(bounded, MASK, text)
+        if url:
+            text = _remove_secrets(text.replace(url, redact_url(url)), url)
     return redact(text)
