@@ -4,6 +4,7 @@ from saga.approvals import ApprovalRejected
 from saga.context import StepContext
 from saga.definition import Ceilings, Compensation, Saga, Step
 from saga.errors import (
+    DatabaseRefused,
     DatabaseUnavailable,
     IdempotencyConflict,
     LeaseLost,
@@ -52,6 +53,7 @@ __all__ = [
     "Ceilings",
     "Compensation",
     "Confirmation",
+    "DatabaseRefused",
     "DatabaseUnavailable",
     "Found",
     "HistoryEvent",

@@ -26,6 +26,7 @@ from saga.errors import (
 )
 from saga.migrate import apply_migrations
 from saga.orchestrator import ENV_CONFIRMATION_KEY, Orchestrator
+from saga.redact import scrub
 from saga.state import SagaState, SagaStatus
 
 EXIT_OK = 0
@@ -928,10 +929,12 @@ def _errors(exc: pydantic.ValidationError) -> str:
     return "; ".join(parts)
 
 
-def _fail(message: str, code: int) -> int:
+def _fail(message: str, code: int, urls: Sequence[str | None] = ()) -> int:
+    # Whatever the error quotes of a database URL, its password is never printed.
+    known = (*urls, os.environ.get(ENV_URL))
     if os.environ.get(ENV_TRACEBACK):
-        traceback.print_exc()
-    print(f"saga: {message}", file=sys.stderr)
+        print(scrub(traceback.format_exc(), *known), file=sys.stderr, end="")
+    print(scrub(f"saga: {message}", *known), file=sys.stderr)
     return code
 
 
@@ -939,27 +942,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `saga` console script; returns the exit code."""
     args = _parser().parse_args(argv)
     _configure_logging(verbose=args.verbose or args.command == "worker")
+    urls = (getattr(args, "database_url", None),)
     try:
         return _COMMANDS[args.command](args)
     except UsageError as exc:
-        return _fail(f"{args.command}: {exc}", EXIT_USAGE)
+        return _fail(f"{args.command}: {exc}", EXIT_USAGE, urls)
     except StepStateError as exc:
-        return _fail(f"refused: {fmt.cli_wording(str(exc), _given(args))}", EXIT_PARTIAL)
+        return _fail(f"refused: {fmt.cli_wording(str(exc), _given(args))}", EXIT_PARTIAL, urls)
     except SagaError as exc:
-        return _fail(fmt.cli_wording(str(exc), _given(args)), EXIT_PARTIAL)
+        return _fail(fmt.cli_wording(str(exc), _given(args)), EXIT_PARTIAL, urls)
     except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName):
         return _fail(
-            "the saga schema is missing from this database; run `saga migrate`", EXIT_PARTIAL
+            "the saga schema is missing from this database; run `saga migrate`", EXIT_PARTIAL, urls
         )
     except psycopg.Error as exc:
-        return _fail(_one_line(exc), EXIT_PARTIAL)
+        return _fail(_one_line(exc), EXIT_PARTIAL, urls)
     except ValueError as exc:
-        return _fail(f"{args.command}: {exc}", EXIT_USAGE)
+        return _fail(f"{args.command}: {exc}", EXIT_USAGE, urls)
     except KeyboardInterrupt:
-        return _fail("interrupted", EXIT_PARTIAL)
+        return _fail("interrupted", EXIT_PARTIAL, urls)
     except Exception as exc:
         return _fail(
-            f"unexpected error: {_one_line(exc)} (SAGA_TRACEBACK=1 shows where)", EXIT_PARTIAL
+            f"unexpected error: {_one_line(exc)} (SAGA_TRACEBACK=1 shows where)", EXIT_PARTIAL, urls
         )
 
 

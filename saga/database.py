@@ -7,11 +7,13 @@ import threading
 import warnings
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from saga.errors import DatabaseUnavailable
+from saga.errors import DatabaseRefused, DatabaseUnavailable
+from saga.redact import redact_url, scrub
 
 ENV_URL = "SAGA_DATABASE_URL"
 ENV_EMBEDDED_DIR = "SAGA_EMBEDDED_DIR"
@@ -67,32 +69,87 @@ def embedded_database_url(data_dir: Path | None = None) -> str:
         return str(server.get_uri())
 
 
-def describe_url(url: str) -> str:
-    """`host:port/dbname` of a connection URL, never its password."""
+def _malformed(url: str) -> bool:
+    """Whether `url` does not parse, or parses into other pieces than its own text says (a
+    `/`, `?`, `#` or `@` left unescaped in the password moves the rest into host or dbname)."""
     try:
         params = conninfo_to_dict(url)
-    except psycopg.ProgrammingError:
-        return "<unparsable database URL>"
+    except Exception:
+        return True
+    if "://" not in url or "password=" in url:
+        return False
+    start = url.find("://") + 3
+    end = url.rfind("@")
+    if end < start or ":" not in url[start:end]:
+        return False
+    written = unquote(url[start:end].split(":", 1)[1])
+    return str(params.get("password") or "") != written
+
+
+def describe_url(url: str) -> str:
+    """`host:port/dbname` of a connection URL, never its password: a URL that does not
+    parse as itself is shown with everything up to its last `@` masked."""
+    if _malformed(url):
+        return scrub(redact_url(url), url)
+    params = conninfo_to_dict(url)
     host = str(params.get("host") or "localhost")
     port = str(params.get("port") or "5432")
     dbname = str(params.get("dbname") or params.get("user") or "")
-    return f"{host}:{port}/{dbname}"
+    return scrub(f"{host}:{port}/{dbname}", url)
+
+
+# What PostgreSQL says when it answered and turned this client away.
+_REFUSALS = (
+    "password authentication failed",
+    "authentication failed",
+    "does not exist",
+    "no pg_hba.conf entry",
+    "is not permitted to log in",
+    "permission denied for database",
+    "no password supplied",
+)
+
+
+def _refusal(text: str) -> str | None:
+    """The server's reason when `text` is a refusal (bad credentials, unknown role or
+    database, an access rule), else None."""
+    for line in text.splitlines():
+        # Only what the server said (FATAL) or libpq's answer to its request for a password.
+        for said in ("FATAL:", "fe_sendauth:"):
+            if said in line:
+                reason = line.rsplit(said, 1)[-1]
+                if any(marker in reason for marker in _REFUSALS):
+                    return " ".join(reason.split())
+    return None
 
 
 def unavailable(url: str, exc: BaseException) -> DatabaseUnavailable:
-    """A `DatabaseUnavailable` naming host and port, with any password scrubbed out."""
-    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    try:
-        password = conninfo_to_dict(url).get("password")
-    except psycopg.ProgrammingError:
-        password = None
-    if password:
-        reason = reason.replace(str(password), "***")
-    return DatabaseUnavailable(f"cannot reach PostgreSQL at {describe_url(url)}: {reason}")
+    """A `DatabaseUnavailable` naming host and port (a `DatabaseRefused` when the server
+    answered and refused), with any password scrubbed out."""
+    text = scrub(str(exc).strip(), url)
+    reason = text.splitlines()[0] if text else type(exc).__name__
+    where = describe_url(url)
+    if _malformed(url):
+        return DatabaseUnavailable(
+            f"the database URL {where} is not a valid PostgreSQL URL ({reason}); write it as "
+            "postgresql://USER:PASSWORD@HOST:PORT/DBNAME with any / ? # @ % in the password "
+            "percent-encoded (/ as %2F, @ as %40), or as key=value conninfo"
+        )
+    refused = _refusal(text)
+    if refused is not None:
+        return DatabaseRefused(f"PostgreSQL at {where} refused the connection: {refused}")
+    return DatabaseUnavailable(f"cannot reach PostgreSQL at {where}: {reason}")
 
 
 def check_connection(url: str, *, timeout_seconds: float = 5.0) -> None:
-    """Open and close one connection, turning any failure into `DatabaseUnavailable`."""
+    """Open and close one connection, turning any failure into `DatabaseUnavailable`; a
+    malformed URL is refused before any connection is tried."""
+    if _malformed(url):
+        try:
+            conninfo_to_dict(url)
+        except Exception as exc:
+            raise unavailable(url, exc) from None
+        raise unavailable(url, ValueError("its pieces do not parse as written"))
     try:
         # Connecting is the whole check: no statement, so no transaction is counted.
         with psycopg.connect(url, connect_timeout=max(1, int(timeout_seconds))):

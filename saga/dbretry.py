@@ -7,12 +7,13 @@ import time
 from collections.abc import Callable
 
 import psycopg
-import structlog
 import tenacity
 from psycopg import errors
 from psycopg_pool import PoolTimeout
 
-_log: structlog.typing.FilteringBoundLogger = structlog.get_logger("saga")
+from saga.logs import get_logger
+
+_log = get_logger("saga")
 
 # How long (seconds) database work keeps being retried before the error is raised.
 DEFAULT_RETRY_SECONDS = 30.0

@@ -44,6 +44,11 @@ class DatabaseUnavailable(SagaError, ConnectionError):
     """PostgreSQL could not be reached; the message names host and port, never the password."""
 
 
+class DatabaseRefused(DatabaseUnavailable):
+    """PostgreSQL answered and refused the connection (bad password, unknown role or
+    database, an access rule): retrying will not help until the settings change."""
+
+
 class StepStateError(SagaError, ValueError):
     """An operator request does not fit the saga's current state (e.g. resolving a settled step)."""
 

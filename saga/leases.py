@@ -6,11 +6,10 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import structlog
-
+from saga.logs import get_logger
 from saga.store import Store
 
-_log: structlog.typing.FilteringBoundLogger = structlog.get_logger("saga")
+_log = get_logger("saga")
 
 
 class LeaseKeeper:

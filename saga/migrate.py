@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-import structlog
 from psycopg import sql
 
 from saga.errors import SchemaTooNew
+from saga.logs import get_logger
 
-_log = structlog.get_logger("saga.migrate")
+_log = get_logger("saga.migrate")
 
 # Arbitrary constant shared by every migrator of this project: two processes migrating
 # the same database at once serialize on it instead of racing on CREATE TABLE.

@@ -15,13 +15,12 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
 import psycopg
-import structlog
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 from pydantic import BaseModel, ConfigDict
 
 from saga import approvals, faults
-from saga.database import check_connection, resolve_database_url, unavailable
+from saga.database import check_connection, describe_url, resolve_database_url, unavailable
 from saga.dbretry import retrying
 from saga.definition import Saga
 from saga.errors import (
@@ -34,6 +33,7 @@ from saga.errors import (
 from saga.keys import check_saga_input
 from saga.keys import request_hash as hash_business_fields
 from saga.leases import LeaseKeeper
+from saga.logs import get_logger
 from saga.loopguard import sync_only
 from saga.migrate import apply_migrations
 from saga.operator import actor_or_os_user, check_actor
@@ -52,7 +52,7 @@ from saga.store import Store, new_token, parse_id
 if TYPE_CHECKING:
     from saga.worker import Worker
 
-_log: structlog.typing.FilteringBoundLogger = structlog.get_logger("saga")
+_log = get_logger("saga")
 
 ENV_CONFIRMATION_KEY = "SAGA_CONFIRMATION_KEY"
 # run(wait_seconds=...) claims again this long after the holder's lease should end, and at
@@ -141,6 +141,11 @@ class Orchestrator:
         if self._url is None:
             self._url = resolve_database_url(self._explicit_url)
         return self._url
+
+    def __repr__(self) -> str:
+        url = self._url or self._explicit_url
+        where = describe_url(url) if url else "database not resolved yet"
+        return f"<Orchestrator {where} owner={self.owner!r}>"
 
     def register(self, saga: Saga[Any]) -> None:
         """Make `saga` runnable by this orchestrator and its workers."""

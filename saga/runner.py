@@ -13,14 +13,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import structlog
-
 from saga import abandoned, faults
 from saga.context import StepContext
 from saga.dbretry import is_transient, log_retry, retrying
 from saga.definition import Saga
 from saga.errors import LeaseLost
 from saga.leases import LeaseKeeper
+from saga.logs import get_logger, step_logger
 from saga.outcomes import Absent, Found, Inconclusive
 from saga.protocol import (
     AskReconcile,
@@ -39,7 +38,7 @@ from saga.protocol import (
 from saga.state import OperationStatus, SagaState
 from saga.store import Conn, Loaded, Store, new_token
 
-_log: structlog.typing.FilteringBoundLogger = structlog.get_logger("saga")
+_log = get_logger("saga")
 
 Mutation = Callable[[Planner], None]
 
@@ -513,8 +512,7 @@ class Runner:
                 self._spend_reporter(saga, op) if op.status == OperationStatus.RUNNING else None
             ),
             # Bound lazily, on the step's first log call.
-            log=structlog.get_logger(
-                "saga",
+            log=step_logger(
                 saga_id=saga.id,
                 step=op.step,
                 kind=op.kind,
@@ -959,27 +957,30 @@ def log_events(planner: Planner, events: Sequence[Event]) -> None:
 
 
 def _info_enabled() -> bool:
-    # The logger as configured now; a wrapper class without the check logs everything.
-    check = getattr(_log.bind(), "is_enabled_for", None)
-    return True if check is None else bool(check(logging.INFO))
+    # The logging as configured now; a wrapper class without the check logs everything.
+    return _log.is_enabled_for(logging.INFO)
 
 
 def log_event(saga: SagaRow, planner: Planner, event: Event) -> None:
-    """Log an audit event with structlog, bound with saga id, step, attempt and key."""
-    extra: dict[str, Any] = {}
-    if event.step is not None:
-        op = planner.find(event.step, event.kind or "action")
-        extra = {
-            "step": event.step,
-            "kind": event.kind,
-            "attempt": event.attempt,
-            "idempotency_key": op.idempotency_key if op is not None else None,
-        }
-    _log.info(
-        event.event,
-        saga_id=saga.id,
-        saga=saga.name,
-        tenant_id=saga.tenant_id,
-        **extra,
-        **event.detail,
-    )
+    """Log an audit event with structlog, bound with saga id, step, attempt and key (never
+    raises: a failure to log changes nothing)."""
+    try:
+        extra: dict[str, Any] = {}
+        if event.step is not None:
+            op = planner.find(event.step, event.kind or "action")
+            extra = {
+                "step": event.step,
+                "kind": event.kind,
+                "attempt": event.attempt,
+                "idempotency_key": op.idempotency_key if op is not None else None,
+            }
+        _log.info(
+            event.event,
+            saga_id=saga.id,
+            saga=saga.name,
+            tenant_id=saga.tenant_id,
+            **extra,
+            **event.detail,
+        )
+    except Exception:
+        pass  # an event the logger cannot take is still in saga.events

@@ -51,6 +51,7 @@ from saga import faults
 from saga.cli import load_app
 from saga.definition import Saga
 from saga.orchestrator import Orchestrator
+from saga.redact import scrub
 from saga.state import HistoryEvent, SagaState
 
 __all__ = [
@@ -641,7 +642,8 @@ def _child(env: Mapping[str, str], request: Mapping[str, Any], *, timeout: float
         timeout=timeout,
         check=False,
     )
-    out: dict[str, Any] = {"code": proc.returncode, "output": proc.stdout + proc.stderr}
+    output = scrub(proc.stdout + proc.stderr, env.get("SAGA_DATABASE_URL"))
+    out: dict[str, Any] = {"code": proc.returncode, "output": output}
     for line in proc.stdout.splitlines():
         if line.startswith(_MARK):
             message = json.loads(line[len(_MARK) :])
@@ -703,10 +705,9 @@ def _child_main(request: Mapping[str, Any]) -> int:
 def _child_entry(argv: Sequence[str]) -> int:
     import logging
 
-    import structlog
-
-    # Keep the library's logs quiet in the children; failures show in the exit code.
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    # Keep the library's logs quiet in the children (errors only, on stderr); failures
+    # show in the exit code.
+    logging.getLogger("saga").setLevel(logging.ERROR)
     return _child_main(json.loads(argv[0]))
 
 

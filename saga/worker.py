@@ -13,10 +13,10 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-import structlog
 from psycopg import sql
 
 from saga.dbretry import is_transient, retrying
+from saga.logs import get_logger
 from saga.loopguard import sync_only
 from saga.protocol import Next, Planner
 from saga.runner import Runner
@@ -24,7 +24,7 @@ from saga.runner import Runner
 if TYPE_CHECKING:
     from saga.orchestrator import Orchestrator
 
-_log: structlog.typing.FilteringBoundLogger = structlog.get_logger("saga.worker")
+_log = get_logger("saga.worker")
 
 CHANNEL = "saga_runnable"
 

@@ -18,10 +18,14 @@ def test_unavailable_names_host_and_port_but_not_the_password() -> None:
 
 
 def test_describe_url_defaults_and_garbage() -> None:
-    """Missing host/port default to localhost:5432; an unparsable URL leaks nothing."""
+    """Missing host/port default to localhost:5432; an unparsable URL is shown with its
+    credentials (everything up to the last `@`) and `password=` values masked."""
     assert describe_url("postgresql://u:pw@/db") == "localhost:5432/db"
     assert "pw" not in describe_url("postgresql://u:pw@h:1/db")
-    assert describe_url("not a url = = =") == "<unparsable database URL>"
+    assert describe_url("not a url = = =") == "not a url = = ="
+    assert describe_url("alice:s3cr3t@db.example.com/orders") == "***@db.example.com/orders"
+    assert describe_url("postgresql://a:s3/cr3t@h/db") == "postgresql://***@h/db"
+    assert describe_url("host=h password='s3 cr3t") == "host=h password=***"
 
 
 def test_explicit_url_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,6 +13,7 @@ EXPECTED_ALL = [
     "Ceilings",
     "Compensation",
     "Confirmation",
+    "DatabaseRefused",
     "DatabaseUnavailable",
     "Found",
     "HistoryEvent",

@@ -1,0 +1,115 @@
+"""The library's loggers: events go where the application sends them, and logging never fails.
+
+Until the application configures structlog itself, events are `structlog.stdlib` events on
+`logging.getLogger("saga")` (and its children), so the application's `logging` set-up
+decides where they go and from which level: with none, Python shows warnings and errors on
+stderr and drops the info events. Once the application has called `structlog.configure()`
+(or a test uses `structlog.testing.capture_logs()`), events go through that configuration,
+decided at each call. Either way a failing handler, processor or closed stream is
+swallowed: the orchestrator's work never depends on its logs being written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import structlog
+
+from saga.redact import redact
+
+# What the stdlib path renders: a "event key=value ..." message for any handler, and the
+# fields themselves on the record as `saga_event` and `saga_fields`.
+_RENDER = structlog.processors.KeyValueRenderer(sort_keys=False)
+
+
+def _to_stdlib(logger: Any, method: str, event_dict: structlog.typing.EventDict) -> Any:
+    exc_info = event_dict.pop("exc_info", None)
+    event = str(event_dict.pop("event", ""))
+    fields = dict(event_dict)
+    rendered = _RENDER(logger, method, event_dict)
+    message = f"{event} {rendered}" if rendered else event
+    extra = {"saga_event": event, "saga_fields": fields}
+    return (message,), {"exc_info": exc_info, "extra": extra}
+
+
+_STDLIB_PROCESSORS: list[structlog.typing.Processor] = [
+    structlog.stdlib.filter_by_level,
+    _to_stdlib,
+]
+
+
+def _scrubbed(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: redact(v) if isinstance(v, str) else v for k, v in values.items()}
+
+
+class SafeLogger:
+    """A logger of the library: the application's structlog, else stdlib `logging`;
+    every call swallows any exception raised while logging."""
+
+    def __init__(self, name: str, **initial: Any) -> None:
+        self.name = name
+        self._initial = initial
+
+    def bind(self, **values: Any) -> SafeLogger:
+        """This logger with more bound fields."""
+        return SafeLogger(self.name, **{**self._initial, **values})
+
+    def resolve(self) -> Any:
+        """The structlog logger this call goes through (configured now, or stdlib)."""
+        if structlog.is_configured():
+            return structlog.get_logger(self.name, **self._initial)
+        return structlog.wrap_logger(
+            logging.getLogger(self.name),
+            processors=_STDLIB_PROCESSORS,
+            wrapper_class=structlog.stdlib.BoundLogger,
+            cache_logger_on_first_use=False,
+            **self._initial,
+        )
+
+    def is_enabled_for(self, level: int) -> bool:
+        """Whether an event at `level` would be handled (True when that cannot be known)."""
+        try:
+            if not structlog.is_configured():
+                return logging.getLogger(self.name).isEnabledFor(level)
+            check = getattr(self.resolve().bind(), "is_enabled_for", None)
+            return True if check is None else bool(check(level))
+        except Exception:
+            return True
+
+    def _log(self, method: str, event: str, values: dict[str, Any]) -> None:
+        # A log sink that fails (a closed pipe, a raising handler) changes nothing.
+        with contextlib.suppress(Exception):
+            getattr(self.resolve(), method)(event, **_scrubbed(values))
+
+    def debug(self, event: str, **values: Any) -> None:
+        """Log `event` at debug level."""
+        self._log("debug", event, values)
+
+    def info(self, event: str, **values: Any) -> None:
+        """Log `event` at info level."""
+        self._log("info", event, values)
+
+    def warning(self, event: str, **values: Any) -> None:
+        """Log `event` at warning level."""
+        self._log("warning", event, values)
+
+    def error(self, event: str, **values: Any) -> None:
+        """Log `event` at error level."""
+        self._log("error", event, values)
+
+    def exception(self, event: str, **values: Any) -> None:
+        """Log `event` at error level with the exception being handled."""
+        self._log("exception", event, values)
+
+
+def get_logger(name: str = "saga", **initial: Any) -> SafeLogger:
+    """The library's logger `name` (a child of "saga"), bound with `initial` fields."""
+    return SafeLogger(name, **initial)
+
+
+def step_logger(**initial: Any) -> Any:
+    """A step's `ctx.log`: the same destination as the library's events, but not guarded:
+    what a step's own logging raises is the step's business."""
+    return SafeLogger("saga", **initial).resolve()
