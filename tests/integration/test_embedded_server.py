@@ -216,3 +216,50 @@ def test_client_records_tell_live_dead_zombie_and_reused() -> None:
     assert not Client(child.pid, None).is_live(), "an unreaped child is not a live client"
     child.wait()
     assert not Client(child.pid, None).is_live()
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _make(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`make ARGS` in this checkout with this interpreter's environment as the venv (never
+    reinstalled: its stamp is taken as up to date)."""
+    venv = Path(sys.prefix)
+    stamp = venv / "bin" / ".installed-demo"
+    command = ["make", "--no-print-directory", f"VENV={venv}", "-o", str(stamp), *args]
+    return subprocess.run(
+        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_demo_uses_a_data_directory_of_its_own() -> None:
+    """`make demo` with a user's `SAGA_EMBEDDED_DIR` (and `SAGA_DATABASE_URL`) set runs on
+    the demo's own data directory: the user's stays untouched, and the demo's server is
+    stopped when the demo exits. By default that directory is `.demo-pgdata` here."""
+    dry = _make("-n", "demo", env={k: v for k, v in os.environ.items() if k != "DEMO_PGDATA"})
+    assert dry.returncode == 0, dry.stderr
+    assert f"SAGA_EMBEDDED_DIR='{REPO / '.demo-pgdata'}'" in dry.stdout
+
+    root = Path(tempfile.mkdtemp(prefix="saga-test-demo-"))
+    try:
+        users_dir = root / "app-pgdata"
+        demo_dir = root / "demo-pgdata"
+        env = {
+            **os.environ,
+            "SAGA_EMBEDDED_DIR": str(users_dir),
+            "SAGA_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/not-the-demo",
+            "XDG_DATA_HOME": str(root / "xdg"),
+        }
+        proc = _make(f"DEMO_PGDATA={demo_dir}", "demo", env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert proc.stdout.rstrip().endswith("All three scenes ended as told.")
+        assert (demo_dir / "PG_VERSION").exists(), "the demo did not use its own directory"
+        assert not users_dir.exists(), "the demo touched the user's SAGA_EMBEDDED_DIR"
+        assert not (root / "xdg").exists(), "the demo touched the user data directory"
+        assert wait_stopped(demo_dir), "the demo's server still runs after the demo"
+    finally:
+        pid = postmaster_pid(root / "demo-pgdata")
+        if pid is not None:
+            os.kill(pid, signal.SIGINT)
+        shutil.rmtree(root, ignore_errors=True)
