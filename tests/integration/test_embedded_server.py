@@ -263,3 +263,29 @@ def test_make_demo_uses_a_data_directory_of_its_own() -> None:
         if pid is not None:
             os.kill(pid, signal.SIGINT)
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0,
+    reason="as root only: the server then runs as another system user",
+)
+def test_the_last_client_stops_the_server_even_where_pg_ctl_cannot_reach_it() -> None:
+    """Run as root, the server's system user may lose access to the directory's parents
+    (another process tightened their mode): pg_ctl stop fails, the postmaster is sent
+    the fast-shutdown signal instead and the server stops all the same."""
+    from saga import embedded
+
+    root = Path(tempfile.mkdtemp(prefix="saga-test-locked-"))
+    pgdata = root / "pgdata"
+    try:
+        url = embedded.attach(pgdata)
+        assert answers(url)
+        server = postmaster_pid(pgdata)
+        root.chmod(0o700)  # the server's system user can no longer traverse to pgdata
+        assert embedded.detach(pgdata)
+        assert server is not None and not psutil.pid_exists(server)
+    finally:
+        pid = postmaster_pid(pgdata)
+        if pid is not None:
+            os.kill(pid, signal.SIGINT)
+        shutil.rmtree(root, ignore_errors=True)
