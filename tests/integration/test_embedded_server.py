@@ -289,3 +289,31 @@ def test_the_last_client_stops_the_server_even_where_pg_ctl_cannot_reach_it() ->
         if pid is not None:
             os.kill(pid, signal.SIGINT)
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.skipif(Path("/var/run/docker.sock").exists(), reason="would use a container")
+def test_a_server_whose_directory_was_removed_is_still_stopped_at_exit() -> None:
+    """`postgres_server()` without a directory removes its temporary directory when the
+    block ends, under the running server; the process's exit still stops that server."""
+    script = (
+        "from pathlib import Path\n"
+        "from saga.testing import postgres_server\n"
+        "with postgres_server() as url:\n"
+        "    pgdata = Path(url.split('host=')[1])  # the socket is in the data directory\n"
+        "    print('PID', (pgdata / 'postmaster.pid').read_text().split()[0], flush=True)\n"
+        "assert not pgdata.exists()\n"
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("SAGA_TEST_DATABASE_URL", "SAGA_DATABASE_URL", "DOCKER_HOST")
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pid = int(proc.stdout.split("PID ")[1].split()[0])
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, f"the postmaster {pid} still runs"
+        time.sleep(0.1)
