@@ -168,9 +168,14 @@ def detach(directory: Path) -> bool:
         attached = _attached.pop(directory, None)
         if attached is None or attached.pid != os.getpid():
             return False  # not attached, or a forked child of the process that attached
+        if not directory.exists():
+            # Removed under the server (a temporary directory, say): no client can use it.
+            _stop(attached)
+            return True
         with _interprocess_lock(directory):
             others = [c for c in live_clients(directory) if c.pid != attached.pid]
-            _write_clients(directory, others)
+            with contextlib.suppress(OSError):  # the server is stopped all the same
+                _write_clients(directory, others)
             if others:
                 return False
             _stop(attached)
