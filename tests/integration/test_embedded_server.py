@@ -18,7 +18,7 @@ import psutil
 import psycopg
 import pytest
 
-from saga.embedded import CLIENTS_FILE, Client, read_clients
+from saga.embedded import CLIENTS_FILE, START_TIME_TOLERANCE_SECONDS, Client, read_clients
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
 
@@ -184,6 +184,9 @@ def test_a_reused_pid_is_not_taken_for_a_live_client(
     (record,) = read_clients(data_dir)
     assert record.pid == killed.proc.pid and record.is_live()
     killed.kill()
+    assert record.started is not None
+    # The new owner of the PID starts later than the tolerance on start times.
+    time.sleep(max(0.0, record.started + START_TIME_TOLERANCE_SECONDS + 0.5 - time.time()))
     unrelated = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         # As if the system had given the killed client's PID to `unrelated`.
