@@ -37,9 +37,9 @@ import psutil  # type: ignore[import-untyped]
 
 CLIENTS_FILE = ".saga_clients.json"
 LOCK_SUFFIX = ".lock"
-# A process whose start time differs from the recorded one by more than this (seconds)
-# is another process that was given a reused PID.
-START_TIME_TOLERANCE_SECONDS = 1.0
+# A process whose start time differs from the recorded one by more than this is another
+# process that was given a reused PID (both are read the same way, see process_start_time).
+START_TIME_TOLERANCE = 1e-3
 STOP_TIMEOUT_SECONDS = 60
 
 
@@ -63,7 +63,8 @@ class Client:
                 return False
             if self.started is None:
                 return True
-            return bool(abs(process.create_time() - self.started) <= START_TIME_TOLERANCE_SECONDS)
+            started = process_start_time(self.pid)
+            return started is None or abs(started - self.started) <= START_TIME_TOLERANCE
         except psutil.NoSuchProcess:
             return False
         except psutil.AccessDenied:
@@ -86,7 +87,19 @@ _exit_handler_registered = False
 
 
 def process_start_time(pid: int) -> float | None:
-    """When process `pid` started (seconds since the epoch), or None if unknown."""
+    """When process `pid` started, as a value fixed for the process's lifetime, or None.
+
+    On Linux its start in clock ticks after boot (`/proc/PID/stat`): psutil's
+    `create_time()` adds a boot time derived from the wall clock, which drifts. Elsewhere
+    psutil's `create_time()` (seconds since the epoch, read as recorded by the system).
+    """
+    stat_file = Path(f"/proc/{pid}/stat")
+    if stat_file.exists():
+        try:
+            # Field 22, starttime; the fields after the command name's ")" start at field 3.
+            return float(stat_file.read_text().rsplit(")", 1)[1].split()[19])
+        except (OSError, IndexError, ValueError):
+            return None
     try:
         return float(psutil.Process(pid).create_time())
     except psutil.Error:

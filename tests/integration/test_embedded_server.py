@@ -18,7 +18,7 @@ import psutil
 import psycopg
 import pytest
 
-from saga.embedded import CLIENTS_FILE, START_TIME_TOLERANCE_SECONDS, Client, read_clients
+from saga.embedded import CLIENTS_FILE, Client, read_clients
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
 
@@ -184,9 +184,7 @@ def test_a_reused_pid_is_not_taken_for_a_live_client(
     (record,) = read_clients(data_dir)
     assert record.pid == killed.proc.pid and record.is_live()
     killed.kill()
-    assert record.started is not None
-    # The new owner of the PID starts later than the tolerance on start times.
-    time.sleep(max(0.0, record.started + START_TIME_TOLERANCE_SECONDS + 0.5 - time.time()))
+    time.sleep(0.1)  # the new owner of the PID starts later (ticks are 10 ms)
     unrelated = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         # As if the system had given the killed client's PID to `unrelated`.
@@ -210,7 +208,7 @@ def test_client_records_tell_live_dead_zombie_and_reused() -> None:
     assert me.is_live()
     assert Client(me.pid, None).is_live()
     assert me.started is not None
-    assert not Client(me.pid, me.started - 3600).is_live()
+    assert not Client(me.pid, me.started - 100).is_live()
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     deadline = time.monotonic() + 30
     while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:
