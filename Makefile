@@ -17,8 +17,12 @@ $(BIN)/.installed-test: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@ $(BIN)/.installed-demo
 
+# The demo's embedded PostgreSQL has a data directory of its own, in this checkout (removed
+# by `make clean`), so an application's embedded database never holds the demo's sagas.
+DEMO_PGDATA ?= $(CURDIR)/.demo-pgdata
+
 demo: $(BIN)/.installed-demo
-	$(BIN)/python examples/renewal_saga.py
+	env -u SAGA_DATABASE_URL SAGA_EMBEDDED_DIR='$(DEMO_PGDATA)' $(BIN)/python examples/renewal_saga.py
 
 lint: $(BIN)/.installed-test
 	$(BIN)/ruff check saga tests examples
@@ -35,7 +39,7 @@ soak: $(BIN)/.installed-test
 	PYTHONPATH=tests $(BIN)/python -m faults.soak
 
 clean:
-	rm -rf $(VENV) dist build .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) dist build .pytest_cache .mypy_cache .ruff_cache .demo-pgdata .demo-pgdata.lock
 
 # The benchmark has an environment of its own: DBOS Transact is measured beside us,
 # it is not a dependency of the project. Figures and command: README, "Benchmarks".

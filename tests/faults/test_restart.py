@@ -22,12 +22,12 @@ SAGAS = 40
 
 
 def test_workers_ride_out_a_postgres_restart(
-    provider_url: str, workers: list[WorkerProcess], tmp_path: Path, log_dir: Path
+    provider_url: str, workers: list[WorkerProcess], private_dir: Path, log_dir: Path
 ) -> None:
     """The sagas' server (a private one) restarts twice under two busy workers: they
     reconnect with bounded backoff, finish every saga by themselves and exit cleanly; the
     invariants hold. The provider lives on another server, which stays up."""
-    with private_postgres(tmp_path / "private") as pg:
+    with private_postgres(private_dir) as pg:
         keys = start_sagas(pg.url, SAGAS, seed=7, prefix="restart")
         for _ in range(2):
             workers.append(
