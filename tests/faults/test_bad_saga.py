@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from faults import app
 from faults.harness import WorkerProcess
 from faults.proxy import LostReplyProxy
-from saga import Orchestrator, Saga, StepContext
+from saga import Absent, Orchestrator, Saga, StepContext
 
 pytestmark = [pytest.mark.integration]
 
@@ -67,11 +67,9 @@ class _Order(BaseModel):
     order_id: str
 
 
-def test_a_park_whose_reply_was_lost_is_recognised_as_landed(database_url: str) -> None:
-    """The fenced write that parks a saga whose driving raised loses its reply after it
-    committed: run() recognises the park as landed and returns the parked saga (rather
-    than taking its own released lease for a lost one)."""
-    saga: Saga[_Order] = Saga("park_lost", version=1, input=_Order, key=lambda o: o.order_id)
+def _bogus_charge_saga(name: str) -> Saga[_Order]:
+    """charge, then ship, which reads charge's result; ship may be reconciled."""
+    saga: Saga[_Order] = Saga(name, version=1, input=_Order, key=lambda o: o.order_id)
 
     @saga.step
     def charge(ctx: StepContext, order: _Order) -> _Receipt:
@@ -81,14 +79,38 @@ def test_a_park_whose_reply_was_lost_is_recognised_as_landed(database_url: str) 
     def ship(ctx: StepContext, order: _Order) -> dict[str, Any]:
         return {"receipt": ctx.results["charge"].receipt_id}
 
+    @ship.reconcile
+    def find_shipment(ctx: StepContext, order: _Order) -> Absent:
+        return Absent()
+
+    return saga
+
+
+def _store_bogus_charge(database_url: str, saga_id: str, *, ship: str | None) -> None:
+    """charge succeeded with a result its model refuses; ship as given (None: untouched)."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE saga.operations SET status = 'succeeded', attempts = 1,"
+            " result = '{\"bogus\": true}' WHERE saga_id = %s AND step = 'charge'",
+            (saga_id,),
+        )
+        if ship is not None:
+            conn.execute(
+                "UPDATE saga.operations SET status = %s, attempts = 1"
+                " WHERE saga_id = %s AND step = 'ship'",
+                (ship, saga_id),
+            )
+
+
+def test_a_park_whose_reply_was_lost_is_recognised_as_landed(database_url: str) -> None:
+    """The fenced write that parks a saga whose driving raised (here: the context of a
+    reconcile cannot be built) loses its reply after it committed: run() recognises the
+    park as landed and returns the parked saga (rather than taking its own released lease
+    for a lost one)."""
+    saga = _bogus_charge_saga("park_lost")
     with LostReplyProxy(database_url) as proxy, Orchestrator(proxy.url, sagas=[saga]) as orch:
         saga_id = orch.start(saga, _Order(order_id="o-1")).id
-        with psycopg.connect(database_url, autocommit=True) as conn:
-            conn.execute(
-                "UPDATE saga.operations SET status = 'succeeded', attempts = 1,"
-                " result = '{\"bogus\": true}' WHERE saga_id = %s AND step = 'charge'",
-                (saga_id,),
-            )
+        _store_bogus_charge(database_url, saga_id, ship="unknown")
         proxy.lose_reply("write_saga", "parked for review")
         with structlog.testing.capture_logs() as logs:
             state = orch.run(saga_id)
@@ -97,4 +119,28 @@ def test_a_park_whose_reply_was_lost_is_recognised_as_landed(database_url: str) 
         assert len(proxy.lost_replies("write_saga")) == 1
         assert state.status == "needs_review"
         assert state.error is not None and "ValidationError" in state.error
+        assert state.error.startswith("driving the saga raised"), state.error
         assert [e.event for e in orch.history(saga_id)].count("saga_parked") == 1
+
+
+def test_a_step_whose_arguments_cannot_be_built_is_not_called_even_when_a_reply_is_lost(
+    database_url: str,
+) -> None:
+    """ship's context reads charge's result, which its model refuses: ship's attempt,
+    recorded as started, is recorded as not called (pending, never unknown), and the write
+    that says so loses its reply after it committed: it is recognised as landed."""
+    saga = _bogus_charge_saga("not_called_lost")
+    with LostReplyProxy(database_url) as proxy, Orchestrator(proxy.url, sagas=[saga]) as orch:
+        saga_id = orch.start(saga, _Order(order_id="o-1")).id
+        _store_bogus_charge(database_url, saga_id, ship=None)
+        proxy.lose_reply("write_saga", "was not called")
+        with structlog.testing.capture_logs() as logs:
+            state = orch.run(saga_id)
+        seen = [e["event"] for e in logs]
+        assert "write_landed" in seen and "lease_lost" not in seen, seen
+        assert len(proxy.lost_replies("write_saga")) == 1
+        assert state.status == "needs_review"
+        assert state.error is not None and "ValidationError" in state.error
+        assert state.operation("ship").status == "pending"
+        trail = [e.event for e in orch.history(saga_id)]
+        assert trail.count("attempt_not_called") == 1 and "outcome_unknown" not in trail

@@ -53,7 +53,9 @@ def secret_urls(draw: st.DrawFn) -> tuple[str, str]:
         sep = "&" if query else "?"
         url = f"{scheme}{user}@{host}{port}{db}{query}{sep}password={quote(password, safe='')}"
     elif shape == "no_user":
-        url = f"{scheme}:{password}@{host}{port}{db}{query}"
+        # Without a user the OS user's role is used, which may exist (with trust auth):
+        # nothing listens on port 1, so the connection fails, as every case here must.
+        url = f"{scheme}:{password}@{host}:1{db}{query}"
     else:
         value = password
         if shape == "kv_quoted":

@@ -134,7 +134,11 @@ def test_a_previous_release_worker_mid_step_records_its_outcome_after_the_upgrad
         text=True,
     )
     try:
-        wait_until(lambda: started.exists() or child.poll() is not None, timeout=60)
+        # The file is created, then written: wait for its content, not only for the file.
+        wait_until(
+            lambda: (started.exists() and started.read_text() != "") or child.poll() is not None,
+            timeout=60,
+        )
         assert child.poll() is None, f"the old worker exited early:\n{child.communicate()[0]}"
         saga_id = started.read_text()
 
