@@ -550,6 +550,15 @@ class Runner:
 
         return report
 
+    def _record_not_called(
+        self, planner: Planner, op: OpRow, reason: str
+    ) -> tuple[Planner, Next]:
+        """Record that the attempt of `op` was never made (`reason`: the machinery's error)
+        and plan what follows: the saga parks."""
+        return self._transact(
+            planner, lambda p: p.record_not_called(p.op(op.step, op.kind), reason)
+        )
+
     def _prepare(self, planner: Planner, op: OpRow) -> tuple[Planner, Next]:
         spec = planner.spec_of(op)
         assert spec.prepare_fn is not None and spec.request_codec is not None
@@ -562,7 +571,7 @@ class Runner:
         failure: Exception | None = None
         try:
             prepared = _call(spec.prepare_fn, ctx, *planner.arguments(op))
-        except (_NotCalled, _MachineryFailed) as exc:
+        except _MachineryError as exc:
             # Our machinery, not the hook: no verdict on the operation, whose attempt was
             # not started; the saga parks with the reason.
             _log.error("prepare_not_run", step=op.step, kind=op.kind, error=str(exc))
@@ -570,10 +579,7 @@ class Runner:
                 f"prepare of {_describe_op(op)} could not be run: the orchestrator failed "
                 f"({exc}); the attempt was not called"
             )
-            return self._transact(
-                planner,
-                lambda p: p.record_not_called(p.op(op.step, op.kind), reason),
-            )
+            return self._record_not_called(planner, op, reason)
         except Exception as exc:
             verdict, failure = spec.retry.classify(exc), exc
         else:
@@ -618,10 +624,7 @@ class Runner:
                 f"attempt {op.attempts} of {_describe_op(op)} was not called: its arguments "
                 f"could not be built ({_describe_error(exc)}); nothing of it ran"
             )
-            return self._transact(
-                planner,
-                lambda p: p.record_not_called(p.op(op.step, op.kind), reason),
-            )
+            return self._record_not_called(planner, op, reason)
         faults.point("before_call", **where)
         try:
             with self.keeper.holding(planner.saga.id, planner.saga.fence):
@@ -723,7 +726,7 @@ class Runner:
                     "or Inconclusive"
                 )
                 mutate = lambda p: p.record_inconclusive(p.op(op.step, op.kind), reason)  # noqa: E731
-        except (_NotCalled, _MachineryFailed) as exc:
+        except _MachineryError as exc:
             # No answer: the orchestrator could not run the hook.
             reason = f"reconcile could not be run: the orchestrator failed ({exc})"
             mutate = lambda p: p.record_inconclusive(p.op(op.step, op.kind), reason)  # noqa: E731
@@ -843,23 +846,23 @@ def _call_with_timeout(
     return outcome[0]
 
 
-class _NotCalled(Exception):
-    """The orchestrator's own machinery failed before any of the user function ran (an
-    event loop for an async function could not be started): the call was never made."""
+class _MachineryError(Exception):
+    """The orchestrator's own machinery failed around a user function's call; `cause` is
+    its error, which says nothing about the function."""
 
     def __init__(self, cause: Exception) -> None:
         super().__init__(_describe_error(cause))
         self.cause = cause
 
 
-class _MachineryFailed(Exception):
-    """The orchestrator's own machinery failed after the user function may have started
-    (the sync part of a callable that returned an awaitable ran): its outcome is unknown,
-    and the error says nothing about it."""
+class _NotCalled(_MachineryError):
+    """The machinery failed before any of the user function ran (an event loop for an
+    async function could not be started): the call was never made."""
 
-    def __init__(self, cause: Exception) -> None:
-        super().__init__(_describe_error(cause))
-        self.cause = cause
+
+class _MachineryFailed(_MachineryError):
+    """The machinery failed after the user function may have started (the sync part of a
+    callable that returned an awaitable ran): its outcome is unknown."""
 
 
 def _call(fn: Callable[..., Any], *args: Any) -> Any:
