@@ -1,0 +1,852 @@
+"""The control loop of driving a saga, written once for both drivers.
+
+Claim, plan, call, record, retry, reload: each exchange is a generator that yields
+effects (`saga.effects`) and receives their results. The sync `Runner` and the asyncio
+`AsyncRunner` carry the effects out and are the only code that differs between them; the
+decisions stay in the core (`saga.protocol`, `saga.inputs`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypeVar
+
+import tenacity
+
+from saga import faults, inputs
+from saga.context import StepContext
+from saga.dbretry import DEFAULT_RETRY_SECONDS, is_transient, log_retry
+from saga.definition import Saga
+from saga.effects import (
+    AttemptTimedOut,
+    AwaitAbandoned,
+    Begin,
+    Call,
+    Commit,
+    Fetch,
+    Flow,
+    MachineryError,
+    MachineryFailedError,
+    NotCalledError,
+    Pause,
+    Stopping,
+    Wait,
+    db,
+)
+from saga.errors import LeaseLost
+from saga.logs import get_logger, step_logger
+from saga.outcomes import Absent, Found, Inconclusive
+from saga.protocol import (
+    AskReconcile,
+    ConfirmationRow,
+    Event,
+    Invoke,
+    Next,
+    OpRow,
+    Planner,
+    Prepare,
+    SagaRow,
+    Sleep,
+    Stop,
+    Yield,
+)
+from saga.state import OperationStatus, SagaState
+from saga.store import Loaded, new_token
+
+_log = get_logger("saga")
+
+T = TypeVar("T")
+# What persists an attempt's running spend total (built by the driver for each attempt).
+SpendReporter = Callable[[SagaRow, OpRow], Callable[[float], None]]
+Lookup = Callable[[str, int], Saga[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOptions:
+    """How a runner holds leases and waits.
+
+    Attributes:
+        owner: Lease owner name written to the database.
+        lease_seconds: Lease length; renewed by every write and by the heartbeat.
+        heartbeat_seconds: Interval of lease renewal while user code runs.
+        max_inline_sleep: Longest retry backoff (seconds) waited out under the lease;
+            a longer one is persisted as `run_after` and the lease released.
+    """
+
+    owner: str
+    lease_seconds: float
+    heartbeat_seconds: float
+    max_inline_sleep: float = math.inf
+
+
+def retried(what: str, body: Callable[[], Flow[T]], *, interruptible: bool = False) -> Flow[T]:
+    """Run the flow `body()` again after a transient database error, with tenacity's
+    backoff, for at most `DEFAULT_RETRY_SECONDS` (and, when `interruptible`, only while
+    the driver is not stopping); the last error is raised."""
+    policy = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(is_transient),
+        wait=tenacity.wait_exponential(multiplier=0.05, max=2.0) + tenacity.wait_random(0, 0.05),
+        stop=tenacity.stop_after_delay(DEFAULT_RETRY_SECONDS),
+        reraise=True,
+    )
+    policy.begin()
+    state = tenacity.RetryCallState(policy, fn=None, args=(), kwargs={})
+    while True:
+        action = policy.iter(state)
+        if isinstance(action, tenacity.DoAttempt):
+            try:
+                result = yield from body()
+            except BaseException:  # tenacity decides, and reraises what it does not retry
+                state.set_exception(sys.exc_info())  # type: ignore[arg-type]
+            else:
+                state.set_result(result)
+        elif isinstance(action, tenacity.DoSleep):
+            state.prepare_for_next_attempt()
+            exc = state.outcome.exception() if state.outcome is not None else None
+            if interruptible and (yield Stopping()):
+                assert exc is not None
+                raise exc
+            log_retry(what, exc, attempt=state.attempt_number - 1, retry_in=float(action))
+            yield Pause(float(action), interruptible=interruptible)
+        else:
+            return action  # type: ignore[no-any-return]
+
+
+class Flows:
+    """Drives claimed sagas under a lease; every write is fenced. Each method is a flow:
+    a generator of effects that a driver carries out."""
+
+    def __init__(self, options: RunnerOptions, *, reporter: SpendReporter) -> None:
+        self.options = options
+        self.owner = options.owner
+        self.lease_seconds = options.lease_seconds
+        self.reporter = reporter
+
+    # ----- entry points ------------------------------------------------------------------
+
+    def claim_and_drive(self, definition: Saga[Any], saga_id: str) -> Flow[SagaState | None]:
+        """Claim one saga and drive it until it stops; None when it could not be claimed
+        (or was lost to another owner on the way).
+
+        A claim whose reply was lost is recognised by the token of its first write: the
+        retry then carries on with the saga it holds instead of finding it leased (to
+        itself) and giving up."""
+        token = new_token()
+        tried = [False]
+
+        def once() -> Flow[tuple[Planner, Next] | None]:
+            claimed = (yield from self._reclaim(definition, saga_id, token)) if tried[0] else None
+            tried[0] = True
+            if claimed is None:
+                claimed = yield from self._claim_by_id(definition, saga_id, token)
+            return claimed
+
+        claimed = yield from retried("claim_saga", once)
+        if claimed is None:
+            return None
+        return (yield from self.drive(*claimed))
+
+    def _claim_by_id(
+        self, definition: Saga[Any], saga_id: str, token: str
+    ) -> Flow[tuple[Planner, Next] | None]:
+        yield Begin()
+        loaded = yield db("claim_txn", saga_id, owner=self.owner, lease_seconds=self.lease_seconds)
+        if loaded is None:
+            yield Commit()
+            return None
+        planner, nxt, events, read = yield from self._begin_txn(definition, loaded, token)
+        yield Commit()
+        if read is not None:
+            planner.final_state = yield Fetch(read)
+        log_events(planner, events)
+        return planner, nxt
+
+    def claim_next(self, kinds: Sequence[str], lookup: Lookup) -> Flow[tuple[Planner, Next] | None]:
+        """Claim the longest-waiting runnable saga of these name:version kinds and plan its
+        first move in the same transaction; None when there is nothing to claim.
+
+        A transient database error is retried; a claim that had landed although its reply
+        was lost is found again by its token and carried on."""
+        token = new_token()
+        tried = [False]
+
+        def once() -> Flow[tuple[Planner, Next] | None]:
+            if tried[0]:
+                own = yield db("own_claim", owner=self.owner, token=token)
+                if own is not None:
+                    saga_id, name, version = own
+                    reclaimed = yield from self._reclaim(lookup(name, version), saga_id, token)
+                    if reclaimed is not None:
+                        return reclaimed
+            tried[0] = True
+            return (yield from self._claim_next_once(kinds, lookup, token))
+
+        try:
+            return (yield from retried("claim_next_saga", once, interruptible=True))
+        except Exception as exc:
+            if is_transient(exc) and (yield Stopping()):
+                return None  # stopping while the database was unavailable
+            raise
+
+    def _claim_next_once(
+        self, kinds: Sequence[str], lookup: Lookup, token: str
+    ) -> Flow[tuple[Planner, Next] | None]:
+        yield Begin()
+        loaded = yield db(
+            "claim_next_txn", kinds=kinds, owner=self.owner, lease_seconds=self.lease_seconds
+        )
+        if loaded is None:
+            yield Commit()
+            return None
+        row = loaded[0]
+        planner, nxt, events, read = yield from self._begin_txn(
+            lookup(row.name, row.version), loaded, token
+        )
+        yield Commit()
+        if read is not None:
+            planner.final_state = yield Fetch(read)
+        log_events(planner, events)
+        return planner, nxt
+
+    def _reclaim(
+        self, definition: Saga[Any], saga_id: str, token: str
+    ) -> Flow[tuple[Planner, Next] | None]:
+        """The saga our claim took, when that claim landed although its reply was lost
+        (its first write carries `token` and the lease is still ours); None otherwise.
+
+        The claim's first move was committed with it: an attempt it started is ours to
+        call now; any other move is planned again from what was committed."""
+        written = yield db("write_token", saga_id)
+        if written is None or written[0] != token or written[1] != self.owner:
+            return None
+        loaded = yield from self._load(saga_id)
+        if loaded is None:
+            return None
+        planner = Planner(definition, *loaded)
+        _log.info("claim_landed", saga_id=saga_id, fence=planner.saga.fence)
+        started = [o for o in planner.ops if o.status == OperationStatus.RUNNING]
+        if started:
+            # Every attempt running before the claim was marked unknown by its first move:
+            # a running one now is the attempt that move started.
+            return planner, Invoke(started[0])
+        return (yield from self._transact(planner, None))
+
+    def _load(self, saga_id: str) -> Flow[Loaded | None]:
+        yield Begin()
+        loaded: Loaded | None = yield db("load_txn", saga_id)
+        yield Commit()
+        return loaded
+
+    def plan_new(
+        self, definition: Saga[Any], row: SagaRow, ops: list[OpRow], *, may_call: bool = True
+    ) -> tuple[Planner, Next, bool]:
+        """Plan the first move of a saga about to be created under our lease (nothing is
+        written here); returns the planner, its move, and whether the lease ends at once."""
+        # Nothing is stored yet: a definition that cannot plan it raises to the caller.
+        planner = self._new_planner(definition, row, ops, [])
+        nxt = planner.advance(may_call=may_call)
+        release, _ = self._hand_over(planner, nxt)
+        if isinstance(nxt, Invoke):
+            faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
+        return planner, nxt, release
+
+    def drive(self, planner: Planner, nxt: Next) -> Flow[SagaState | None]:
+        """Carry out `nxt` and every move after it until the saga stops or is handed back.
+
+        Returns the saga's state as the last transaction left it, read in that same
+        transaction; None when the lease was lost to another owner.
+        """
+        saga = planner.saga
+        try:
+            while not isinstance(nxt, Stop | Yield):
+                if isinstance(nxt, Sleep):
+                    if planner.final_state is not None:
+                        # The transaction that planned this backoff persisted it as
+                        # run_after and released the lease (_hand_over decided).
+                        return planner.final_state
+                    yield from self._wait_until(planner, nxt.until)
+                    planner, nxt = yield from self._transact(planner, None)
+                elif isinstance(nxt, Invoke):
+                    planner, nxt = yield from self._invoke(planner, nxt.op)
+                elif isinstance(nxt, AskReconcile):
+                    planner, nxt = yield from self._reconcile(planner, nxt.op)
+                elif isinstance(nxt, Prepare):
+                    planner, nxt = yield from self._prepare(planner, nxt.op)
+        except LeaseLost as exc:
+            _log.warning("lease_lost", saga_id=saga.id, fence=saga.fence, error=str(exc))
+            return None
+        except Exception as exc:
+            if is_transient(exc):
+                yield from self.release_after_error(saga)
+                raise
+            # One saga never takes its driver down: the saga is parked with the reason.
+            return (yield from self._park_broken(planner, exc))
+        except BaseException:
+            yield from self.release_after_error(saga)
+            raise
+        return planner.final_state
+
+    def release_after_error(self, saga: SagaRow) -> Flow[None]:
+        """Leave the saga to the next owner right away rather than after lease expiry."""
+        try:
+            yield db("release_lease", saga.id, owner=self.owner, fence=saga.fence)
+        except Exception:
+            _log.exception("lease_release_failed", saga_id=saga.id)
+
+    def _park_broken(self, planner: Planner, exc: Exception) -> Flow[SagaState | None]:
+        """Park a saga whose driving raised something unexpected, with the reason, in a
+        fenced write over the saga as last committed (what was planned after that is
+        dropped; an attempt committed as running stays so, its outcome unknown to whoever
+        settles it). None when the lease was lost meanwhile."""
+        saga = planner.saga
+        reason = f"driving the saga raised {_describe_error(exc)}; parked for review"
+        _log.error(
+            "saga_drive_failed",
+            saga_id=saga.id,
+            fence=saga.fence,
+            error=_describe_error(exc),
+            traceback="".join(traceback.format_exception(exc)),
+        )
+        # As for every write: a retry that finds the park's token knows it landed.
+        token = new_token()
+        tried = [False]
+        parked: list[Planner] = []
+
+        def once() -> Flow[SagaState | None]:
+            if tried[0]:
+                written = yield db("write_token", saga.id)
+                if written is not None and written[0] == token:
+                    _log.info("write_landed", saga_id=saga.id, fence=saga.fence)
+                    state: SagaState | None = yield db("get_state", saga.id)
+                    return state
+            tried[0] = True
+            fresh = yield from self._reload(planner)
+            inputs.apply(fresh, inputs.Parked(reason))
+            events: list[Event] = []
+            yield from self._transact_at_once(fresh, Stop(fresh.saga.status), token, events)
+            log_events(fresh, events)
+            parked.append(fresh)
+            return fresh.final_state
+
+        try:
+            return (yield from retried("park_saga", once))
+        except LeaseLost as lost:
+            _log.warning("lease_lost", saga_id=saga.id, fence=saga.fence, error=str(lost))
+            return None
+
+    def _wait_until(self, planner: Planner, until: datetime) -> Flow[None]:
+        """Wait out a short backoff under the lease (`_hand_over` kept it for this), renewed
+        by the heartbeat meanwhile: it is never stretched to the backoff's end, so a process
+        that dies while waiting blocks nobody beyond `lease_seconds` (run_after, set to the
+        backoff's end, keeps workers from starting the saga early)."""
+        delay = (until - datetime.now().astimezone()).total_seconds()
+        if delay > 0:
+            # Wakes early when the worker shuts down; the next transition then yields.
+            yield Wait(delay, hold=(planner.saga.id, planner.saga.fence))
+
+    # ----- transactions ------------------------------------------------------------------
+
+    def _begin_txn(
+        self, definition: Saga[Any], loaded: Loaded, token: str
+    ) -> Flow[tuple[Planner, Next, list[Event], Callable[[], Any] | None]]:
+        planner = self._new_planner(definition, *loaded)
+        nxt = yield from self._advance(planner)
+        events, read = yield from self._persist_txn(planner, nxt, token)
+        return planner, nxt, events, read
+
+    def _new_planner(
+        self,
+        definition: Saga[Any],
+        row: SagaRow,
+        ops: list[OpRow],
+        confirmations: list[ConfirmationRow],
+    ) -> Planner:
+        """A planner for a saga whose lease we have just taken."""
+        planner = Planner(definition, row, ops, confirmations)
+        planner.events.append(
+            Event("lease_acquired", detail={"owner": self.owner, "fence": row.fence})
+        )
+        return planner
+
+    def _advance(self, planner: Planner) -> Flow[Next]:
+        """The planner's next move; a saga it cannot plan (an operation its definition no
+        longer declares, user code in a cost function, confirm rule or input model that
+        raises) is parked with the reason instead, so that it never takes a worker down.
+
+        The planner calls user code before it changes the operation concerned: what it
+        recorded before the error are whole transitions, kept with the park."""
+        stopping = yield Stopping()
+        try:
+            return planner.advance(may_call=not stopping)
+        except Exception as exc:
+            if is_transient(exc):
+                raise
+            saga = planner.saga
+            reason = (
+                f"cannot plan saga {saga.name!r} v{saga.version} under its registered "
+                f"definition: {_describe_error(exc)}"
+            )
+            _log.error(
+                "saga_unplannable",
+                saga_id=saga.id,
+                saga=saga.name,
+                version=saga.version,
+                error=_describe_error(exc),
+                traceback="".join(traceback.format_exception(exc)),
+            )
+            planner.park(reason)
+            return Stop(planner.saga.status)
+
+    def _transact(
+        self, planner: Planner, outcome: inputs.Outcome | None
+    ) -> Flow[tuple[Planner, Next]]:
+        """Record an outcome and plan the next move in one fenced transaction.
+
+        A transient database error is retried. Every write carries a token of its own:
+        when the error leaves it unclear whether the commit landed (the server committed
+        and the reply was lost), the saga's token is read back. If it is this write's, the
+        write landed: nothing is applied again and the move it planned is carried out.
+        Otherwise the same outcome is applied to a fresh snapshot and written again. The
+        first try runs without the retry machinery, which only a failure needs.
+        """
+        try:
+            return planner, (yield from self._record(planner, outcome))
+        except _Unsure as exc:
+            unsure = [exc]
+            log_retry("record_transition", exc.cause)
+
+        def again() -> Flow[tuple[Planner, Next]]:
+            if (yield from self._landed(unsure[0])):
+                return unsure[0].planner, unsure[0].nxt
+            fresh = yield from self._reload(unsure[0].planner)
+            try:
+                return fresh, (yield from self._record(fresh, outcome))
+            except _Unsure as exc:
+                unsure[0] = exc
+                raise exc.cause from None
+
+        return (yield from retried("record_transition", again))
+
+    def _record(self, planner: Planner, outcome: inputs.Outcome | None) -> Flow[Next]:
+        """Apply `outcome` and the moves that follow to `planner`, and write them; `_Unsure`
+        when a transient error leaves it open whether the write landed."""
+        if outcome is not None:
+            inputs.apply(planner, outcome)
+        nxt = yield from self._advance(planner)
+        token = new_token()
+        written: list[Event] = []
+        try:
+            if any(c.new or c.dirty for c in planner.confirmations):
+                yield from self._transact_pipelined(planner, nxt, token, written)
+            else:
+                yield from self._transact_at_once(planner, nxt, token, written)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            raise _Unsure(planner, nxt, token, written, exc) from exc
+        log_events(planner, written)
+        return nxt
+
+    def _landed(self, unsure: _Unsure) -> Flow[bool]:
+        """Whether the write of `unsure` landed (its token is the saga's); if so, its events
+        are logged and, when it gave the lease back, the saga's state is read."""
+        planner = unsure.planner
+        written = yield db("write_token", planner.saga.id)
+        if written is None or written[0] != unsure.token:
+            return False
+        _log.info("write_landed", saga_id=planner.saga.id, fence=planner.saga.fence)
+        log_events(planner, unsure.events)
+        if written[1] is None:
+            # The write gave the lease back (a stop, a shutdown, a long backoff).
+            planner.final_state = yield db("get_state", planner.saga.id)
+        return True
+
+    def _transact_at_once(
+        self, planner: Planner, nxt: Next, token: str, written: list[Event]
+    ) -> Flow[None]:
+        """The common transition: one statement, one round trip (saga.write_saga_v3), which
+        fails as a whole when the lease is no longer ours."""
+        release, lease_until = self._hand_over(planner, nxt)
+        written.extend(planner.take_events())
+        if isinstance(nxt, Invoke):
+            faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
+        state = yield db(
+            "apply_transition",
+            planner.saga,
+            planner.ops,
+            written,
+            owner=self.owner,
+            lease_seconds=self.lease_seconds,
+            release=release,
+            lease_until=lease_until,
+            notify=isinstance(nxt, Yield),
+            return_state=release,
+            token=token,
+        )
+        if release:
+            planner.final_state = state
+
+    def _transact_pipelined(
+        self, planner: Planner, nxt: Next, token: str, written: list[Event]
+    ) -> Flow[None]:
+        """A transition that also writes confirmations, as one pipelined transaction whose
+        fenced saga write goes first and fails it, writes included, if the lease was lost."""
+        yield Begin()
+        events, read = yield from self._persist_txn(planner, nxt, token)
+        written.extend(events)
+        yield Commit()
+        if read is not None:
+            planner.final_state = yield Fetch(read)
+
+    def _reload(self, planner: Planner) -> Flow[Planner]:
+        """A fresh planner from the database, once the lease is checked to be still ours
+        (`LeaseLost` otherwise)."""
+        saga = planner.saga
+        yield Begin()
+        yield db(
+            "assert_fence_txn",
+            saga.id,
+            owner=self.owner,
+            fence=saga.fence,
+            lease_seconds=self.lease_seconds,
+        )
+        loaded = yield db("load_txn", saga.id)
+        yield Commit()
+        assert loaded is not None  # the fence check found the row
+        return Planner(planner.definition, *loaded)
+
+    def _persist_txn(
+        self, planner: Planner, nxt: Next, token: str
+    ) -> Flow[tuple[list[Event], Callable[[], Any] | None]]:
+        """Queue the planner's changes; when the saga is handed back, also the read of its
+        state, returned as a read to make once the transaction has committed."""
+        release, lease_until = self._hand_over(planner, nxt)
+        events = planner.take_events()
+        read = yield db(
+            "save_txn",
+            planner.saga,
+            planner.ops,
+            events,
+            owner=self.owner,
+            lease_seconds=self.lease_seconds,
+            release=release,
+            lease_until=lease_until,
+            notify=isinstance(nxt, Yield),
+            # The caller's answer, read in the last transaction rather than in one more.
+            return_state=release,
+            confirmations=planner.confirmations,
+            token=token,
+        )
+        if isinstance(nxt, Invoke):
+            faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
+        return events, read if release else None
+
+    def _hand_over(self, planner: Planner, nxt: Next) -> tuple[bool, datetime | None]:
+        """Whether the lease ends with this transition, and until when it must last
+        otherwise; records the matching events and run_after on the planner."""
+        saga = planner.saga
+        lease_until: datetime | None = None
+        release = isinstance(nxt, Stop | Yield)
+        if isinstance(nxt, Sleep):
+            saga.run_after = nxt.until
+            delay = (nxt.until - datetime.now().astimezone()).total_seconds()
+            if delay > self.options.max_inline_sleep:
+                release = True
+                planner.events.append(
+                    Event("lease_released", detail={"owner": self.owner, "reason": "backoff"})
+                )
+            # Otherwise the lease is kept through the backoff, renewed by the heartbeat
+            # while _wait_until waits (a lease is a liveness signal, never stretched).
+        elif isinstance(nxt, Yield):
+            saga.run_after = datetime.now().astimezone()
+            planner.events.append(
+                Event("lease_released", detail={"owner": self.owner, "reason": "shutdown"})
+            )
+        elif isinstance(nxt, Stop):
+            planner.events.append(Event("lease_released", detail={"owner": self.owner}))
+        return release, lease_until
+
+    # ----- calling user code -------------------------------------------------------------
+
+    def _context(self, planner: Planner, op: OpRow) -> StepContext:
+        saga = planner.saga
+        return StepContext(
+            saga_id=saga.id,
+            tenant_id=saga.tenant_id,
+            step=op.step,
+            kind=op.kind,
+            idempotency_key=op.idempotency_key,
+            attempt=op.attempts,
+            fence=saga.fence,
+            results=planner.results(),
+            request=planner.request_of(op) if planner.spec_of(op).prepare_fn else None,
+            _report=(self.reporter(saga, op) if op.status == OperationStatus.RUNNING else None),
+            # Bound lazily, on the step's first log call.
+            log=step_logger(
+                saga_id=saga.id,
+                step=op.step,
+                kind=op.kind,
+                attempt=op.attempts,
+                idempotency_key=op.idempotency_key,
+            ),
+        )
+
+    def _prepare(self, planner: Planner, op: OpRow) -> Flow[tuple[Planner, Next]]:
+        spec = planner.spec_of(op)
+        assert spec.prepare_fn is not None and spec.request_codec is not None
+        ctx = self._context(planner, op)
+        outcome: inputs.Outcome
+        # Nothing has been called when prepare raises, so its outcome is never unknown:
+        # PermanentError and fail_on fail the attempt and the operation, retry_on retries,
+        # and anything else (a bug, a request that cannot be stored) parks the saga.
+        verdict = "unknown"
+        failure: Exception | None = None
+        try:
+            prepared = yield Call(spec.prepare_fn, (ctx, *planner.arguments(op)))
+        except MachineryError as exc:
+            # Our machinery, not the hook: no verdict on the operation, whose attempt was
+            # not started; the saga parks with the reason.
+            _log.error("prepare_not_run", step=op.step, kind=op.kind, error=str(exc))
+            reason = (
+                f"prepare of {_describe_op(op)} could not be run: the orchestrator failed "
+                f"({exc}); the attempt was not called"
+            )
+            return (yield from self._transact(planner, inputs.NotCalled(op.step, op.kind, reason)))
+        except Exception as exc:
+            verdict, failure = spec.retry.classify(exc), exc
+        else:
+            try:
+                request = spec.request_codec.encode(prepared)
+            except TypeError as exc:
+                failure = exc
+        if failure is None:
+            outcome = inputs.Prepared(op.step, op.kind, request)
+        else:
+            retryable, park = verdict == "retry", verdict == "unknown"
+            outcome = inputs.PrepareRaised(
+                op.step,
+                op.kind,
+                _describe_error(failure),
+                retryable=retryable,
+                delay=spec.retry.delay_after(op.attempts + 1) if retryable else 0.0,
+                park=park,
+                traceback=traceback_of(failure) if park else None,
+            )
+        # Nothing has been called yet: a retried transaction may simply prepare again.
+        return (yield from self._transact(planner, outcome))
+
+    def _invoke(self, planner: Planner, op: OpRow) -> Flow[tuple[Planner, Next]]:
+        spec = planner.spec_of(op)
+        codec, policy = spec.codec, spec.retry
+        where = {"step": op.step, "kind": op.kind}
+        outcome: inputs.OpOutcome
+        try:
+            # What the step is handed (its context, the earlier results, its arguments) is
+            # built by our machinery: a failure here is no outcome of the step, which
+            # has not been called.
+            ctx = self._context(planner, op)
+            arguments = (ctx, *planner.arguments(op))
+        except Exception as exc:
+            if is_transient(exc):
+                raise
+            _log.error("attempt_not_called", **where, error=_describe_error(exc))
+            reason = (
+                f"attempt {op.attempts} of {_describe_op(op)} was not called: its arguments "
+                f"could not be built ({_describe_error(exc)}); nothing of it ran"
+            )
+            return (yield from self._transact(planner, inputs.NotCalled(op.step, op.kind, reason)))
+        faults.point("before_call", **where)
+        try:
+            value = yield Call(
+                spec.fn,
+                arguments,
+                timeout_seconds=spec.guards.timeout_seconds,
+                hold=(planner.saga.id, planner.saga.fence),
+            )
+        except AttemptTimedOut as exc:
+            outcome = inputs.TimedOut(op.step, op.kind, str(exc), exc.still_running)
+        except NotCalledError as exc:
+            # Our machinery failed before any of the step ran: no outcome to record.
+            _log.error("attempt_not_called", **where, error=str(exc), traceback=traceback_of(exc))
+            reason = (
+                f"attempt {op.attempts} of {_describe_op(op)} was not called: the orchestrator "
+                f"could not run it ({exc}); nothing of it ran"
+            )
+            outcome = inputs.NotCalled(op.step, op.kind, reason)
+        except MachineryFailedError as exc:
+            # Not the step's verdict, whatever its policy says of the error: unknown, parked.
+            reason = (
+                f"attempt {op.attempts}: the orchestrator failed after the step's function "
+                f"had started ({exc}); its outcome is unknown"
+            )
+            outcome = inputs.MachineryFailed(op.step, op.kind, reason, traceback_of(exc))
+        except Exception as exc:
+            error = _describe_error(exc)
+            verdict = policy.classify(exc)
+            if verdict == "unknown":
+                # Not a verdict: the exception may come after the effect (discipline 7).
+                reason = (
+                    f"attempt {op.attempts} raised {error}, which is neither a PermanentError "
+                    "nor listed in fail_on or retry_on: its outcome is unknown"
+                )
+                outcome = inputs.Raised(
+                    op.step, op.kind, reason, "unknown", traceback=traceback_of(exc)
+                )
+            else:
+                retryable = verdict == "retry"
+                delay = policy.delay_after(op.attempts) if retryable else 0.0
+                outcome = inputs.Raised(op.step, op.kind, error, verdict, delay)
+        else:
+            try:
+                stored = codec.encode(value)
+            except TypeError as exc:
+                reason = f"TypeError: {exc}; the effect may have happened, so a human decides"
+                outcome = inputs.NotJson(op.step, op.kind, reason)
+            else:
+                outcome = inputs.Returned(op.step, op.kind, stored)
+        recorded: inputs.Outcome = outcome
+        if ctx.spent or ctx._refused:
+            refused = ctx._refused[0] if ctx._refused else None
+            recorded = inputs.Spent(outcome, ctx.spent, refused)
+        faults.point("after_call", **where)
+        result = yield from self._transact(planner, recorded)
+        faults.point("after_record", **where)
+        return result
+
+    def _reconcile(self, planner: Planner, op: OpRow) -> Flow[tuple[Planner, Next]]:
+        spec = planner.spec_of(op)
+        fn, codec = spec.reconcile_fn, spec.codec
+        assert fn is not None  # the planner asks only operations that have a hook
+        running = yield from self._abandoned_attempt(planner, op)
+        if running is not None:
+            return (yield from self._transact(planner, inputs.Parked(running)))
+        ctx = self._context(planner, op)
+        outcome: inputs.OpOutcome
+        try:
+            answer = yield Call(fn, (ctx, *planner.arguments(op)))
+            if isinstance(answer, Found):
+                try:
+                    stored = codec.encode(answer.result)
+                except TypeError as exc:
+                    # Asking again would find the same value: a human decides now.
+                    reason = f"reconcile found the effect, but TypeError: {exc}; a human decides"
+                    outcome = inputs.NotJson(op.step, op.kind, reason, returned=False)
+                else:
+                    outcome = inputs.Answered(
+                        op.step, op.kind, "found", stored, answer.provider_reference
+                    )
+            elif isinstance(answer, Absent):
+                outcome = inputs.Answered(op.step, op.kind, "absent", settled=answer.settled)
+            else:
+                reason = (
+                    answer.reason or "the provider's answer was inconclusive"
+                    if isinstance(answer, Inconclusive)
+                    else f"reconcile returned {type(answer).__name__}; expected Found, Absent "
+                    "or Inconclusive"
+                )
+                outcome = inputs.Answered(op.step, op.kind, "inconclusive", reason=reason)
+        except MachineryError as exc:
+            # No answer: the orchestrator could not run the hook.
+            reason = f"reconcile could not be run: the orchestrator failed ({exc})"
+            outcome = inputs.Answered(op.step, op.kind, "inconclusive", reason=reason)
+        except Exception as exc:
+            reason = f"reconcile raised {_describe_error(exc)}"
+            outcome = inputs.Answered(op.step, op.kind, "inconclusive", reason=reason)
+        # The operation is `unknown` while it is reconciled: nothing to protect from replay.
+        result = yield from self._transact(planner, outcome)
+        faults.point("after_record", step=op.step, kind=op.kind)
+        return result
+
+    def _abandoned_attempt(self, planner: Planner, op: OpRow) -> Flow[str | None]:
+        """Wait, under the lease, for attempts of `op` abandoned at their timeout that still
+        run in this process; the reason to park if one outlives the wait (a reconcile
+        answer now could be overtaken by its effect)."""
+        saga = planner.saga
+        late = yield AwaitAbandoned(saga.id, op.step, op.kind, (saga.id, saga.fence))
+        if not late:
+            return None
+        return f"outcome of {op.kind} {op.step!r} is unknown and not reconciled: " + (
+            f"{late[0].describe()}; resolve it once it has ended"
+        )
+
+
+class _Unsure(Exception):
+    """A write failed for a transient reason, and may have landed all the same."""
+
+    def __init__(
+        self, planner: Planner, nxt: Next, token: str, events: list[Event], cause: Exception
+    ) -> None:
+        super().__init__(str(cause))
+        self.planner = planner
+        self.nxt = nxt
+        self.token = token
+        self.events = events
+        self.cause = cause
+
+
+# Longest traceback kept in an audit event (characters; its last lines are kept).
+_MAX_TRACEBACK_CHARS = 8000
+
+
+def traceback_of(exc: BaseException) -> str:
+    """The traceback of `exc` as text, its end kept when it is long."""
+    text = "".join(traceback.format_exception(exc))
+    return text if len(text) <= _MAX_TRACEBACK_CHARS else "..." + text[-_MAX_TRACEBACK_CHARS:]
+
+
+def _describe_op(op: OpRow) -> str:
+    return f"step {op.step!r}" if op.kind == "action" else f"compensation of step {op.step!r}"
+
+
+def _describe_error(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def describe_error(exc: BaseException) -> str:
+    """`Type: message` of an exception (the type alone when the message is empty)."""
+    return _describe_error(exc)
+
+
+def log_events(planner: Planner, events: Sequence[Event]) -> None:
+    """Log audit events once their transaction has committed (skipped, unbuilt, when the
+    configured logger drops info events)."""
+    if events and _info_enabled():
+        for event in events:
+            log_event(planner.saga, planner, event)
+
+
+def _info_enabled() -> bool:
+    # The logging as configured now; a wrapper class without the check logs everything.
+    return _log.is_enabled_for(logging.INFO)
+
+
+def log_event(saga: SagaRow, planner: Planner, event: Event) -> None:
+    """Log an audit event with structlog, bound with saga id, step, attempt and key (never
+    raises: a failure to log changes nothing)."""
+    try:
+        extra: dict[str, Any] = {}
+        if event.step is not None:
+            op = planner.find(event.step, event.kind or "action")
+            extra = {
+                "step": event.step,
+                "kind": event.kind,
+                "attempt": event.attempt,
+                "idempotency_key": op.idempotency_key if op is not None else None,
+            }
+        _log.info(
+            event.event,
+            saga_id=saga.id,
+            saga=saga.name,
+            tenant_id=saga.tenant_id,
+            **extra,
+            **event.detail,
+        )
+    except Exception:
+        pass  # an event the logger cannot take is still in saga.events

@@ -1,0 +1,201 @@
+"""What happened to an operation, as frozen values the core applies to a snapshot.
+
+A driver calls user code, turns what came back into one of these values and hands it to
+`apply`. Replaying after a transient database error applies the same value to the
+snapshot reloaded from the database: nothing about the outcome is kept in a closure or
+in the driver. This module does no I/O, reads no clock and imports no driver.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from saga.protocol import OpRow, Planner
+
+Verdict = Literal["retry", "fail", "unknown"]
+
+
+@dataclass(frozen=True, slots=True)
+class Returned:
+    """The attempt returned; `result` is its value encoded as JSON."""
+
+    step: str
+    kind: str
+    result: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Raised:
+    """The attempt raised `error`, classified by its retry policy: `retry` after `delay`
+    seconds, `fail` for good, or `unknown` (no verdict: it may have happened)."""
+
+    step: str
+    kind: str
+    error: str
+    verdict: Verdict
+    delay: float = 0.0
+    traceback: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TimedOut:
+    """The attempt ran past its timeout; `still_running` when it still runs here."""
+
+    step: str
+    kind: str
+    reason: str
+    still_running: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class NotJson:
+    """The attempt (or a reconcile's `Found`) returned a value that cannot be stored."""
+
+    step: str
+    kind: str
+    reason: str
+    returned: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class NotCalled:
+    """The orchestrator's machinery failed before any of the operation's code ran."""
+
+    step: str
+    kind: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class MachineryFailed:
+    """The orchestrator's machinery failed after the operation's code had started."""
+
+    step: str
+    kind: str
+    reason: str
+    traceback: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """A reconcile hook's answer: `found` (with the stored result and reference),
+    `absent` (settled or not) or `inconclusive` (with the reason)."""
+
+    step: str
+    kind: str
+    answer: Literal["found", "absent", "inconclusive"]
+    result: Any = None
+    provider_reference: str | None = None
+    settled: bool = True
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """The prepare hook computed `request` (JSON) for the next attempt."""
+
+    step: str
+    kind: str
+    request: Any
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareRaised:
+    """The prepare hook raised: nothing was called."""
+
+    step: str
+    kind: str
+    error: str
+    retryable: bool
+    delay: float
+    park: bool
+    traceback: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Parked:
+    """The saga cannot go on safely here (`reason`)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Spent:
+    """`outcome`, of an attempt that reported `amount` with `ctx.spend()` (and had a
+    report refused, when `refused` says why)."""
+
+    outcome: OpOutcome
+    amount: float
+    refused: str | None = None
+
+
+# What happened to one operation.
+OpOutcome = (
+    Returned
+    | Raised
+    | TimedOut
+    | NotJson
+    | NotCalled
+    | MachineryFailed
+    | Answered
+    | Prepared
+    | PrepareRaised
+)
+Outcome = OpOutcome | Parked | Spent
+
+
+def apply(planner: Planner, outcome: Outcome) -> None:
+    """Record `outcome` on `planner`'s snapshot (the next move is planned after it)."""
+    if isinstance(outcome, Parked):
+        planner.park(outcome.reason)
+        return
+    if isinstance(outcome, Spent):
+        inner = outcome.outcome
+        op = planner.op(inner.step, inner.kind)
+        planner.note_spend(op, outcome.amount)
+        _apply_to(planner, op, inner)
+        if outcome.refused is not None:
+            planner.refuse_spend(op, outcome.refused)
+        return
+    _apply_to(planner, planner.op(outcome.step, outcome.kind), outcome)
+
+
+def _apply_to(planner: Planner, op: OpRow, outcome: OpOutcome) -> None:
+    if isinstance(outcome, Returned):
+        planner.record_success(op, outcome.result)
+    elif isinstance(outcome, Raised):
+        if outcome.verdict == "unknown":
+            planner.record_unknown(
+                op, outcome.error, park=False, traceback=outcome.traceback
+            )
+        else:
+            planner.record_failure(
+                op, outcome.error, retryable=outcome.verdict == "retry", delay=outcome.delay
+            )
+    elif isinstance(outcome, TimedOut):
+        planner.record_unknown(op, outcome.reason, park=outcome.still_running)
+    elif isinstance(outcome, NotJson):
+        planner.record_unknown(op, outcome.reason, park=True, spend_known=outcome.returned)
+    elif isinstance(outcome, NotCalled):
+        planner.record_not_called(op, outcome.reason)
+    elif isinstance(outcome, MachineryFailed):
+        planner.record_unknown(op, outcome.reason, park=True, traceback=outcome.traceback)
+    elif isinstance(outcome, Answered):
+        if outcome.answer == "found":
+            planner.record_found(op, outcome.result, outcome.provider_reference)
+        elif outcome.answer == "absent":
+            planner.record_absent(op, settled=outcome.settled)
+        else:
+            planner.record_inconclusive(op, outcome.reason)
+    elif isinstance(outcome, Prepared):
+        planner.record_request(op, outcome.request)
+    else:
+        planner.record_prepare_failure(
+            op,
+            outcome.error,
+            retryable=outcome.retryable,
+            delay=outcome.delay,
+            park=outcome.park,
+            traceback=outcome.traceback,
+        )
