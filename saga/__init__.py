@@ -1,6 +1,8 @@
 """saga-orchestrator: declared sagas on PostgreSQL that survive crashes and compensate."""
 
+from saga.aorchestrator import AsyncOrchestrator
 from saga.approvals import ApprovalRejected
+from saga.aworker import AsyncWorker
 from saga.context import StepContext
 from saga.definition import Ceilings, Compensation, Saga, Step
 from saga.errors import (
@@ -50,6 +52,8 @@ __version__ = _installed_version()
 __all__ = [
     "Absent",
     "ApprovalRejected",
+    "AsyncOrchestrator",
+    "AsyncWorker",
     "Ceilings",
     "Compensation",
     "Confirmation",

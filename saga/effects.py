@@ -20,8 +20,11 @@ Hold = tuple[str, int]
 
 @dataclass(frozen=True, slots=True)
 class Begin:
-    """Open a transaction, sent as a pipeline; `Db` effects of `_txn` methods run in it
-    until `Commit`. A failed effect inside rolls it back before its error is raised."""
+    """Open a transaction (sent as a pipeline unless `pipelined` is False); `Db` effects
+    of `_txn` methods run in it until `Commit`. A failed effect inside rolls it back
+    before its error is raised."""
+
+    pipelined: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from saga.protocol import OpRow, Planner
 
-Verdict = Literal["retry", "fail", "unknown"]
+Verdict = Literal["retry", "failed", "unknown"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +28,7 @@ class Returned:
 @dataclass(frozen=True, slots=True)
 class Raised:
     """The attempt raised `error`, classified by its retry policy: `retry` after `delay`
-    seconds, `fail` for good, or `unknown` (no verdict: it may have happened)."""
+    seconds, `failed` for good, or `unknown` (no verdict: it may have happened)."""
 
     step: str
     kind: str
@@ -166,9 +166,7 @@ def _apply_to(planner: Planner, op: OpRow, outcome: OpOutcome) -> None:
         planner.record_success(op, outcome.result)
     elif isinstance(outcome, Raised):
         if outcome.verdict == "unknown":
-            planner.record_unknown(
-                op, outcome.error, park=False, traceback=outcome.traceback
-            )
+            planner.record_unknown(op, outcome.error, park=False, traceback=outcome.traceback)
         else:
             planner.record_failure(
                 op, outcome.error, retryable=outcome.verdict == "retry", delay=outcome.delay

@@ -5,40 +5,28 @@ from __future__ import annotations
 import builtins
 import math
 import os
-import socket
 import threading
-import time
-import uuid
-from collections.abc import Callable, Iterable
-from datetime import datetime, timedelta
+from collections.abc import Iterable
+from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
-from saga import approvals, faults
-from saga.database import check_connection, describe_url, resolve_database_url, unavailable
-from saga.dbretry import retrying
+from saga import approvals
+from saga.database import check_connection, unavailable
 from saga.definition import Saga
-from saga.errors import (
-    IdempotencyConflict,
-    NotRegistered,
-    SagaDefinitionError,
-    SagaNotFound,
-    StepStateError,
-)
-from saga.keys import check_saga_input
-from saga.keys import request_hash as hash_business_fields
+from saga.engine import ENV_CONFIRMATION_KEY, Change, Engine
+from saga.errors import StepStateError
 from saga.leases import LeaseKeeper
 from saga.logs import get_logger
 from saga.loopguard import sync_only
 from saga.migrate import apply_migrations
 from saga.operator import actor_or_os_user, check_actor
-from saga.protocol import Event, Next, Planner, SagaRow, new_action_rows
-from saga.runner import Runner, RunnerOptions, log_events
+from saga.runner import Runner
 from saga.state import (
     Confirmation,
     HistoryEvent,
@@ -47,21 +35,17 @@ from saga.state import (
     SagaStatus,
     WorkerInfo,
 )
-from saga.store import Store, new_token, parse_id
+from saga.store import Store
 
 if TYPE_CHECKING:
     from saga.worker import Worker
 
 _log = get_logger("saga")
 
-ENV_CONFIRMATION_KEY = "SAGA_CONFIRMATION_KEY"
-# run(wait_seconds=...) claims again this long after the holder's lease should end, and at
-# least this often meanwhile (seconds).
-LEASE_POLL_SECONDS = 0.05
-MAX_LEASE_POLL_SECONDS = 0.5
+__all__ = ["ENV_CONFIRMATION_KEY", "Orchestrator", "session_options"]
 
 
-class Orchestrator:
+class Orchestrator(Engine):
     """Runs registered sagas against one PostgreSQL database.
 
     Its methods block while they wait for the database and run steps (an async step in
@@ -100,77 +84,23 @@ class Orchestrator:
         confirmation_key: str | bytes | None = None,
         retention_days: float = 30.0,
     ) -> None:
-        if not lease_seconds > 0:
-            raise ValueError(f"lease_seconds must be positive, got {lease_seconds!r}")
-        if heartbeat_seconds is None:
-            heartbeat_seconds = lease_seconds / 3.0
-        if not 0 < heartbeat_seconds < lease_seconds:
-            raise ValueError(
-                f"heartbeat_seconds must be positive and below lease_seconds "
-                f"({lease_seconds!r}), got {heartbeat_seconds!r}"
-            )
-        if pool_size < 2:
-            raise ValueError(f"pool_size must be at least 2, got {pool_size!r}")
-        self._explicit_url = database_url
-        self._url: str | None = None
-        self.lease_seconds = float(lease_seconds)
-        self.heartbeat_seconds = float(heartbeat_seconds)
-        self.auto_migrate = auto_migrate
-        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._pool_size = pool_size
-        if not retention_days >= 0:
-            raise ValueError(f"retention_days must not be negative, got {retention_days!r}")
-        self.retention_days = float(retention_days)
-        key = confirmation_key or os.environ.get(ENV_CONFIRMATION_KEY)
-        self._confirmation_key = key.encode("utf-8") if isinstance(key, str) else key
-        self._registry: dict[tuple[str, int], Saga[Any]] = {}
+        super().__init__(
+            database_url,
+            sagas=sagas,
+            lease_seconds=lease_seconds,
+            heartbeat_seconds=heartbeat_seconds,
+            auto_migrate=auto_migrate,
+            owner=owner,
+            pool_size=pool_size,
+            confirmation_key=confirmation_key,
+            retention_days=retention_days,
+        )
         self._lock = threading.Lock()
         self._pool: ConnectionPool[Any] | None = None
         self._keeper: LeaseKeeper | None = None
         self._store: Store | None = None
-        for saga in sagas:
-            self.register(saga)
-        # Crash tests arm a fault point in a child process through SAGA_FAULT.
-        faults.arm_from_environment()
 
     # ----- set-up ------------------------------------------------------------------------
-
-    @property
-    def database_url(self) -> str:
-        """The resolved database URL (starts the embedded server when that is the source)."""
-        if self._url is None:
-            self._url = resolve_database_url(self._explicit_url)
-        return self._url
-
-    def __repr__(self) -> str:
-        url = self._url or self._explicit_url
-        where = describe_url(url) if url else "database not resolved yet"
-        return f"<Orchestrator {where} owner={self.owner!r}>"
-
-    def register(self, saga: Saga[Any]) -> None:
-        """Make `saga` runnable by this orchestrator and its workers."""
-        if not isinstance(saga, Saga):
-            raise SagaDefinitionError(f"register() takes a Saga, got {saga!r}")
-        if not saga.steps:
-            raise SagaDefinitionError(f"saga {saga.name!r} has no steps")
-        ident = (saga.name, saga.version)
-        existing = self._registry.get(ident)
-        if existing is not None and existing is not saga:
-            raise SagaDefinitionError(
-                f"another saga named {saga.name!r} version {saga.version} is already registered"
-            )
-        self._registry[ident] = saga
-
-    def registered(self) -> list[Saga[Any]]:
-        """The sagas registered with this orchestrator."""
-        return list(self._registry.values())
-
-    def definition(self, name: str, version: int) -> Saga[Any]:
-        """The registered saga (name, version); `NotRegistered` otherwise."""
-        saga = self._registry.get((name, version))
-        if saga is None:
-            raise NotRegistered(name, version)
-        return saga
 
     @property
     def store(self) -> Store:
@@ -245,7 +175,8 @@ class Orchestrator:
         request (business fields) raises `IdempotencyConflict` and stores nothing.
         Invalid input raises pydantic's `ValidationError` before anything is written.
         """
-        return self._start(saga, data, runner=None)[0]
+        runner = self._runner()
+        return runner.run(self._start_flow(runner.flows, saga, data, claim=False))[0]
 
     @sync_only(runs_steps=True)
     def execute(self, saga: Saga[Any], data: BaseModel | dict[str, Any]) -> SagaState:
@@ -256,99 +187,10 @@ class Orchestrator:
         same request again), this is `run` on it.
         """
         runner = self._runner()
-        handle, claimed = self._start(saga, data, runner=runner)
+        handle, claimed = runner.run(self._start_flow(runner.flows, saga, data, claim=True))
         if claimed is None:
             return self.run(handle.id)
         return runner.drive(*claimed) or self.get(handle.id)
-
-    def _start(
-        self, saga: Saga[Any], data: BaseModel | dict[str, Any], *, runner: Runner | None
-    ) -> tuple[SagaHandle, tuple[Planner, Next] | None]:
-        if (saga.name, saga.version) not in self._registry:
-            self.register(saga)
-        model = saga.validate_input(data)
-        tenant, key = saga.identity(model)
-        stored = model.model_dump(mode="json")
-        check_saga_input(saga.name, model.model_dump(), stored, identity=(tenant, key))
-        business = saga.business_fields(model)
-        deadline = saga.ceilings.deadline_seconds
-        row = SagaRow(
-            id=str(uuid.uuid4()),
-            name=saga.name,
-            version=saga.version,
-            tenant_id=tenant,
-            key=key,
-            input=stored,
-            input_hash=hash_business_fields(business),  # = saga.input_hash(model)
-            status=SagaStatus.PENDING,
-            error=None,
-            direction="forward",
-            fence=0 if runner is None else 1,
-            run_after=None,
-            lease_owner=None if runner is None else runner.owner,
-            max_operations=saga.ceilings.max_operations,
-            deadline_at=None
-            if deadline is None
-            else datetime.now().astimezone() + timedelta(seconds=deadline),
-            spend_budget=saga.ceilings.spend_budget,
-            max_side_effects=saga.ceilings.max_side_effects,
-        )
-        ops = new_action_rows(saga, tenant, key, business)
-        events = [Event("saga_started", detail={"input_hash": row.input_hash})]
-        claimed: tuple[Planner, Next] | None = None
-        if runner is not None:
-            planner, nxt, released = runner.plan_new(saga, row, ops)
-            if any(c.new or c.dirty for c in planner.confirmations):
-                # Confirmation rows are not written at start: start plainly, then run.
-                return self._start(saga, model, runner=None)
-            if released:
-                row.lease_owner = None
-            events += planner.take_events()
-            claimed = (planner, nxt)
-        # A start whose reply was lost is retried; the retry that finds this very saga
-        # (by its new id) knows the first one landed, and goes on as its creator.
-        for attempt in retrying("start_saga"):
-            with attempt:
-                outcome = self.store.start_saga(
-                    row, ops, events, lease_seconds=self.lease_seconds, notify=runner is None
-                )
-        created = bool(outcome["created"])
-        if created:
-            saga_id = row.id
-            _log.info("saga_started", saga_id=saga_id, saga=saga.name, tenant_id=tenant, key=key)
-            if claimed is not None:
-                log_events(claimed[0], events[1:])
-        else:
-            claimed = None
-            saga_id = self._check_duplicate(saga, row, outcome)
-            _log.info(
-                "saga_start_deduplicated",
-                saga_id=saga_id,
-                saga=saga.name,
-                tenant_id=tenant,
-                key=key,
-            )
-        handle = SagaHandle(
-            id=saga_id,
-            saga=saga.name,
-            version=saga.version,
-            tenant_id=tenant,
-            key=key,
-            created=created,
-        )
-        return handle, claimed
-
-    def _check_duplicate(self, saga: Saga[Any], row: SagaRow, found: dict[str, Any]) -> str:
-        if found["version"] != saga.version or found["input_hash"] != row.input_hash:
-            raise IdempotencyConflict(
-                f"saga {saga.name!r} with key {row.key!r} (tenant {row.tenant_id!r}) already "
-                f"exists as {found['id']} with a different request "
-                f"(version {found['version']}, hash {found['input_hash'][:12]}…); "
-                "use a new key for a new request",
-                saga=saga.name,
-                key=row.key,
-            )
-        return str(found["id"])
 
     # ----- driving -----------------------------------------------------------------------
 
@@ -363,37 +205,8 @@ class Orchestrator:
         saga meanwhile, its current state is returned (`lease_owner` and
         `lease_expires_at` say who holds it and until when).
         """
-        if not wait_seconds >= 0:
-            raise ValueError(f"wait_seconds must not be negative, got {wait_seconds!r}")
-        deadline = time.monotonic() + wait_seconds
-        state = self.get(saga_id)
-        definition = self.definition(state.saga, state.version)
-        if state.status == SagaStatus.AWAITING_CONFIRMATION:
-            # A confirmation that expired unanswered is asked again, with a fresh preview.
-            state = self._operator_change(state.id, Planner.reopen_expired_confirmation)
-        while state.status.is_runnable:
-            driven = self._runner().claim_and_drive(definition, state.id)
-            if driven is not None:
-                return driven
-            state = self.get(state.id)
-            pause = self._lease_pause(state, deadline)
-            if pause is None:
-                break
-            time.sleep(pause)
-            state = self.get(state.id)
-        return state
-
-    @staticmethod
-    def _lease_pause(state: SagaState, deadline: float) -> float | None:
-        """How long to sleep before claiming again a saga another owner holds, or None
-        when there is no point waiting (not runnable, not held, or out of time)."""
-        left = deadline - time.monotonic()
-        if not state.status.is_runnable or state.lease_expires_at is None or left <= 0:
-            return None
-        # The lease's end by this host's clock, re-checked often: clocks differ, and the
-        # holder may stop (and release the lease) before it ends.
-        until_end = (state.lease_expires_at - datetime.now().astimezone()).total_seconds()
-        return min(left, max(until_end, 0.0) + LEASE_POLL_SECONDS, MAX_LEASE_POLL_SECONDS)
+        runner = self._runner()
+        return runner.run(self._run_flow(runner.flows, saga_id, wait_seconds))
 
     @sync_only()
     def raise_ceilings(
@@ -471,13 +284,8 @@ class Orchestrator:
         (`ValueError`).
         """
         check_actor("approval", actor)
-        return approvals.sign(
-            self._require_key(),
-            saga_id=saga_id,
-            step=step,
-            request_hash=request_hash,
-            actor=actor,
-            ttl_seconds=ttl_seconds,
+        return self._sign_approval(
+            saga_id, step, request_hash, actor=actor, ttl_seconds=ttl_seconds
         )
 
     @sync_only()
@@ -505,14 +313,6 @@ class Orchestrator:
             registered=False,
         )
 
-    def _require_key(self) -> bytes:
-        if not self._confirmation_key:
-            raise StepStateError(
-                "no confirmation key: pass Orchestrator(confirmation_key=...) or set "
-                f"{ENV_CONFIRMATION_KEY}"
-            )
-        return self._confirmation_key
-
     # ----- retention ---------------------------------------------------------------------
 
     @sync_only()
@@ -536,17 +336,6 @@ class Orchestrator:
                 break
         _log.info("sagas_purged", count=total, older_than_days=days)
         return total
-
-    def purge_cutoff_days(self, older_than_days: float | None = None) -> float:
-        """How long ago (days) a saga must have ended for `purge` to delete it: the
-        retention, or `older_than_days`; `ValueError` when that is shorter."""
-        days = self.retention_days if older_than_days is None else older_than_days
-        if not days >= self.retention_days:
-            raise ValueError(
-                f"older_than_days ({days}) is shorter than the retention of "
-                f"{self.retention_days} days"
-            )
-        return days
 
     @sync_only(runs_steps=True)
     def compensate(
@@ -682,115 +471,15 @@ class Orchestrator:
     def _operator_change(
         self,
         saga_id: str,
-        change: Callable[[Planner], object],
+        change: Change,
         *,
         force: bool = False,
         actor: str | None = None,
         registered: bool = True,
     ) -> SagaState:
-        """Apply an operator's change to a saga no live worker holds (or, with `force`,
-        take the lease over), in one transaction; returns the saga's new state. A change
-        that returns False and records nothing writes nothing.
-
-        `registered=False` allows sagas this orchestrator does not register, for changes
-        that run no step code."""
-        if parse_id(saga_id) is None:
-            raise SagaNotFound(saga_id)
-        store = self.store
-        # One token for the change, however often it is tried: a retry after a lost reply
-        # that finds it on the saga knows the change landed, and applies nothing again.
-        token = new_token()
-        retried = False
-        for attempt in retrying("operator_change"):
-            with attempt:
-                if retried:
-                    written = store.write_token(saga_id)
-                    if written is not None and written[0] == token:
-                        landed = store.get_state(saga_id)
-                        assert landed is not None
-                        return landed
-                retried = True
-                return self._operator_txn(
-                    saga_id, change, force=force, actor=actor, registered=registered, token=token
-                )
-        raise AssertionError("unreachable: retrying() reraises")  # pragma: no cover
-
-    def _operator_txn(
-        self,
-        saga_id: str,
-        change: Callable[[Planner], object],
-        *,
-        force: bool,
-        actor: str | None,
-        registered: bool,
-        token: str,
-    ) -> SagaState:
-        store = self.store
-        with store.transaction() as conn:
-            locked = store.lock_saga_txn(conn, saga_id)
-            if locked is None:
-                raise SagaNotFound(saga_id)
-            row, live = locked
-            definition = self._registry.get((row.name, row.version))
-            if definition is None:
-                if registered:
-                    raise NotRegistered(row.name, row.version)
-                definition = _opaque(row.name, row.version)
-            broken: list[Event] = []
-            if live and not force:
-                raise StepStateError(
-                    f"saga {saga_id} is leased by {row.lease_owner} until {row.lease_expires_at}; "
-                    "wait for it to stop or for the lease to expire, or force it"
-                )
-            if live:
-                # The holder's next write fails its fence check; its running attempt, if
-                # any, is treated as unknown by whoever drives the saga next.
-                fence = store.break_lease_txn(conn, saga_id)
-                broken.append(
-                    Event(
-                        "lease_broken",
-                        detail={"actor": actor, "previous_owner": row.lease_owner, "fence": fence},
-                    )
-                )
-                row.fence, row.lease_owner, row.lease_expires_at = fence, None, None
-            planner = Planner(
-                definition,
-                row,
-                store.operations_txn(conn, saga_id),
-                store.confirmations_txn(conn, saga_id),
-            )
-            planner.events.extend(broken)
-            changed = change(planner)
-            events = planner.take_events()
-            if changed is False and not events:
-                # The change found the saga already where it asks for: nothing is
-                # written, and the saga is returned as it is.
-                state = store.get_state_txn(conn, saga_id)
-            else:
-                state = store.save_txn(
-                    conn,
-                    planner.saga,
-                    planner.ops,
-                    events,
-                    owner=None,  # an operator's change, made under the row lock
-                    release=True,
-                    notify=planner.saga.status.is_runnable,
-                    return_state=True,
-                    confirmations=planner.confirmations,
-                    token=token,
-                )()
-        log_events(planner, events)
-        assert state is not None  # the row is locked in this transaction
-        return state
-
-    def runner_options(self, *, max_inline_sleep: float = math.inf) -> RunnerOptions:
-        """Lease settings of this orchestrator, for runners."""
-        return RunnerOptions(
-            owner=self.owner,
-            lease_seconds=self.lease_seconds,
-            heartbeat_seconds=self.heartbeat_seconds,
-            max_inline_sleep=max_inline_sleep,
-        )
+        """Apply an operator's change in one transaction (see `Engine._operator_flow`)."""
+        flow = self._operator_flow(saga_id, change, force=force, actor=actor, registered=registered)
+        return self._runner().run(flow)
 
     def _runner(self) -> Runner:
         return Runner(self.store, self.runner_options(), keeper=self.lease_keeper)
@@ -814,12 +503,7 @@ class Orchestrator:
     @sync_only()
     def get(self, saga_id: str) -> SagaState:
         """The saga and its operations; `SagaNotFound` when there is none."""
-        if parse_id(saga_id) is None:
-            raise SagaNotFound(saga_id)
-        state = self.store.get_state(str(saga_id))
-        if state is None:
-            raise SagaNotFound(saga_id)
-        return state
+        return self._runner().run(self._get_flow(saga_id))
 
     @sync_only()
     def list(
@@ -901,18 +585,5 @@ def session_options(url: str, lease_seconds: float) -> str:
     """
     existing = conninfo_to_dict(url).get("options") or os.environ.get("PGOPTIONS", "")
     milliseconds = max(1, math.ceil(lease_seconds * 1000.0))
-    ours = (
-        f"-c idle_in_transaction_session_timeout={milliseconds} -c lock_timeout={milliseconds}"
-    )
+    ours = f"-c idle_in_transaction_session_timeout={milliseconds} -c lock_timeout={milliseconds}"
     return f"{existing} {ours}".strip()
-
-
-class _AnyInput(BaseModel):
-    """Any saga input, unvalidated: for operator changes that run no step code."""
-
-    model_config = ConfigDict(extra="allow")
-
-
-def _opaque(name: str, version: int) -> Saga[Any]:
-    """A stand-in definition of a saga this orchestrator does not register."""
-    return Saga(name, version=version, input=_AnyInput, key=lambda _: "")

@@ -95,8 +95,8 @@ class Runner:
 
     # ----- effects -------------------------------------------------------------------------
 
-    def _open(self) -> AbstractContextManager[Conn]:
-        return self.store.pipelined()
+    def _open(self, pipelined: bool) -> AbstractContextManager[Conn]:
+        return self.store.pipelined() if pipelined else self.store.transaction()
 
     def _effect(self, effect: Effect, conn: Conn | None) -> Any:
         if isinstance(effect, Db):
@@ -106,9 +106,7 @@ class Runner:
                 return method(conn, *effect.args, **effect.kwargs)
             return method(*effect.args, **effect.kwargs)
         if isinstance(effect, Call):
-            hold = (
-                self.keeper.holding(*effect.hold) if effect.hold is not None else nullcontext()
-            )
+            hold = self.keeper.holding(*effect.hold) if effect.hold is not None else nullcontext()
             with hold:
                 if effect.timeout_seconds is None and effect.hold is None:
                     return _call(effect.fn, *effect.args)
@@ -118,9 +116,7 @@ class Runner:
         if isinstance(effect, Stopping):
             return self.stopping.is_set()
         if isinstance(effect, Wait):
-            hold = (
-                self.keeper.holding(*effect.hold) if effect.hold is not None else nullcontext()
-            )
+            hold = self.keeper.holding(*effect.hold) if effect.hold is not None else nullcontext()
             with hold:
                 self.stopping.wait(effect.seconds)
             return None
@@ -168,7 +164,7 @@ class Runner:
 def carry_out(
     flow: Flow[T],
     effect: Callable[[Effect, Conn | None], Any],
-    open_transaction: Callable[[], AbstractContextManager[Conn]],
+    open_transaction: Callable[[bool], AbstractContextManager[Conn]],
 ) -> T:
     """Run `flow` to its end: each effect it yields is carried out by `effect` and its
     result sent back, or its error raised inside the flow. `Begin` opens a transaction
@@ -193,7 +189,7 @@ def carry_out(
             if isinstance(step, Begin):
                 assert txn is None, "transactions do not nest"
                 txn = ExitStack()
-                conn = txn.enter_context(open_transaction())
+                conn = txn.enter_context(open_transaction(step.pipelined))
             elif isinstance(step, Commit):
                 assert txn is not None, "Commit without Begin"
                 done, txn, conn = txn, None, None
@@ -238,9 +234,7 @@ def _call_with_timeout(
         return _call(fn, *args)
     what = f"attempt exceeded its timeout of {timeout_seconds:g}s; its outcome is unknown"
     if _is_async(fn):
-        return _run_async(
-            lambda: fn(*args), began=False, timeout=timeout_seconds, timed_out=what
-        )
+        return _run_async(lambda: fn(*args), began=False, timeout=timeout_seconds, timed_out=what)
     outcome: list[Any] = []
     failure: list[BaseException] = []
     tracked: list[abandoned.Abandoned] = []
@@ -270,8 +264,7 @@ def _call_with_timeout(
         if abandoned.wait_for(ctx.saga_id, ctx.step, ctx.kind):
             waited = abandoned.wait_bound(timeout_seconds)
             raise AttemptTimedOut(
-                f"{what}: {entry.describe()} after {waited:g}s more; resolve it once it has "
-                "ended",
+                f"{what}: {entry.describe()} after {waited:g}s more; resolve it once it has ended",
                 still_running=True,
             )
         raise AttemptTimedOut(f"{what} (it ended late; settled as any unknown outcome)")
@@ -346,5 +339,3 @@ def _run_async(
             _log.warning("event_loop_close_failed", error=describe_error(exc))
             return returned[0]
         raise
-
-

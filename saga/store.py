@@ -301,48 +301,11 @@ class Store:
         """Create a saga, its operations (in their planned state) and first events in one
         statement. Returns `{"created": True, ...}`, or, when (tenant, name, key) exists,
         `{"created": False, "id", "version", "input_hash"}` of the existing saga."""
-        start = {
-            "lease_seconds": lease_seconds,
-            "notify": f"{saga.name}:{saga.version}" if notify else None,
-            "row": {
-                "id": saga.id,
-                "name": saga.name,
-                "version": saga.version,
-                "tenant_id": saga.tenant_id,
-                "key": saga.key,
-                "input": saga.input,
-                "input_hash": saga.input_hash,
-                "status": saga.status.value,
-                "direction": saga.direction,
-                "error": saga.error,
-                "lease_owner": saga.lease_owner,
-                "fence": saga.fence,
-                "max_operations": saga.max_operations,
-                "deadline_at": saga.deadline_at,
-                "spend_budget": saga.spend_budget,
-                "max_side_effects": saga.max_side_effects,
-                "operations_executed": saga.operations_executed,
-                "spent": saga.spent,
-                "side_effects": saga.side_effects,
-            },
-            "new_ops": [_new_op_params(op) for op in ops],
-            "events": _event_rows(events),
-        }
+        start = start_params(saga, ops, events, lease_seconds=lease_seconds, notify=notify)
         with self._connection() as conn:
-            row = conn.execute(_q("start_saga"), {"start": Jsonb(start, dumps=_dumps)}).fetchone()
+            row = conn.execute(_q("start_saga"), {"start": start}).fetchone()
         assert row is not None
-        outcome: dict[str, Any] = row["outcome"]
-        if not outcome["created"] and str(outcome["id"]) == saga.id:
-            # This very start, retried after its reply was lost: it had landed. The saga
-            # is ours, created as planned (its id is new to every start).
-            outcome = {"created": True}
-        if outcome["created"]:
-            for op in ops:
-                op.new = op.dirty = False
-            for name in ("run_after", "created_at", "updated_at"):
-                if name in outcome:
-                    setattr(saga, name, datetime.fromisoformat(outcome[name]))
-        return outcome
+        return started(saga, ops, row["outcome"])
 
     def apply_transition(
         self,
@@ -459,23 +422,16 @@ class Store:
         then rolls back, the attempt's start with it) when the confirmation is not
         approved or its approval has released an attempt already: one approval, one
         attempt, whatever a stale snapshot believes."""
-        row = conn.execute(
-            _q("consume_confirmation"),
-            {"saga_id": saga_id, "step": step, "request_hash": request_hash, "attempt": attempt},
-        ).fetchone()
-        assert row is not None  # the query returns one row, found or not
-        if row["used"] is not None:
-            return
-        what = f"the approval of step {step!r} (request {request_hash[:12]})"
-        if row["released"] is not None:
-            why = f"{what} already released attempt {row['released']}"
-        elif row["approved"]:
-            why = f"{what} was used up meanwhile"
-        else:
-            why = f"{what} is not approved (any more)"
-        raise StepStateError(
-            f"{why}: one approval releases one attempt, so attempt {attempt} is not started"
-        )
+        params = {
+            "saga_id": saga_id,
+            "step": step,
+            "request_hash": request_hash,
+            "attempt": attempt,
+        }
+        row = conn.execute(_q("consume_confirmation"), params).fetchone()
+        refusal = consume_refusal(row, step, request_hash, attempt)
+        if refusal is not None:
+            raise refusal
 
     def purge_finished(self, *, retention_seconds: float, batch_size: int) -> int:
         """Delete one batch of sagas that ended before the retention cutoff; how many."""
@@ -605,7 +561,6 @@ class Store:
                 _q("find_unsettled_sagas"), {"kinds": list(kinds), "limit": limit}
             ).fetchall()
 
-
     def ids_with_prefix(self, prefix: str, *, limit: int) -> list[str]:
         """Ids of sagas that start with `prefix` (lowercase hex, dashes where a full id has
         them), in id order, at most `limit`; read through the primary key index."""
@@ -656,13 +611,21 @@ def _loaded(
     confirmations: psycopg.Cursor[dict[str, Any]],
 ) -> Loaded | None:
     """A saga as its lease holder reads it, from the results of its three reads."""
-    row = saga.fetchone()
+    return loaded_from_rows(saga.fetchone(), ops.fetchall(), confirmations.fetchall())
+
+
+def loaded_from_rows(
+    row: dict[str, Any] | None,
+    ops: Sequence[dict[str, Any]],
+    confirmations: Sequence[dict[str, Any]],
+) -> Loaded | None:
+    """A saga as its lease holder reads it, from the rows of its three reads."""
     if row is None:
         return None
     return (
         _saga_row(row),
-        [_op_row(r) for r in ops.fetchall()],
-        [_confirmation_row(r) for r in confirmations.fetchall()],
+        [_op_row(r) for r in ops],
+        [_confirmation_row(r) for r in confirmations],
     )
 
 
@@ -814,4 +777,79 @@ def _state(row: dict[str, Any], ops: Sequence[dict[str, Any]]) -> SagaState:
             "saga": row["name"],
             "operations": [OperationState.model_validate(op) for op in ops],
         }
+    )
+
+
+def start_params(
+    saga: SagaRow,
+    ops: Sequence[OpRow],
+    events: Sequence[Event],
+    *,
+    lease_seconds: float,
+    notify: bool,
+) -> Jsonb:
+    """The argument of saga.start_saga for a new saga, its operations and first events."""
+    start = {
+        "lease_seconds": lease_seconds,
+        "notify": f"{saga.name}:{saga.version}" if notify else None,
+        "row": {
+            "id": saga.id,
+            "name": saga.name,
+            "version": saga.version,
+            "tenant_id": saga.tenant_id,
+            "key": saga.key,
+            "input": saga.input,
+            "input_hash": saga.input_hash,
+            "status": saga.status.value,
+            "direction": saga.direction,
+            "error": saga.error,
+            "lease_owner": saga.lease_owner,
+            "fence": saga.fence,
+            "max_operations": saga.max_operations,
+            "deadline_at": saga.deadline_at,
+            "spend_budget": saga.spend_budget,
+            "max_side_effects": saga.max_side_effects,
+            "operations_executed": saga.operations_executed,
+            "spent": saga.spent,
+            "side_effects": saga.side_effects,
+        },
+        "new_ops": [_new_op_params(op) for op in ops],
+        "events": _event_rows(events),
+    }
+    return Jsonb(start, dumps=_dumps)
+
+
+def started(saga: SagaRow, ops: Sequence[OpRow], outcome: dict[str, Any]) -> dict[str, Any]:
+    """What saga.start_saga answered, with the new rows marked as written when it created
+    the saga (see `Store.start_saga`)."""
+    if not outcome["created"] and str(outcome["id"]) == saga.id:
+        # This very start, retried after its reply was lost: it had landed. The saga
+        # is ours, created as planned (its id is new to every start).
+        outcome = {"created": True}
+    if outcome["created"]:
+        for op in ops:
+            op.new = op.dirty = False
+        for name in ("run_after", "created_at", "updated_at"):
+            if name in outcome:
+                setattr(saga, name, datetime.fromisoformat(outcome[name]))
+    return outcome
+
+
+def consume_refusal(
+    row: dict[str, Any] | None, step: str, request_hash: str, attempt: int
+) -> StepStateError | None:
+    """Why consume_confirmation did not use the approval up (its answer `row`), or None
+    when it did: one approval, one attempt, whatever a stale snapshot believes."""
+    assert row is not None  # the query returns one row, found or not
+    if row["used"] is not None:
+        return None
+    what = f"the approval of step {step!r} (request {request_hash[:12]})"
+    if row["released"] is not None:
+        why = f"{what} already released attempt {row['released']}"
+    elif row["approved"]:
+        why = f"{what} was used up meanwhile"
+    else:
+        why = f"{what} is not approved (any more)"
+    return StepStateError(
+        f"{why}: one approval releases one attempt, so attempt {attempt} is not started"
     )

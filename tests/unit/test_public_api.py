@@ -10,6 +10,8 @@ import saga
 EXPECTED_ALL = [
     "Absent",
     "ApprovalRejected",
+    "AsyncOrchestrator",
+    "AsyncWorker",
     "Ceilings",
     "Compensation",
     "Confirmation",

@@ -1,0 +1,453 @@
+"""The asyncio door: `AsyncOrchestrator`, every verb of `Orchestrator` as a coroutine."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+from collections.abc import Iterable
+from datetime import timedelta
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+from pydantic import BaseModel
+
+from saga import approvals
+from saga.adriver import AsyncLeaseKeeper, AsyncRunner
+from saga.astore import AsyncStore
+from saga.database import check_connection, unavailable
+from saga.definition import Saga
+from saga.engine import Change, Engine
+from saga.errors import StepStateError
+from saga.logs import get_logger
+from saga.migrate import apply_migrations
+from saga.operator import actor_or_os_user, check_actor
+from saga.orchestrator import session_options
+from saga.state import Confirmation, HistoryEvent, SagaHandle, SagaState, SagaStatus, WorkerInfo
+
+if TYPE_CHECKING:
+    from saga.aworker import AsyncWorker
+
+_log = get_logger("saga")
+
+
+class AsyncOrchestrator(Engine):
+    """Runs registered sagas against one PostgreSQL database, from asyncio.
+
+    Takes the same arguments as `Orchestrator`, and has every one of its methods as a
+    coroutine with the same name, arguments and results; both write the same rows and
+    events for the same saga (one protocol, two drivers). Async steps, compensations and
+    hooks are awaited on the caller's event loop, so they can share the application's
+    clients; sync ones run in a thread and never block the loop. A step's timeout
+    cancels an async step. Use it as `async with AsyncOrchestrator(...) as orch:`, or
+    `await orch.close()` when done.
+    """
+
+    def __init__(
+        self,
+        database_url: str | None = None,
+        *,
+        sagas: Iterable[Saga[Any]] = (),
+        lease_seconds: float = 10.0,
+        heartbeat_seconds: float | None = None,
+        auto_migrate: bool = True,
+        owner: str | None = None,
+        pool_size: int = 10,
+        confirmation_key: str | bytes | None = None,
+        retention_days: float = 30.0,
+    ) -> None:
+        super().__init__(
+            database_url,
+            sagas=sagas,
+            lease_seconds=lease_seconds,
+            heartbeat_seconds=heartbeat_seconds,
+            auto_migrate=auto_migrate,
+            owner=owner,
+            pool_size=pool_size,
+            confirmation_key=confirmation_key,
+            retention_days=retention_days,
+        )
+        self._connecting: asyncio.Lock | None = None
+        self._pool: AsyncConnectionPool[Any] | None = None
+        self._store: AsyncStore | None = None
+        self._keeper: AsyncLeaseKeeper | None = None
+
+    # ----- set-up ------------------------------------------------------------------------
+
+    async def store(self) -> AsyncStore:
+        """The storage layer, connected (and migrated) on first use."""
+        if self._store is None:
+            if self._connecting is None:
+                self._connecting = asyncio.Lock()
+            async with self._connecting:
+                if self._store is None:
+                    self._store = await self._connect()
+        return self._store
+
+    async def _connect(self) -> AsyncStore:
+        # Resolving the URL may start the embedded server: blocking work, off the loop.
+        url = await asyncio.to_thread(lambda: self.database_url)
+        await asyncio.to_thread(check_connection, url)
+        if self.auto_migrate:
+            try:
+                await asyncio.to_thread(_migrate, url)
+            except psycopg.OperationalError as exc:
+                raise unavailable(url, exc) from None
+        pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+            url,
+            min_size=1,
+            max_size=self._pool_size,
+            kwargs={"autocommit": True, "options": session_options(url, self.lease_seconds)},
+            open=False,
+            name=f"saga-async-{self.owner}",
+        )
+        try:
+            await pool.open(wait=True, timeout=10.0)
+        except Exception as exc:
+            await pool.close()
+            raise unavailable(url, exc) from None
+        self._pool = pool
+        return AsyncStore(pool)
+
+    async def ensure_pool_size(self, connections: int) -> None:
+        """Grow the connection pool to at least `connections` (workers call this)."""
+        store = await self.store()
+        await store.pool.resize(
+            min_size=store.pool.min_size, max_size=max(store.pool.max_size, connections)
+        )
+
+    async def lease_keeper(self) -> AsyncLeaseKeeper:
+        """The heartbeat task that keeps this orchestrator's leases alive while steps run."""
+        store = await self.store()
+        if self._keeper is None:
+            self._keeper = AsyncLeaseKeeper(
+                store,
+                owner=self.owner,
+                lease_seconds=self.lease_seconds,
+                heartbeat_seconds=self.heartbeat_seconds,
+            )
+        return self._keeper
+
+    async def runner(
+        self, *, stopping: asyncio.Event | None = None, max_inline_sleep: float | None = None
+    ) -> AsyncRunner:
+        """A driver of this orchestrator's flows on the running loop."""
+        options = (
+            self.runner_options()
+            if max_inline_sleep is None
+            else self.runner_options(max_inline_sleep=max_inline_sleep)
+        )
+        return AsyncRunner(
+            await self.store(), options, keeper=await self.lease_keeper(), stopping=stopping
+        )
+
+    async def close(self) -> None:
+        """Stop the heartbeat and close the connection pool."""
+        if self._keeper is not None:
+            await self._keeper.aclose()
+            self._keeper = None
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+            self._store = None
+
+    async def __aenter__(self) -> AsyncOrchestrator:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # ----- starting and driving ----------------------------------------------------------
+
+    async def start(self, saga: Saga[Any], data: BaseModel | dict[str, Any]) -> SagaHandle:
+        """Create a saga instance, idempotently on (tenant, saga name, key); see
+        `Orchestrator.start`."""
+        runner = await self.runner()
+        return (await runner.run(self._start_flow(runner.flows, saga, data, claim=False)))[0]
+
+    async def execute(self, saga: Saga[Any], data: BaseModel | dict[str, Any]) -> SagaState:
+        """Start a saga and drive it here on this loop: `start` then `run`, one commit
+        cheaper; see `Orchestrator.execute`."""
+        runner = await self.runner()
+        handle, claimed = await runner.run(self._start_flow(runner.flows, saga, data, claim=True))
+        if claimed is None:
+            return await self.run(handle.id)
+        return await runner.drive(*claimed) or await self.get(handle.id)
+
+    async def run(self, saga_id: str, *, wait_seconds: float = 0.0) -> SagaState:
+        """Drive a saga here until it is completed, compensated or parked; see
+        `Orchestrator.run`."""
+        runner = await self.runner()
+        return await runner.run(self._run_flow(runner.flows, saga_id, wait_seconds))
+
+    async def _operator_change(
+        self,
+        saga_id: str,
+        change: Change,
+        *,
+        force: bool = False,
+        actor: str | None = None,
+        registered: bool = True,
+    ) -> SagaState:
+        runner = await self.runner()
+        flow = self._operator_flow(saga_id, change, force=force, actor=actor, registered=registered)
+        return await runner.run(flow)
+
+    # ----- operator verbs ----------------------------------------------------------------
+
+    async def raise_ceilings(
+        self,
+        saga_id: str,
+        *,
+        actor: str,
+        max_operations: int | None = None,
+        spend_budget: float | None = None,
+        max_side_effects: int | None = None,
+        extend_deadline_seconds: float | None = None,
+        force: bool = False,
+    ) -> SagaState:
+        """Raise a saga's persisted ceilings; see `Orchestrator.raise_ceilings`."""
+        check_actor("raise_ceilings", actor)
+        return await self._operator_change(
+            saga_id,
+            lambda p: p.raise_ceilings(
+                actor=actor,
+                max_operations=max_operations,
+                spend_budget=spend_budget,
+                max_side_effects=max_side_effects,
+                extend_deadline_seconds=extend_deadline_seconds,
+            ),
+            force=force,
+            actor=actor,
+        )
+
+    async def compensate(
+        self,
+        saga_id: str,
+        *,
+        include_unknown: bool = False,
+        actor: str | None = None,
+        force: bool = False,
+    ) -> SagaState:
+        """Compensation-only recovery, driven here; see `Orchestrator.compensate`."""
+        actor = actor_or_os_user("compensate", actor)
+        state = await self._operator_change(
+            saga_id,
+            lambda p: p.request_compensation(include_unknown=include_unknown, actor=actor),
+            force=force,
+            actor=actor,
+        )
+        return await self.run(state.id)
+
+    async def resolve(
+        self,
+        saga_id: str,
+        step: str,
+        *,
+        outcome: Literal["succeeded", "failed"],
+        result: Any = None,
+        actor: str,
+        reason: str | None = None,
+        kind: Literal["action", "compensation"] | None = None,
+        force: bool = False,
+    ) -> SagaState:
+        """Settle an operation a human has checked; see `Orchestrator.resolve`."""
+        if outcome not in ("succeeded", "failed"):
+            raise ValueError(f"outcome must be 'succeeded' or 'failed', got {outcome!r}")
+        check_actor("resolve", actor)
+        state = await self.get(saga_id)
+        definition = self.definition(state.saga, state.version)
+        target = definition.step_named(step)
+        if target is None:
+            raise StepStateError(f"saga {state.saga!r} has no step {step!r}")
+        stored = None
+        if outcome == "succeeded":
+            codec = target.codec
+            if kind == "compensation" and target.compensation_op is not None:
+                codec = target.compensation_op.codec
+            stored = codec.encode(codec.decode(result))
+        return await self._operator_change(
+            state.id,
+            lambda p: p.resolve(
+                step, kind=kind, outcome=outcome, result=stored, actor=actor, reason=reason
+            ),
+            force=force,
+            actor=actor,
+        )
+
+    async def retry(
+        self,
+        saga_id: str,
+        *,
+        extra_attempts: int = 0,
+        actor: str | None = None,
+        force: bool = False,
+    ) -> SagaState:
+        """Resume a parked saga after a fix; see `Orchestrator.retry`."""
+        if extra_attempts < 0:
+            raise ValueError(f"extra_attempts must not be negative, got {extra_attempts}")
+        actor = actor_or_os_user("retry", actor)
+        return await self._operator_change(
+            saga_id,
+            lambda p: p.request_retry(extra_attempts=extra_attempts, actor=actor),
+            force=force,
+            actor=actor,
+        )
+
+    async def cancel(
+        self,
+        saga_id: str,
+        *,
+        reason: str,
+        actor: str | None = None,
+        include_unknown: bool = False,
+        force: bool = False,
+    ) -> SagaState:
+        """Stop a saga's forward progress and compensate; see `Orchestrator.cancel`."""
+        if not reason:
+            raise ValueError("cancel() needs a reason")
+        actor = actor_or_os_user("cancel", actor)
+        return await self._operator_change(
+            saga_id,
+            lambda p: p.request_cancel(reason=reason, actor=actor, include_unknown=include_unknown),
+            force=force,
+            actor=actor,
+        )
+
+    # ----- confirmations -----------------------------------------------------------------
+
+    async def confirmations(self, saga_id: str) -> builtins.list[Confirmation]:
+        """Every confirmation a saga asked for, pending and approved, oldest first."""
+        await self.get(saga_id)
+        return await (await self.store()).confirmations(saga_id)
+
+    async def preview(self, saga_id: str) -> Confirmation | None:
+        """The confirmation a saga waits for, or None; see `Orchestrator.preview`."""
+        state = await self.get(saga_id)
+        if state.status != SagaStatus.AWAITING_CONFIRMATION:
+            return None
+        store = await self.store()
+        pending = [c for c in await store.confirmations(saga_id) if c.approved_at is None]
+        return max(pending, key=lambda c: c.requested_at) if pending else None
+
+    async def approval(
+        self,
+        saga_id: str,
+        step: str,
+        request_hash: str,
+        *,
+        actor: str,
+        ttl_seconds: float = 600.0,
+    ) -> str:
+        """Sign an approval token for exactly this saga, step and request hash; see
+        `Orchestrator.approval`."""
+        check_actor("approval", actor)
+        return self._sign_approval(
+            saga_id, step, request_hash, actor=actor, ttl_seconds=ttl_seconds
+        )
+
+    async def confirm(self, saga_id: str, step: str, request_hash: str, approval: str) -> SagaState:
+        """Resume a saga waiting for confirmation with a signed approval; see
+        `Orchestrator.confirm`."""
+        granted = approvals.verify(
+            self._require_key(), approval, saga_id=saga_id, step=step, request_hash=request_hash
+        )
+        return await self._operator_change(
+            saga_id,
+            lambda p: p.approve_confirmation(step, request_hash, actor=granted.actor),
+            actor=granted.actor,
+            registered=False,
+        )
+
+    # ----- retention ---------------------------------------------------------------------
+
+    async def purge(self, *, older_than_days: float | None = None, batch_size: int = 1000) -> int:
+        """Delete ended sagas older than the retention; see `Orchestrator.purge`."""
+        days = self.purge_cutoff_days(older_than_days)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        store = await self.store()
+        total = 0
+        while True:
+            deleted = await store.purge_finished(
+                retention_seconds=days * 86400.0, batch_size=batch_size
+            )
+            total += deleted
+            if deleted < batch_size:
+                break
+        _log.info("sagas_purged", count=total, older_than_days=days)
+        return total
+
+    # ----- reading -----------------------------------------------------------------------
+
+    async def get(self, saga_id: str) -> SagaState:
+        """The saga and its operations; `SagaNotFound` when there is none."""
+        runner = await self.runner()
+        return await runner.run(self._get_flow(saga_id))
+
+    async def list(
+        self,
+        status: str | None = None,
+        saga: str | None = None,
+        tenant: str | None = None,
+        limit: int = 100,
+        *,
+        older_than: timedelta | None = None,
+    ) -> builtins.list[SagaState]:
+        """Sagas filtered by status, saga name and tenant, newest first; see
+        `Orchestrator.list`."""
+        if status is not None:
+            status = SagaStatus(status).value
+        if limit < 1:
+            raise ValueError(f"limit must be positive, got {limit}")
+        seconds = None
+        if older_than is not None:
+            seconds = older_than.total_seconds()
+            if seconds < 0:
+                raise ValueError(f"older_than must not be negative, got {older_than}")
+        store = await self.store()
+        return await store.list_states(
+            status=status, name=saga, tenant_id=tenant, limit=limit, older_than_seconds=seconds
+        )
+
+    async def workers(self) -> builtins.list[WorkerInfo]:
+        """Live workers of this database and the saga kinds (name:version) each runs."""
+        return await (await self.store()).live_workers()
+
+    async def history(self, saga_id: str) -> builtins.list[HistoryEvent]:
+        """The audit trail of a saga, oldest first."""
+        await self.get(saga_id)
+        return await (await self.store()).history(saga_id)
+
+    # ----- workers -----------------------------------------------------------------------
+
+    def worker(
+        self,
+        concurrency: int = 4,
+        *,
+        poll_seconds: float = 1.0,
+        grace_seconds: float = 10.0,
+        short_wait_seconds: float = 1.0,
+    ) -> AsyncWorker:
+        """An `AsyncWorker` that claims and drives this orchestrator's registered sagas as
+        tasks on the loop that runs it. See `AsyncWorker` for each setting."""
+        from saga.aworker import AsyncWorker
+
+        return AsyncWorker(
+            self,
+            concurrency=concurrency,
+            poll_seconds=poll_seconds,
+            grace_seconds=grace_seconds,
+            short_wait_seconds=short_wait_seconds,
+        )
+
+
+def _migrate(url: str) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        apply_migrations(conn)

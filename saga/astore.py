@@ -1,0 +1,451 @@
+"""The store's asyncio twin: the same named queries over an `AsyncConnectionPool`.
+
+Each method is the coroutine twin of the `Store` method of the same name: same queries,
+same parameters (built by the same functions of `saga.store`), same answers, same errors
+(a lost fence is `LeaseLost`, a row locked too long is `StepStateError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from contextlib import asynccontextmanager
+from datetime import datetime
+from typing import Any, cast
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+from saga.errors import LeaseLost, StepStateError
+from saga.protocol import ConfirmationRow, Event, OpRow, SagaRow
+from saga.state import Confirmation, HistoryEvent, SagaState, WorkerInfo
+from saga.store import (
+    FENCE_SQLSTATE,
+    Loaded,
+    _confirmation_row,
+    _dumps,
+    _op_row,
+    _q,
+    _saga_row,
+    _state,
+    _write,
+    consume_refusal,
+    loaded_from_rows,
+    start_params,
+    started,
+)
+
+AConn = psycopg.AsyncConnection[dict[str, Any]]
+
+
+@asynccontextmanager
+async def _fenced() -> AsyncIterator[None]:
+    """A failed fence check (SQLSTATE SG001) becomes `LeaseLost`."""
+    try:
+        yield
+    except psycopg.Error as exc:
+        if exc.sqlstate == FENCE_SQLSTATE:
+            raise LeaseLost(str(exc.diag.message_primary or exc)) from None
+        raise
+
+
+class AsyncStore:
+    """Reads and writes sagas, operations and events for the asyncio door (autocommit
+    connections, as `Store`)."""
+
+    def __init__(self, pool: AsyncConnectionPool[Any]) -> None:
+        self.pool = pool
+
+    @asynccontextmanager
+    async def _connection(self) -> AsyncIterator[AConn]:
+        async with self.pool.connection() as conn:
+            conn.row_factory = dict_row
+            yield cast(AConn, conn)
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[AConn]:
+        """A connection inside one transaction, committed when the block exits cleanly."""
+        async with self._connection() as conn, conn.transaction():
+            yield conn
+
+    @asynccontextmanager
+    async def pipelined(self) -> AsyncIterator[AConn]:
+        """One transaction sent in a pipeline (see `Store.pipelined`)."""
+        async with _fenced(), self._connection() as conn, conn.pipeline(), conn.transaction():
+            yield conn
+
+    # ----- leases ----------------------------------------------------------------------
+
+    async def assert_fence_txn(
+        self, conn: AConn, saga_id: str, *, owner: str, fence: int, lease_seconds: float
+    ) -> None:
+        """Queue the fence check that fails the transaction when the saga is not ours."""
+        await conn.execute(
+            _q("assert_fence"),
+            {"saga_id": saga_id, "owner": owner, "fence": fence, "lease_seconds": lease_seconds},
+        )
+
+    async def claim_txn(
+        self, conn: AConn, saga_id: str, *, owner: str, lease_seconds: float
+    ) -> Loaded | None:
+        """Take the lease of a runnable saga no live owner holds, and read what it has."""
+        claim = await conn.execute(
+            _q("claim_saga"),
+            {"saga_id": saga_id, "owner": owner, "lease_seconds": lease_seconds},
+        )
+        return await self._claimed_txn(conn, claim)
+
+    async def claim_next_txn(
+        self, conn: AConn, *, kinds: Sequence[str], owner: str, lease_seconds: float
+    ) -> Loaded | None:
+        """Take the lease of the longest-waiting runnable saga of these kinds."""
+        claim = await conn.execute(
+            _q("claim_next_saga"),
+            {"kinds": list(kinds), "owner": owner, "lease_seconds": lease_seconds},
+        )
+        return await self._claimed_txn(conn, claim)
+
+    async def _claimed_txn(
+        self, conn: AConn, claim: psycopg.AsyncCursor[dict[str, Any]]
+    ) -> Loaded | None:
+        ops = await conn.execute(_q("claimed_operations"))
+        confirmations = await conn.execute(_q("claimed_confirmations"))
+        pipeline = conn._pipeline
+        if isinstance(pipeline, psycopg.AsyncPipeline):
+            await pipeline.sync()
+        return loaded_from_rows(
+            await claim.fetchone(), await ops.fetchall(), await confirmations.fetchall()
+        )
+
+    async def renew_leases(
+        self, held: Collection[tuple[str, int]], *, owner: str, lease_seconds: float
+    ) -> set[tuple[str, int]]:
+        """Heartbeat of several leases, each a (saga id, fence); those still held."""
+        params = {
+            "saga_ids": [saga_id for saga_id, _ in held],
+            "fences": [fence for _, fence in held],
+            "owner": owner,
+            "lease_seconds": lease_seconds,
+        }
+        async with self._connection() as conn:
+            rows = await (await conn.execute(_q("renew_leases"), params)).fetchall()
+        return {(r["id"], int(r["fence"])) for r in rows}
+
+    async def release_lease(self, saga_id: str, *, owner: str, fence: int) -> None:
+        """Give the lease back if still ours (error paths)."""
+        async with self._connection() as conn:
+            await conn.execute(
+                _q("release_lease"), {"saga_id": saga_id, "owner": owner, "fence": fence}
+            )
+
+    async def lock_saga_txn(self, conn: AConn, saga_id: str) -> tuple[SagaRow, bool] | None:
+        """The saga row locked for an operator change, and whether a live lease holds it."""
+        try:
+            row = await (await conn.execute(_q("lock_saga"), {"saga_id": saga_id})).fetchone()
+        except psycopg.errors.LockNotAvailable:
+            raise StepStateError(
+                f"saga {saga_id} is busy: another transaction has held it locked longer than "
+                "the lock timeout (a worker planning its next move, or frozen doing so); "
+                "try again"
+            ) from None
+        if row is None:
+            return None
+        return _saga_row(row), bool(row["live_lease"])
+
+    async def break_lease_txn(self, conn: AConn, saga_id: str) -> int:
+        """End a live lease for an operator: the fence grows."""
+        row = await (await conn.execute(_q("break_lease"), {"saga_id": saga_id})).fetchone()
+        assert row is not None  # the caller holds the saga row locked
+        return int(row["fence"])
+
+    # ----- persisting decisions ---------------------------------------------------------
+
+    async def save_txn(
+        self,
+        conn: AConn,
+        saga: SagaRow,
+        ops: Sequence[OpRow],
+        events: Sequence[Event],
+        *,
+        owner: str | None,
+        lease_seconds: float | None = None,
+        release: bool = False,
+        lease_until: datetime | None = None,
+        notify: bool = False,
+        return_state: bool = False,
+        confirmations: Sequence[ConfirmationRow] = (),
+        token: str | None = None,
+    ) -> Callable[[], Awaitable[SagaState | None]]:
+        """Queue a planner's changes in a transaction (see `Store.save_txn`); returns the
+        read of the saga's state, to await once the transaction has committed."""
+        write = _write(
+            saga,
+            ops,
+            events,
+            owner=owner,
+            lease_seconds=lease_seconds,
+            release=release,
+            lease_until=lease_until,
+            notify=notify,
+            return_state=return_state,
+            token=token,
+        )
+        written = await conn.execute(_q("write_saga"), {"write": Jsonb(write, dumps=_dumps)})
+        for confirmation in confirmations:
+            if confirmation.new:
+                await conn.execute(
+                    _q("upsert_confirmation"),
+                    {
+                        "saga_id": saga.id,
+                        "step": confirmation.step,
+                        "request_hash": confirmation.request_hash,
+                        "preview": Jsonb(confirmation.preview),
+                        "expires_at": confirmation.expires_at,
+                    },
+                )
+                confirmation.new = False
+            elif confirmation.dirty and confirmation.consumed_attempt is not None:
+                params = {
+                    "saga_id": saga.id,
+                    "step": confirmation.step,
+                    "request_hash": confirmation.request_hash,
+                    "attempt": confirmation.consumed_attempt,
+                }
+                row = await (await conn.execute(_q("consume_confirmation"), params)).fetchone()
+                refusal = consume_refusal(
+                    row, confirmation.step, confirmation.request_hash, confirmation.consumed_attempt
+                )
+                if refusal is not None:
+                    raise refusal
+                confirmation.dirty = False
+            elif confirmation.dirty:
+                approve = {
+                    "saga_id": saga.id,
+                    "step": confirmation.step,
+                    "request_hash": confirmation.request_hash,
+                    "actor": confirmation.approved_by or "",
+                }
+                row = await (await conn.execute(_q("approve_confirmation"), approve)).fetchone()
+                if row is None:  # expired meanwhile, by the database clock
+                    raise StepStateError(
+                        f"the confirmation of step {confirmation.step!r} is no longer pending"
+                    )
+                confirmation.dirty = False
+
+        async def read() -> SagaState | None:
+            row = await written.fetchone()
+            state = row["state"] if row else None
+            return None if state is None else _state(state["saga"], state["operations"])
+
+        return read
+
+    async def start_saga(
+        self,
+        saga: SagaRow,
+        ops: Sequence[OpRow],
+        events: Sequence[Event],
+        *,
+        lease_seconds: float,
+        notify: bool,
+    ) -> dict[str, Any]:
+        """Create a saga, its operations and first events in one statement."""
+        start = start_params(saga, ops, events, lease_seconds=lease_seconds, notify=notify)
+        async with self._connection() as conn:
+            row = await (await conn.execute(_q("start_saga"), {"start": start})).fetchone()
+        assert row is not None
+        return started(saga, ops, row["outcome"])
+
+    async def apply_transition(
+        self,
+        saga: SagaRow,
+        ops: Sequence[OpRow],
+        events: Sequence[Event],
+        *,
+        owner: str,
+        lease_seconds: float,
+        release: bool,
+        lease_until: datetime | None,
+        notify: bool,
+        return_state: bool,
+        token: str | None = None,
+    ) -> SagaState | None:
+        """Persist a lease holder's transition in one statement and one round trip."""
+        async with _fenced(), self._connection() as conn:
+            read = await self.save_txn(
+                conn,
+                saga,
+                ops,
+                events,
+                owner=owner,
+                lease_seconds=lease_seconds,
+                release=release,
+                lease_until=lease_until,
+                notify=notify,
+                return_state=return_state,
+                token=token,
+            )
+            return await read()
+
+    async def write_token(self, saga_id: str) -> tuple[str | None, str | None] | None:
+        """The token of the saga's last write and its lease owner."""
+        async with self._connection() as conn:
+            row = await (await conn.execute(_q("write_token"), {"saga_id": saga_id})).fetchone()
+        if row is None:
+            return None
+        return row["write_token"], row["lease_owner"]
+
+    async def report_spend(
+        self,
+        saga_id: str,
+        *,
+        step: str,
+        kind: str,
+        attempt: int,
+        total: float,
+        owner: str,
+        fence: int,
+    ) -> bool:
+        """Persist an attempt's running spend total (see `Store.report_spend`)."""
+        params = {
+            "saga_id": saga_id,
+            "step": step,
+            "kind": kind,
+            "attempt": attempt,
+            "total": total,
+            "owner": owner,
+            "fence": fence,
+        }
+        async with self._connection() as conn:
+            return await (await conn.execute(_q("report_spend"), params)).fetchone() is not None
+
+    async def own_claim(self, *, owner: str, token: str) -> tuple[str, str, int] | None:
+        """(id, name, version) of the saga a claim whose reply was lost took."""
+        async with self._connection() as conn:
+            cur = await conn.execute(_q("own_claim"), {"owner": owner, "token": token})
+            row = await cur.fetchone()
+        return None if row is None else (row["id"], row["name"], int(row["version"]))
+
+    # ----- reading ---------------------------------------------------------------------
+
+    async def load_txn(self, conn: AConn, saga_id: str) -> Loaded | None:
+        """The saga row, its operations and its confirmations."""
+        params = {"saga_id": saga_id}
+        saga = await conn.execute(_q("get_saga"), params)
+        ops = await conn.execute(_q("get_operations"), params)
+        confirmations = await conn.execute(_q("get_confirmations"), params)
+        return loaded_from_rows(
+            await saga.fetchone(), await ops.fetchall(), await confirmations.fetchall()
+        )
+
+    async def operations_txn(self, conn: AConn, saga_id: str) -> list[OpRow]:
+        """The operation rows of a saga."""
+        cur = await conn.execute(_q("get_operations"), {"saga_id": saga_id})
+        return [_op_row(r) for r in await cur.fetchall()]
+
+    async def confirmations_txn(self, conn: AConn, saga_id: str) -> list[ConfirmationRow]:
+        """The confirmation rows of a saga."""
+        cur = await conn.execute(_q("get_confirmations"), {"saga_id": saga_id})
+        return [_confirmation_row(r) for r in await cur.fetchall()]
+
+    async def confirmations(self, saga_id: str) -> list[Confirmation]:
+        """The confirmations of a saga, oldest first."""
+        async with self._connection() as conn:
+            cur = await conn.execute(_q("get_confirmations"), {"saga_id": saga_id})
+            rows = await cur.fetchall()
+        return [Confirmation.model_validate({**r, "saga_id": saga_id}) for r in rows]
+
+    async def get_state(self, saga_id: str) -> SagaState | None:
+        """The user-facing state of one saga, or None."""
+        async with self.transaction() as conn:
+            return await self.get_state_txn(conn, saga_id)
+
+    async def get_state_txn(self, conn: AConn, saga_id: str) -> SagaState | None:
+        """The user-facing state of one saga as this transaction sees it, or None."""
+        row = await (await conn.execute(_q("get_saga"), {"saga_id": saga_id})).fetchone()
+        if row is None:
+            return None
+        cur = await conn.execute(_q("get_operations"), {"saga_id": saga_id})
+        return _state(row, await cur.fetchall())
+
+    async def list_states(
+        self,
+        *,
+        status: str | None,
+        name: str | None,
+        tenant_id: str | None,
+        limit: int,
+        older_than_seconds: float | None = None,
+    ) -> list[SagaState]:
+        """Sagas matching the filters, newest first, with their operations."""
+        params = {
+            "status": status,
+            "name": name,
+            "tenant_id": tenant_id,
+            "limit": limit,
+            "older_than_seconds": older_than_seconds,
+        }
+        async with self.transaction() as conn:
+            rows = await (await conn.execute(_q("list_sagas"), params)).fetchall()
+            cur = await conn.execute(
+                _q("get_operations_many"), {"saga_ids": [r["id"] for r in rows]}
+            )
+            ops = await cur.fetchall()
+        by_saga: dict[str, list[dict[str, Any]]] = {}
+        for op in ops:
+            by_saga.setdefault(op["saga_id"], []).append(op)
+        return [_state(r, by_saga.get(r["id"], [])) for r in rows]
+
+    async def history(self, saga_id: str) -> list[HistoryEvent]:
+        """The audit trail of a saga, oldest first."""
+        async with self._connection() as conn:
+            cur = await conn.execute(_q("get_history"), {"saga_id": saga_id})
+            rows = await cur.fetchall()
+        return [HistoryEvent.model_validate(r) for r in rows]
+
+    async def purge_finished(self, *, retention_seconds: float, batch_size: int) -> int:
+        """Delete one batch of sagas that ended before the retention cutoff; how many."""
+        params = {"retention_seconds": retention_seconds, "batch_size": batch_size}
+        async with self._connection() as conn:
+            row = await (await conn.execute(_q("purge_finished_sagas"), params)).fetchone()
+        return int(row["purged"]) if row else 0
+
+    # ----- workers ---------------------------------------------------------------------
+
+    async def next_claimable_at(self, kinds: Sequence[str]) -> datetime | None:
+        """When the earliest saga of these kinds becomes claimable; None when none is open."""
+        async with self._connection() as conn:
+            cur = await conn.execute(_q("next_claimable_at"), {"kinds": list(kinds)})
+            row = await cur.fetchone()
+        return row["at"] if row else None
+
+    async def upsert_worker(
+        self, *, owner: str, kinds: Sequence[str], concurrency: int, ttl_seconds: float
+    ) -> None:
+        """Record (or refresh) a live worker and the kinds it runs."""
+        params = {
+            "owner": owner,
+            "kinds": list(kinds),
+            "concurrency": concurrency,
+            "ttl_seconds": ttl_seconds,
+        }
+        async with self._connection() as conn:
+            await conn.execute(_q("upsert_worker"), params)
+
+    async def delete_worker(self, owner: str) -> None:
+        """Remove a stopping worker's row (and long-dead workers' rows)."""
+        async with self._connection() as conn:
+            await conn.execute(_q("delete_worker"), {"owner": owner})
+
+    async def live_workers(self) -> list[WorkerInfo]:
+        """Workers whose heartbeat is still believed, newest first."""
+        async with self._connection() as conn:
+            rows = await (await conn.execute(_q("live_workers"))).fetchall()
+        return [WorkerInfo.model_validate(r) for r in rows]
+
+    async def count_open(self, kinds: Sequence[str]) -> int:
+        """How many sagas of these kinds are pending, running or compensating."""
+        async with self._connection() as conn:
+            cur = await conn.execute(_q("count_open_sagas"), {"kinds": list(kinds)})
+            row = await cur.fetchone()
+        return int(row["count"]) if row else 0

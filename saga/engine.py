@@ -1,0 +1,433 @@
+"""What both doors share: settings, the registry, and the flows of their verbs.
+
+`Orchestrator` (blocking) and `AsyncOrchestrator` (asyncio) are two drivers of one
+`Engine`: the same settings and registry, and the same flows (`saga.flow`) for
+starting, driving and changing sagas, carried out with blocking or async I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from datetime import datetime, timedelta
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from saga import approvals, faults
+from saga.database import describe_url, resolve_database_url
+from saga.definition import Saga
+from saga.effects import Begin, Commit, Fetch, Flow, Pause, Stopping, db
+from saga.errors import (
+    IdempotencyConflict,
+    NotRegistered,
+    SagaDefinitionError,
+    SagaNotFound,
+    StepStateError,
+)
+from saga.flow import Flows, RunnerOptions, log_events, retried
+from saga.keys import check_saga_input
+from saga.keys import request_hash as hash_business_fields
+from saga.logs import get_logger
+from saga.protocol import Event, Next, Planner, SagaRow, new_action_rows
+from saga.state import SagaHandle, SagaState, SagaStatus
+from saga.store import new_token, parse_id
+
+_log = get_logger("saga")
+
+ENV_CONFIRMATION_KEY = "SAGA_CONFIRMATION_KEY"
+# run(wait_seconds=...) claims again this long after the holder's lease should end, and at
+# least this often meanwhile (seconds).
+LEASE_POLL_SECONDS = 0.05
+MAX_LEASE_POLL_SECONDS = 0.5
+
+Change = Callable[[Planner], object]
+
+
+class Engine:
+    """Settings and registry of an orchestrator, and the flows of its verbs (see
+    `Orchestrator` for the arguments)."""
+
+    def __init__(
+        self,
+        database_url: str | None = None,
+        *,
+        sagas: Iterable[Saga[Any]] = (),
+        lease_seconds: float = 10.0,
+        heartbeat_seconds: float | None = None,
+        auto_migrate: bool = True,
+        owner: str | None = None,
+        pool_size: int = 10,
+        confirmation_key: str | bytes | None = None,
+        retention_days: float = 30.0,
+    ) -> None:
+        if not lease_seconds > 0:
+            raise ValueError(f"lease_seconds must be positive, got {lease_seconds!r}")
+        if heartbeat_seconds is None:
+            heartbeat_seconds = lease_seconds / 3.0
+        if not 0 < heartbeat_seconds < lease_seconds:
+            raise ValueError(
+                f"heartbeat_seconds must be positive and below lease_seconds "
+                f"({lease_seconds!r}), got {heartbeat_seconds!r}"
+            )
+        if pool_size < 2:
+            raise ValueError(f"pool_size must be at least 2, got {pool_size!r}")
+        self._explicit_url = database_url
+        self._url: str | None = None
+        self.lease_seconds = float(lease_seconds)
+        self.heartbeat_seconds = float(heartbeat_seconds)
+        self.auto_migrate = auto_migrate
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._pool_size = pool_size
+        if not retention_days >= 0:
+            raise ValueError(f"retention_days must not be negative, got {retention_days!r}")
+        self.retention_days = float(retention_days)
+        key = confirmation_key or os.environ.get(ENV_CONFIRMATION_KEY)
+        self._confirmation_key = key.encode("utf-8") if isinstance(key, str) else key
+        self._registry: dict[tuple[str, int], Saga[Any]] = {}
+        for saga in sagas:
+            self.register(saga)
+        # Crash tests arm a fault point in a child process through SAGA_FAULT.
+        faults.arm_from_environment()
+
+    # ----- set-up ------------------------------------------------------------------------
+
+    @property
+    def database_url(self) -> str:
+        """The resolved database URL (starts the embedded server when that is the source)."""
+        if self._url is None:
+            self._url = resolve_database_url(self._explicit_url)
+        return self._url
+
+    def __repr__(self) -> str:
+        url = self._url or self._explicit_url
+        where = describe_url(url) if url else "database not resolved yet"
+        return f"<{type(self).__name__} {where} owner={self.owner!r}>"
+
+    def register(self, saga: Saga[Any]) -> None:
+        """Make `saga` runnable by this orchestrator and its workers."""
+        if not isinstance(saga, Saga):
+            raise SagaDefinitionError(f"register() takes a Saga, got {saga!r}")
+        if not saga.steps:
+            raise SagaDefinitionError(f"saga {saga.name!r} has no steps")
+        ident = (saga.name, saga.version)
+        existing = self._registry.get(ident)
+        if existing is not None and existing is not saga:
+            raise SagaDefinitionError(
+                f"another saga named {saga.name!r} version {saga.version} is already registered"
+            )
+        self._registry[ident] = saga
+
+    def registered(self) -> list[Saga[Any]]:
+        """The sagas registered with this orchestrator."""
+        return list(self._registry.values())
+
+    def definition(self, name: str, version: int) -> Saga[Any]:
+        """The registered saga (name, version); `NotRegistered` otherwise."""
+        saga = self._registry.get((name, version))
+        if saga is None:
+            raise NotRegistered(name, version)
+        return saga
+
+    def runner_options(self, *, max_inline_sleep: float = math.inf) -> RunnerOptions:
+        """Lease settings of this orchestrator, for runners."""
+        return RunnerOptions(
+            owner=self.owner,
+            lease_seconds=self.lease_seconds,
+            heartbeat_seconds=self.heartbeat_seconds,
+            max_inline_sleep=max_inline_sleep,
+        )
+
+    def purge_cutoff_days(self, older_than_days: float | None = None) -> float:
+        """How long ago (days) a saga must have ended for `purge` to delete it: the
+        retention, or `older_than_days`; `ValueError` when that is shorter."""
+        days = self.retention_days if older_than_days is None else older_than_days
+        if not days >= self.retention_days:
+            raise ValueError(
+                f"older_than_days ({days}) is shorter than the retention of "
+                f"{self.retention_days} days"
+            )
+        return days
+
+    def _require_key(self) -> bytes:
+        if not self._confirmation_key:
+            raise StepStateError(
+                "no confirmation key: pass Orchestrator(confirmation_key=...) or set "
+                f"{ENV_CONFIRMATION_KEY}"
+            )
+        return self._confirmation_key
+
+    def _sign_approval(
+        self, saga_id: str, step: str, request_hash: str, *, actor: str, ttl_seconds: float
+    ) -> str:
+        return approvals.sign(
+            self._require_key(),
+            saga_id=saga_id,
+            step=step,
+            request_hash=request_hash,
+            actor=actor,
+            ttl_seconds=ttl_seconds,
+        )
+
+    # ----- flows of the verbs --------------------------------------------------------------
+
+    def _start_flow(
+        self, flows: Flows, saga: Saga[Any], data: BaseModel | dict[str, Any], *, claim: bool
+    ) -> Flow[tuple[SagaHandle, tuple[Planner, Next] | None]]:
+        """Create a saga instance, idempotently on (tenant, saga name, key); with `claim`,
+        created leased to us with its first move planned and recorded (`execute`)."""
+        if (saga.name, saga.version) not in self._registry:
+            self.register(saga)
+        model = saga.validate_input(data)
+        tenant, key = saga.identity(model)
+        stored = model.model_dump(mode="json")
+        check_saga_input(saga.name, model.model_dump(), stored, identity=(tenant, key))
+        business = saga.business_fields(model)
+        deadline = saga.ceilings.deadline_seconds
+        row = SagaRow(
+            id=str(uuid.uuid4()),
+            name=saga.name,
+            version=saga.version,
+            tenant_id=tenant,
+            key=key,
+            input=stored,
+            input_hash=hash_business_fields(business),  # = saga.input_hash(model)
+            status=SagaStatus.PENDING,
+            error=None,
+            direction="forward",
+            fence=1 if claim else 0,
+            run_after=None,
+            lease_owner=self.owner if claim else None,
+            max_operations=saga.ceilings.max_operations,
+            deadline_at=None
+            if deadline is None
+            else datetime.now().astimezone() + timedelta(seconds=deadline),
+            spend_budget=saga.ceilings.spend_budget,
+            max_side_effects=saga.ceilings.max_side_effects,
+        )
+        ops = new_action_rows(saga, tenant, key, business)
+        events = [Event("saga_started", detail={"input_hash": row.input_hash})]
+        claimed: tuple[Planner, Next] | None = None
+        if claim:
+            stopping = yield Stopping()
+            planner, nxt, released = flows.plan_new(saga, row, ops, may_call=not stopping)
+            if any(c.new or c.dirty for c in planner.confirmations):
+                # Confirmation rows are not written at start: start plainly, then run.
+                return (yield from self._start_flow(flows, saga, model, claim=False))
+            if released:
+                row.lease_owner = None
+            events += planner.take_events()
+            claimed = (planner, nxt)
+
+        # A start whose reply was lost is retried; the retry that finds this very saga
+        # (by its new id) knows the first one landed, and goes on as its creator.
+        def once() -> Flow[dict[str, Any]]:
+            outcome: dict[str, Any] = yield db(
+                "start_saga", row, ops, events, lease_seconds=self.lease_seconds, notify=not claim
+            )
+            return outcome
+
+        outcome = yield from retried("start_saga", once)
+        created = bool(outcome["created"])
+        if created:
+            saga_id = row.id
+            _log.info("saga_started", saga_id=saga_id, saga=saga.name, tenant_id=tenant, key=key)
+            if claimed is not None:
+                log_events(claimed[0], events[1:])
+        else:
+            claimed = None
+            saga_id = _check_duplicate(saga, row, outcome)
+            _log.info(
+                "saga_start_deduplicated",
+                saga_id=saga_id,
+                saga=saga.name,
+                tenant_id=tenant,
+                key=key,
+            )
+        handle = SagaHandle(
+            id=saga_id,
+            saga=saga.name,
+            version=saga.version,
+            tenant_id=tenant,
+            key=key,
+            created=created,
+        )
+        return handle, claimed
+
+    def _get_flow(self, saga_id: str) -> Flow[SagaState]:
+        if parse_id(saga_id) is None:
+            raise SagaNotFound(saga_id)
+        state: SagaState | None = yield db("get_state", str(saga_id))
+        if state is None:
+            raise SagaNotFound(saga_id)
+        return state
+
+    def _run_flow(self, flows: Flows, saga_id: str, wait_seconds: float) -> Flow[SagaState]:
+        """Drive a saga here until it is completed, compensated or parked (see `run`)."""
+        if not wait_seconds >= 0:
+            raise ValueError(f"wait_seconds must not be negative, got {wait_seconds!r}")
+        deadline = time.monotonic() + wait_seconds
+        state = yield from self._get_flow(saga_id)
+        definition = self.definition(state.saga, state.version)
+        if state.status == SagaStatus.AWAITING_CONFIRMATION:
+            # A confirmation that expired unanswered is asked again, with a fresh preview.
+            state = yield from self._operator_flow(state.id, Planner.reopen_expired_confirmation)
+        while state.status.is_runnable:
+            driven = yield from flows.claim_and_drive(definition, state.id)
+            if driven is not None:
+                return driven
+            state = yield from self._get_flow(state.id)
+            pause = _lease_pause(state, deadline)
+            if pause is None:
+                break
+            yield Pause(pause)
+            state = yield from self._get_flow(state.id)
+        return state
+
+    def _operator_flow(
+        self,
+        saga_id: str,
+        change: Change,
+        *,
+        force: bool = False,
+        actor: str | None = None,
+        registered: bool = True,
+    ) -> Flow[SagaState]:
+        """Apply an operator's change to a saga no live worker holds (or, with `force`,
+        take the lease over), in one transaction; returns the saga's new state. A change
+        that returns False and records nothing writes nothing.
+
+        `registered=False` allows sagas this orchestrator does not register, for changes
+        that run no step code."""
+        if parse_id(saga_id) is None:
+            raise SagaNotFound(saga_id)
+        # One token for the change, however often it is tried: a retry after a lost reply
+        # that finds it on the saga knows the change landed, and applies nothing again.
+        token = new_token()
+        tried = [False]
+
+        def once() -> Flow[SagaState]:
+            if tried[0]:
+                written = yield db("write_token", saga_id)
+                if written is not None and written[0] == token:
+                    landed: SagaState | None = yield db("get_state", saga_id)
+                    assert landed is not None
+                    return landed
+            tried[0] = True
+            return (
+                yield from self._operator_txn(
+                    saga_id, change, force=force, actor=actor, registered=registered, token=token
+                )
+            )
+
+        return (yield from retried("operator_change", once))
+
+    def _operator_txn(
+        self,
+        saga_id: str,
+        change: Change,
+        *,
+        force: bool,
+        actor: str | None,
+        registered: bool,
+        token: str,
+    ) -> Flow[SagaState]:
+        yield Begin(pipelined=False)
+        locked = yield db("lock_saga_txn", saga_id)
+        if locked is None:
+            raise SagaNotFound(saga_id)
+        row, live = locked
+        definition = self._registry.get((row.name, row.version))
+        if definition is None:
+            if registered:
+                raise NotRegistered(row.name, row.version)
+            definition = _opaque(row.name, row.version)
+        broken: list[Event] = []
+        if live and not force:
+            raise StepStateError(
+                f"saga {saga_id} is leased by {row.lease_owner} until {row.lease_expires_at}; "
+                "wait for it to stop or for the lease to expire, or force it"
+            )
+        if live:
+            # The holder's next write fails its fence check; its running attempt, if
+            # any, is treated as unknown by whoever drives the saga next.
+            fence = yield db("break_lease_txn", saga_id)
+            broken.append(
+                Event(
+                    "lease_broken",
+                    detail={"actor": actor, "previous_owner": row.lease_owner, "fence": fence},
+                )
+            )
+            row.fence, row.lease_owner, row.lease_expires_at = fence, None, None
+        planner = Planner(
+            definition,
+            row,
+            (yield db("operations_txn", saga_id)),
+            (yield db("confirmations_txn", saga_id)),
+        )
+        planner.events.extend(broken)
+        changed = change(planner)
+        events = planner.take_events()
+        if changed is False and not events:
+            # The change found the saga already where it asks for: nothing is
+            # written, and the saga is returned as it is.
+            state = yield db("get_state_txn", saga_id)
+            yield Commit()
+        else:
+            read = yield db(
+                "save_txn",
+                planner.saga,
+                planner.ops,
+                events,
+                owner=None,  # an operator's change, made under the row lock
+                release=True,
+                notify=planner.saga.status.is_runnable,
+                return_state=True,
+                confirmations=planner.confirmations,
+                token=token,
+            )
+            state = yield Fetch(read)
+            yield Commit()
+        log_events(planner, events)
+        assert state is not None  # the row is locked in this transaction
+        return state  # type: ignore[no-any-return]
+
+
+def _check_duplicate(saga: Saga[Any], row: SagaRow, found: dict[str, Any]) -> str:
+    if found["version"] != saga.version or found["input_hash"] != row.input_hash:
+        raise IdempotencyConflict(
+            f"saga {saga.name!r} with key {row.key!r} (tenant {row.tenant_id!r}) already "
+            f"exists as {found['id']} with a different request "
+            f"(version {found['version']}, hash {found['input_hash'][:12]}…); "
+            "use a new key for a new request",
+            saga=saga.name,
+            key=row.key,
+        )
+    return str(found["id"])
+
+
+def _lease_pause(state: SagaState, deadline: float) -> float | None:
+    """How long to sleep before claiming again a saga another owner holds, or None
+    when there is no point waiting (not runnable, not held, or out of time)."""
+    left = deadline - time.monotonic()
+    if not state.status.is_runnable or state.lease_expires_at is None or left <= 0:
+        return None
+    # The lease's end by this host's clock, re-checked often: clocks differ, and the
+    # holder may stop (and release the lease) before it ends.
+    until_end = (state.lease_expires_at - datetime.now().astimezone()).total_seconds()
+    return min(left, max(until_end, 0.0) + LEASE_POLL_SECONDS, MAX_LEASE_POLL_SECONDS)
+
+
+class _AnyInput(BaseModel):
+    """Any saga input, unvalidated: for operator changes that run no step code."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def _opaque(name: str, version: int) -> Saga[Any]:
+    """A stand-in definition of a saga this orchestrator does not register."""
+    return Saga(name, version=version, input=_AnyInput, key=lambda _: "")
