@@ -368,6 +368,7 @@ class Engine:
             row,
             (yield db("operations_txn", saga_id)),
             (yield db("confirmations_txn", saga_id)),
+            now=datetime.now().astimezone(),
         )
         planner.events.extend(broken)
         changed = change(planner)

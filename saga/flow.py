@@ -228,7 +228,7 @@ class Flows:
         loaded = yield from self._load(saga_id)
         if loaded is None:
             return None
-        planner = Planner(definition, *loaded)
+        planner = Planner(definition, *loaded, now=_now())
         _log.info("claim_landed", saga_id=saga_id, fence=planner.saga.fence)
         started = [o for o in planner.ops if o.status == OperationStatus.RUNNING]
         if started:
@@ -250,7 +250,7 @@ class Flows:
         written here); returns the planner, its move, and whether the lease ends at once."""
         # Nothing is stored yet: a definition that cannot plan it raises to the caller.
         planner = self._new_planner(definition, row, ops, [])
-        nxt = planner.advance(may_call=may_call)
+        nxt = planner.advance(_now(), may_call=may_call)
         release, _ = self._hand_over(planner, nxt)
         if isinstance(nxt, Invoke):
             faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
@@ -327,7 +327,7 @@ class Flows:
                     return state
             tried[0] = True
             fresh = yield from self._reload(planner)
-            inputs.apply(fresh, inputs.Parked(reason))
+            inputs.apply(fresh, inputs.Parked(reason), _now())
             events: list[Event] = []
             yield from self._transact_at_once(fresh, Stop(fresh.saga.status), token, events)
             log_events(fresh, events)
@@ -368,7 +368,7 @@ class Flows:
         confirmations: list[ConfirmationRow],
     ) -> Planner:
         """A planner for a saga whose lease we have just taken."""
-        planner = Planner(definition, row, ops, confirmations)
+        planner = Planner(definition, row, ops, confirmations, now=_now())
         planner.events.append(
             Event("lease_acquired", detail={"owner": self.owner, "fence": row.fence})
         )
@@ -383,7 +383,7 @@ class Flows:
         recorded before the error are whole transitions, kept with the park."""
         stopping = yield Stopping()
         try:
-            return planner.advance(may_call=not stopping)
+            return planner.advance(_now(), may_call=not stopping)
         except Exception as exc:
             if is_transient(exc):
                 raise
@@ -437,7 +437,7 @@ class Flows:
         """Apply `outcome` and the moves that follow to `planner`, and write them; `_Unsure`
         when a transient error leaves it open whether the write landed."""
         if outcome is not None:
-            inputs.apply(planner, outcome)
+            inputs.apply(planner, outcome, _now())
         nxt = yield from self._advance(planner)
         token = new_token()
         written: list[Event] = []
@@ -519,7 +519,7 @@ class Flows:
         loaded = yield db("load_txn", saga.id)
         yield Commit()
         assert loaded is not None  # the fence check found the row
-        return Planner(planner.definition, *loaded)
+        return Planner(planner.definition, *loaded, now=_now())
 
     def _persist_txn(
         self, planner: Planner, nxt: Next, token: str
@@ -798,6 +798,11 @@ def traceback_of(exc: BaseException) -> str:
     """The traceback of `exc` as text, its end kept when it is long."""
     text = "".join(traceback.format_exception(exc))
     return text if len(text) <= _MAX_TRACEBACK_CHARS else "..." + text[-_MAX_TRACEBACK_CHARS:]
+
+
+def _now() -> datetime:
+    # The time of an input to the core (which reads no clock itself).
+    return datetime.now().astimezone()
 
 
 def _describe_op(op: OpRow) -> str:

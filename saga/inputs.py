@@ -9,6 +9,7 @@ in the driver. This module does no I/O, reads no clock and imports no driver.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Literal
 
 from saga.protocol import OpRow, Planner
@@ -145,8 +146,10 @@ OpOutcome = (
 Outcome = OpOutcome | Parked | Spent
 
 
-def apply(planner: Planner, outcome: Outcome) -> None:
-    """Record `outcome` on `planner`'s snapshot (the next move is planned after it)."""
+def apply(planner: Planner, outcome: Outcome, now: datetime) -> None:
+    """Record `outcome`, which happened at `now`, on `planner`'s snapshot (the next move
+    is planned after it)."""
+    planner.now = now
     if isinstance(outcome, Parked):
         planner.park(outcome.reason)
         return

@@ -154,7 +154,7 @@ def plan_compensation(
         loaded = store.load_txn(conn, state.id)
     if loaded is None:
         return PlannedSaga(state.id, describe(state), [], skip="the saga no longer exists")
-    planner = Planner(definition, *loaded)
+    planner = Planner(definition, *loaded, now=datetime.now().astimezone())
     runs, stop = planner.compensation_plan(include_unknown=include_unknown)
     return PlannedSaga(state.id, describe(state), runs, stop=stop, raises=planner.fresh_budgets())
 
@@ -172,7 +172,7 @@ def cancel_plan(
         loaded = orch.store.load_txn(conn, state.id)
     if loaded is None:
         return None
-    planner = Planner(definition, *loaded)
+    planner = Planner(definition, *loaded, now=datetime.now().astimezone())
     if planner.saga.direction == "backward":
         return None
     runs, stop = planner.compensation_plan(include_unknown=include_unknown)

@@ -4,7 +4,8 @@ The planner works on an in-memory snapshot of one saga (its row and its operatio
 rows). Each method mutates the snapshot, marks what changed and records audit
 events; the runner persists those changes in one transaction and carries out the
 returned `Next` (call a step, ask a reconcile hook, sleep, or stop). Keeping the
-decisions here lets a sync and an async runner share one protocol.
+decisions here lets a sync and an async runner share one protocol. It reads no clock:
+every input carries the time it happened (`now`).
 """
 
 from __future__ import annotations
@@ -197,6 +198,8 @@ class Planner:
         saga: SagaRow,
         ops: list[OpRow],
         confirmations: list[ConfirmationRow] | None = None,
+        *,
+        now: datetime,
     ) -> None:
         self.definition = definition
         self.saga = saga
@@ -206,7 +209,9 @@ class Planner:
         self.prepared: set[tuple[str, str]] = set()
         self._input_model: Any = None
         self.events: list[Event] = []
-        self.now = datetime.now().astimezone()
+        # The time of the input being applied: the core never reads a clock. Each input
+        # (`advance`, `saga.inputs.apply`, an operator's change) carries its own.
+        self.now = now
         self.may_call = True
         # Set by the runner when it hands the saga back: the state its last commit left.
         self.final_state: SagaState | None = None
@@ -309,9 +314,11 @@ class Planner:
         """Apply every transition that needs no call, then say what to do next.
 
         With `may_call=False` nothing new is started: where a call or a wait would
-        come next, `Yield` is returned instead and the saga stays as it is.
+        come next, `Yield` is returned instead and the saga stays as it is. `now` is the
+        time of the decision (None: the time of the last input).
         """
-        self.now = now or datetime.now().astimezone()
+        if now is not None:
+            self.now = now
         self.may_call = may_call
         for op in self.ops:
             if op.status == OperationStatus.RUNNING:
@@ -707,14 +714,12 @@ class Planner:
         self, op: OpRow, result: Any, *, provider_reference: str | None = None
     ) -> None:
         """The attempt returned `result` (already encoded as JSON)."""
-        self._tick()
         self._count_spend(op, op.attempt_spend)
         self._succeed(op, result, provider_reference)
         self._event("attempt_succeeded", op)
 
     def record_failure(self, op: OpRow, error: str, *, retryable: bool, delay: float) -> None:
         """The attempt raised; retry after `delay` seconds if allowed, else fail the operation."""
-        self._tick()
         self._count_spend(op, op.attempt_spend)
         op.error = error
         op.finished_at = self.now
@@ -771,7 +776,6 @@ class Planner:
         worst case it declared, unless `spend_known` (it returned, and only its result
         cannot be stored: what it reported is what it spent).
         """
-        self._tick()
         if spend_known:
             self._count_spend(op, op.attempt_spend)
             uncounted = None
@@ -796,7 +800,6 @@ class Planner:
         attempt's outcome is); it stays counted (its number, its declared cost, the
         ceilings), as an attempt whose prepare raised does. The saga parks with the reason
         for a human to fix the cause and retry."""
-        self._tick()
         if op.status == OperationStatus.RUNNING:
             back = OperationStatus.UNKNOWN if op.retrying_unknown else OperationStatus.PENDING
             self._touch(op, status=back)
@@ -809,7 +812,6 @@ class Planner:
 
     def record_found(self, op: OpRow, result: Any, provider_reference: str | None) -> None:
         """Reconcile: the provider performed the effect."""
-        self._tick()
         self._event("reconcile_found", op, provider_reference=provider_reference)
         self._succeed(op, result, provider_reference)
         self._settled_reconcile(op)
@@ -827,7 +829,6 @@ class Planner:
 
         An unsettled answer (the provider's reads may lag) counts as inconclusive.
         """
-        self._tick()
         if not settled:
             self._ask_again_or_park(
                 op, "reconcile_absent", "the provider reports nothing yet, but may lag"
@@ -848,7 +849,6 @@ class Planner:
 
     def record_inconclusive(self, op: OpRow, reason: str) -> None:
         """Reconcile could not tell: ask again within the step's window, then park."""
-        self._tick()
         self._ask_again_or_park(op, "reconcile_inconclusive", reason)
 
     def _ask_again_or_park(self, op: OpRow, event: str, reason: str) -> None:
@@ -888,7 +888,6 @@ class Planner:
         A request that differs from the one persisted while an earlier attempt's
         outcome is unknown is not acted on: the saga parks naming both requests.
         """
-        self._tick()
         new_hash = request_hash({"kind": op.kind, "step": op.step, "request": request})
         if op.request is not None and new_hash != op.request_hash and op.retrying_unknown:
             self._event(
@@ -928,7 +927,6 @@ class Planner:
         operation is not failed either, which would start compensation: the saga parks
         with the attempt counted, for a human to retry, resolve or compensate.
         """
-        self._tick()
         op.attempts += 1
         error = f"prepare failed: {error}"
         if not park:
@@ -958,7 +956,6 @@ class Planner:
         """Step code reported a spend that is not a finite, non-negative number: it was
         refused and not counted. The attempt's outcome is recorded as it is; the saga
         parks for a human to count what was spent."""
-        self._tick()
         self._event("spend_refused", op, reason=reason)
         self.park(
             f"{_describe(op)} attempt {op.attempts} reported a spend that was refused ("
@@ -1011,7 +1008,6 @@ class Planner:
         `ceiling_raised`; the automatic runtime never does. False when the saga is
         already compensated (nothing changes).
         """
-        self._tick()
         if self.saga.status == SagaStatus.COMPENSATED:
             return False
         self.saga.direction = "backward"
@@ -1086,7 +1082,6 @@ class Planner:
         saga in a state the protocol never reaches: on a completed or compensated saga
         (nothing runs again, so nothing could act on it), and as `succeeded` for a step
         that compensation has already gone past (it would be undone out of order)."""
-        self._tick()
         self._refuse_when_final("resolve", step)
         op = self._resolution_target(step, kind)
         if outcome == "succeeded" and op.kind == "action" and self.saga.direction == "backward":
@@ -1114,7 +1109,6 @@ class Planner:
 
     def approve_confirmation(self, step: str, request_hash: str, *, actor: str) -> None:
         """A verified approval of the pending request of `step`: the saga may go on."""
-        self._tick()
         if self.saga.status != SagaStatus.AWAITING_CONFIRMATION:
             raise StepStateError(
                 f"saga {self.saga.id} is {self.saga.status}, not awaiting_confirmation"
@@ -1145,7 +1139,6 @@ class Planner:
 
     def reopen_expired_confirmation(self) -> bool:
         """Make a saga whose pending confirmation expired runnable, to preview again."""
-        self._tick()
         pending = self.pending_confirmation()
         if self.saga.status != SagaStatus.AWAITING_CONFIRMATION or pending is None:
             return False
@@ -1236,7 +1229,6 @@ class Planner:
         A ceiling the saga does not have is unlimited, the highest there is: setting
         one there would lower it, and is refused like any lowering. One refused
         ceiling refuses the whole request, changing nothing."""
-        self._tick()
         self._refuse_when_final("raise a ceiling for")
         saga = self.saga
 
@@ -1283,7 +1275,6 @@ class Planner:
     def request_retry(self, *, extra_attempts: int, actor: str | None) -> OpRow:
         """Resume a parked saga at the operation that blocks it, its ceiling raised by
         `extra_attempts`; attempts already made still count."""
-        self._tick()
         if extra_attempts < 0:
             raise ValueError(f"extra_attempts must not be negative, got {extra_attempts}")
         if self.saga.status != SagaStatus.NEEDS_REVIEW:
@@ -1339,7 +1330,6 @@ class Planner:
     def request_cancel(self, *, reason: str, actor: str | None, include_unknown: bool) -> bool:
         """Stop forward progress and compensate what succeeded, in reverse; False when the
         saga is already compensating or compensated (nothing changes)."""
-        self._tick()
         status = self.saga.status
         if status == SagaStatus.COMPLETED:
             raise StepStateError(
@@ -1482,10 +1472,6 @@ class Planner:
         )
         self.ops.append(comp)
         return comp
-
-    def _tick(self) -> None:
-        # Outcomes are stamped when they are recorded, not when the attempt started.
-        self.now = datetime.now().astimezone()
 
     def _set_status(self, status: SagaStatus) -> None:
         self.saga.status = status

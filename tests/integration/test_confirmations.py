@@ -213,7 +213,7 @@ def test_an_approval_is_used_once_even_by_a_stale_snapshot(database_url: str) ->
             with store.transaction() as conn:
                 loaded = store.load_txn(conn, state.id)
             assert loaded is not None
-            planners.append(Planner(saga, *loaded))
+            planners.append(Planner(saga, *loaded, now=datetime.now().astimezone()))
         for planner in planners:
             planner.advance()
             assert planner.saga.status == "running"

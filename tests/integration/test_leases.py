@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from datetime import datetime
 from typing import Any, cast
 
 from support import OrchestratorFactory, Order, order_saga, scalar, wait_until
@@ -92,7 +93,7 @@ def test_a_saga_driven_twice_counts_twice_in_flight(make_orch: OrchestratorFacto
             loaded = orch.store.load_txn(conn, saga_id)
         assert loaded is not None
         loaded[0].fence = fence
-        return Planner(saga, *loaded)
+        return Planner(saga, *loaded, now=datetime.now().astimezone())
 
     worker._spawn(cast(Runner, runner), planner_at(1), Stop(SagaStatus.RUNNING))
     worker._spawn(cast(Runner, runner), planner_at(2), Stop(SagaStatus.RUNNING))

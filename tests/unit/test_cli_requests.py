@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,8 @@ def _planner(*, pivot: bool = False, idempotent: bool = False, notify_attempts: 
         fence=1,
         run_after=None,
     )
-    return Planner(saga, row, new_action_rows(saga, "", "o-1", {"order_id": "o-1"}))
+    ops = new_action_rows(saga, "", "o-1", {"order_id": "o-1"})
+    return Planner(saga, row, ops, now=datetime.now().astimezone())
 
 
 def _start(planner: Planner) -> OpRow:

@@ -73,7 +73,8 @@ def _planner(saga: Saga[Payout]) -> Planner:
         fence=1,
         run_after=None,
     )
-    return Planner(saga, row, new_action_rows(saga, tenant, key, saga.business_fields(INPUT)))
+    ops = new_action_rows(saga, tenant, key, saga.business_fields(INPUT))
+    return Planner(saga, row, ops, now=datetime.now().astimezone())
 
 
 def _later(seconds: float = 1.0) -> datetime:

@@ -1,15 +1,14 @@
 """The step protocol's state machine, decided on in-memory snapshots (no database)."""
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 from pydantic import BaseModel
 
-from saga import RetryPolicy, Saga, StepStateError
+from saga import RetryPolicy, Saga, StepStateError, inputs
 from saga.keys import operation_key
 from saga.protocol import (
     AskReconcile,
@@ -108,7 +107,8 @@ def _planner(*specs: Spec) -> Planner:
         fence=1,
         run_after=None,
     )
-    return Planner(saga, row, new_action_rows(saga, tenant, key, saga.business_fields(INPUT)))
+    ops = new_action_rows(saga, tenant, key, saga.business_fields(INPUT))
+    return Planner(saga, row, ops, now=datetime.now().astimezone())
 
 
 def _invoke(planner: Planner, now: datetime | None = None) -> OpRow:
@@ -315,28 +315,28 @@ def test_permanent_failure_fails_at_once() -> None:
 
 
 def test_finished_at_is_when_the_outcome_was_recorded() -> None:
-    """An attempt's finished_at is taken when its outcome is recorded, after the call."""
+    """An attempt's finished_at is the time its outcome came in, not when it started:
+    time is an input, so the timestamps are exact and no test sleeps."""
     planner = _planner(Spec("reserve"))
-    op = _invoke(planner)
-    time.sleep(SLOW_CALL_SECONDS)  # the step runs
-    returned_at = datetime.now().astimezone()
-    planner.record_success(op, {"ok": True})
-    assert op.started_at is not None and op.finished_at is not None
-    assert op.finished_at >= returned_at
-    assert op.finished_at > op.started_at
+    started_at = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
+    op = _invoke(planner, started_at)
+    returned_at = started_at + timedelta(seconds=SLOW_CALL_SECONDS)
+    inputs.apply(planner, inputs.Returned(op.step, op.kind, {"ok": True}), returned_at)
+    assert op.started_at == started_at
+    assert op.finished_at == returned_at
 
 
 def test_retry_delay_counts_from_the_failure() -> None:
     """The backoff starts when the failure is recorded, not when the attempt started."""
     planner = _planner(Spec("charge", max_attempts=3))
-    op = _invoke(planner)
-    time.sleep(SLOW_CALL_SECONDS)  # the step runs, then fails
-    failed_at = datetime.now().astimezone()
+    started_at = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
+    op = _invoke(planner, started_at)
+    failed_at = started_at + timedelta(seconds=SLOW_CALL_SECONDS)
     delay = SLOW_CALL_SECONDS / 2
-    planner.record_failure(op, "TransientError: busy", retryable=True, delay=delay)
-    assert op.next_attempt_at is not None
-    assert op.next_attempt_at >= failed_at + timedelta(seconds=delay)
-    assert isinstance(planner.advance(failed_at), Sleep)
+    failure = inputs.Raised(op.step, op.kind, "TransientError: busy", "retry", delay)
+    inputs.apply(planner, failure, failed_at)
+    assert op.next_attempt_at == failed_at + timedelta(seconds=delay)
+    assert planner.advance(failed_at) == Sleep(failed_at + timedelta(seconds=delay))
 
 
 # ----- compensation ---------------------------------------------------------------------
@@ -669,7 +669,7 @@ def test_a_pending_row_left_retrying_unknown_is_read_as_unknown() -> None:
     """A row an earlier release reset to pending before its retry started is unknown."""
     planner, op = _unknown_idempotent_charge()
     op.status, op.retrying_unknown = OperationStatus.PENDING, True
-    again = Planner(planner.definition, planner.saga, planner.ops)
+    again = Planner(planner.definition, planner.saga, planner.ops, now=planner.now)
     assert op.status == OperationStatus.UNKNOWN
     assert [e.event for e in again.take_events()] == ["outcome_unknown"]
 

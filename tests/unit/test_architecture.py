@@ -1,0 +1,143 @@
+"""The layering the two doors rely on, pinned by walking the package's imports.
+
+The core (the planner, the outcomes it applies, the effects flows yield) does no I/O and
+reads no clock, so both drivers share it; the runtime imports between the package's
+modules form no cycle; the workers depend on the engine and drivers, never on the
+orchestrators that create them.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "saga"
+CORE = ("saga.protocol", "saga.inputs", "saga.effects")
+# Libraries that do I/O, run threads or event loops: none of them is reachable from the core.
+DRIVER_LIBRARIES = {"psycopg", "psycopg_pool", "threading", "asyncio", "socket", "subprocess"}
+# Calls that read a clock.
+CLOCK_CALLS = {
+    ("datetime", "now"),
+    ("datetime", "utcnow"),
+    ("datetime", "today"),
+    ("time", "time"),
+    ("time", "monotonic"),
+    ("time", "perf_counter"),
+}
+
+
+def _source(module: str) -> Path:
+    return PACKAGE / f"{module.removeprefix('saga.')}.py"
+
+
+def _runtime_imports(module: str) -> set[str]:
+    """Modules imported when `module` is imported (imports under TYPE_CHECKING and inside
+    functions are not: they run later, or never)."""
+    found: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module)
+                if node.module == "saga":
+                    found.update(
+                        f"saga.{alias.name}"
+                        for alias in node.names
+                        if _source(f"saga.{alias.name}").exists()
+                    )
+            elif isinstance(node, ast.If | ast.Try | ast.With):
+                visit(node.body)
+                visit(getattr(node, "orelse", []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+                visit(getattr(node, "finalbody", []))
+
+    visit(ast.parse(_source(module).read_text(encoding="utf-8")).body)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    return {
+        f"saga.{path.stem}": {
+            m for m in _runtime_imports(f"saga.{path.stem}") if m.startswith("saga.")
+        }
+        for path in PACKAGE.glob("*.py")
+        if path.stem != "__init__"
+    }
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    stack = [start]
+    while stack:
+        for dep in graph.get(stack.pop(), ()):
+            if dep not in seen:
+                seen.add(dep)
+                stack.append(dep)
+    return seen
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_the_core_reaches_no_driver_library(module: str) -> None:
+    """Nothing the core imports, directly or through other modules of the package, does
+    database I/O, starts threads or runs an event loop."""
+    graph = _graph()
+    modules = _reachable(graph, module) | {module}
+    outside = {
+        imported.split(".")[0]
+        for m in modules
+        for imported in _runtime_imports(m)
+        if not imported.startswith("saga")
+    }
+    assert not outside & DRIVER_LIBRARIES, (module, sorted(outside & DRIVER_LIBRARIES))
+
+
+def _clock_calls(module: str) -> set[tuple[str, str]]:
+    tree = ast.parse(_source(module).read_text(encoding="utf-8"))
+    calls = {
+        (node.func.value.id, node.func.attr)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+    }
+    return calls & CLOCK_CALLS
+
+
+@pytest.mark.parametrize("module", ("saga.protocol", "saga.inputs"))
+def test_the_core_reads_no_clock(module: str) -> None:
+    """Time is an input: the planner and the outcomes it applies never read a clock."""
+    assert _clock_calls(module) == set()
+
+
+def test_runtime_imports_form_no_cycle() -> None:
+    """No module of the package imports itself back at import time."""
+    graph = _graph()
+    cycles = sorted(m for m in graph if m in _reachable(graph, m))
+    assert cycles == []
+
+
+@pytest.mark.parametrize(
+    ("worker", "orchestrators"),
+    [
+        ("saga.worker", {"saga.orchestrator", "saga.aorchestrator"}),
+        ("saga.aworker", {"saga.orchestrator", "saga.aorchestrator"}),
+    ],
+)
+def test_workers_do_not_import_the_orchestrators(worker: str, orchestrators: set[str]) -> None:
+    """A worker depends on the engine and a driver, never on the orchestrator that made it."""
+    assert not _reachable(_graph(), worker) & orchestrators
+
+
+def test_the_checks_see_what_they_look_for() -> None:
+    """The walkers are not blind: the flows stamp inputs with the clock, and the sync
+    driver imports threading."""
+    assert ("datetime", "now") in _clock_calls("saga.flow")
+    assert "threading" in _runtime_imports("saga.runner")
+    assert "saga.store" in _reachable(_graph(), "saga.runner")
