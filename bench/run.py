@@ -6,6 +6,15 @@ Environment:
     SAGA_DATABASE_URL      a PostgreSQL server URL (postgresql://...); else an embedded
                            PostgreSQL is started in a temporary directory
     BENCH_SAGAS            sagas per throughput run (default 2000)
+    BENCH_ROUNDS           interleaved rounds of the throughput rows (default 3)
+    BENCH_ROWS             which throughput rows to run (default all): comma-separated
+                           row keys (pg1, floor, ours_seq, async_seq, dbos_seq, w2x4, w1x8,
+                           aw1x8, aw1x64, dbos_c8, pg8) or groups: all; sync (the rows
+                           before the async ones); async (the async rows and the sync rows
+                           they are compared with: ours_seq, async_seq, w2x4, w1x8, aw1x8,
+                           aw1x64); async-only. The recovery, claim-latency and profile runs
+                           and the targets come only with every sync row; a run of some rows
+                           writes results/partial.txt and .json instead of latest.*
     BENCH_PGBENCH_SECONDS  duration of each pgbench run (default 10)
     BENCH_FILL             finished sagas inserted for the claim-latency run (default 1000000)
     BENCH_RECOVERY         in-flight sagas of the recovery run (default 100)
@@ -13,6 +22,13 @@ Environment:
 Every system gets databases of its own (CREATE DATABASE) on the one server, and every
 measured run is a process of its own (bench/workloads.py), so the commit counts
 (pg_stat_database.xact_commit) and the peak RSS are that run's alone.
+
+The async rows (AsyncOrchestrator.execute() sequentially, one AsyncWorker process at
+concurrency 8 and 64) are left out of `all`, with a warning, when `from saga import
+AsyncOrchestrator` fails.
+
+Quick try of the async rows alone:
+    BENCH_ROWS=async BENCH_ROUNDS=1 BENCH_SAGAS=500 make bench
 """
 
 from __future__ import annotations
@@ -26,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -103,7 +120,8 @@ class Server:
             self._tmp = tempfile.TemporaryDirectory(prefix="saga-bench-")
             # The embedded server runs as another user when we are root: let it in.
             os.chmod(self._tmp.name, 0o755)
-            url = embedded_database_url(Path(self._tmp.name) / "pgdata")
+            self._pgdata = Path(self._tmp.name) / "pgdata"
+            url = embedded_database_url(self._pgdata)
             self.source = "embedded"
         self.url = url
         with psycopg.connect(url, autocommit=True) as conn:
@@ -172,11 +190,9 @@ class Server:
             self.drop_all()
         finally:
             if self._tmp is not None:
-                from saga.database import _embedded_servers
+                from saga import embedded
 
-                for server in _embedded_servers.values():
-                    server.cleanup()
-                _embedded_servers.clear()
+                embedded.detach(self._pgdata)  # stops the server: no other client
                 self._tmp.cleanup()
 
 
@@ -231,30 +247,118 @@ def ours_sequential(server: Server, n: int, tag: str) -> Row:
         r["p50_ms"],
         r["p99_ms"],
         r["rss_mb"],
+        extra={"cpu_ms_per_saga": r["cpu_s"] * 1000.0 / n},
     )
 
 
-def ours_workers(server: Server, n: int, procs: int, concurrency: int, tag: str) -> Row:
-    url = migrated(server, f"ours_w{procs}x{concurrency}_{tag}")
-    r, commits = measured(
-        server,
-        url,
-        n,
-        "ours_workers",
-        {"url": url, "n": n, "procs": procs, "concurrency": concurrency},
-    )
+def ours_async_sequential(server: Server, n: int, tag: str) -> Row:
+    url = migrated(server, f"ours_aseq_{tag}")
+    r, commits = measured(server, url, n, "ours_async_sequential", {"url": url, "n": n})
     check(r, n)
     return Row(
         "saga-orchestrator",
-        f"workers {procs}x{concurrency}",
+        "sequential, AsyncOrchestrator.execute()",
         n / r["elapsed"],
         commits,
         r["p50_ms"],
         r["p99_ms"],
         r["rss_mb"],
-        note=f"starts took {r['start_phase']:.1f} s of {r['elapsed']:.1f} s",
-        extra={"start_phase": r["start_phase"], "worker_rss_mb": r["worker_rss_mb"]},
+        extra={"cpu_ms_per_saga": r["cpu_s"] * 1000.0 / n},
     )
+
+
+def ours_workers(
+    server: Server, n: int, procs: int, concurrency: int, tag: str, *, kind: str = "sync"
+) -> Row:
+    """`procs` worker processes of `concurrency` each: sync Workers, or (kind "async")
+    AsyncWorkers driving the saga with async steps."""
+    prefix = "a" if kind == "async" else ""
+    url = migrated(server, f"ours_{prefix}w{procs}x{concurrency}_{tag}")
+    args: dict[str, Any] = {"url": url, "n": n, "procs": procs, "concurrency": concurrency}
+    if kind == "async":
+        args.update({"worker": "async_worker", "steps": "async"})
+    r, commits = measured(server, url, n, "ours_workers", args)
+    check(r, n)
+    note = f"starts took {r['start_phase']:.1f} s of {r['elapsed']:.1f} s"
+    if kind == "async":
+        note += f"; at most {r['db_max_in_flight']} sagas in flight"
+    return Row(
+        "saga-orchestrator",
+        f"{'async worker' if kind == 'async' else 'workers'} {procs}x{concurrency}",
+        n / r["elapsed"],
+        commits,
+        r["p50_ms"],
+        r["p99_ms"],
+        r["rss_mb"],
+        note=note,
+        extra={
+            "start_phase": r["start_phase"],
+            "worker_rss_mb": r["worker_rss_mb"],
+            "worker_vm_hwm_mb": r.get("worker_vm_hwm_mb"),
+            "worker_max_in_flight": r.get("worker_max_in_flight"),
+            "db_max_in_flight": r.get("db_max_in_flight"),
+            "cpu_ms_per_saga": sum(r["worker_cpu_s"]) * 1000.0 / n,
+        },
+    )
+
+
+MEMORY_STEP_SECONDS = 2.0  # the memory probe's first step: long enough to fill the worker
+
+
+def async_memory(server: Server, concurrency: int) -> dict[str, Any]:
+    """Peak RSS of one AsyncWorker process holding `concurrency` sagas at once: 2 x
+    `concurrency` sagas whose first (async) step sleeps MEMORY_STEP_SECONDS, so the worker
+    fills up (a no-op saga ends before the claims can fill 64 slots)."""
+    url = migrated(server, f"ours_amem_{concurrency}")
+    r = run_child(
+        "ours_workers",
+        {
+            "url": url,
+            "n": 2 * concurrency,
+            "procs": 1,
+            "concurrency": concurrency,
+            "worker": "async_worker",
+            "steps": "async",
+            "step_seconds": MEMORY_STEP_SECONDS,
+        },
+    )
+    check(r, 2 * concurrency)
+    return {
+        "concurrency": concurrency,
+        "sagas": 2 * concurrency,
+        "step_seconds": MEMORY_STEP_SECONDS,
+        "vm_hwm_mb": r["worker_vm_hwm_mb"][0],
+        "ru_maxrss_mb": r["worker_rss_mb"][0],
+        "db_max_in_flight": r["db_max_in_flight"],
+        "worker_max_in_flight": r["worker_max_in_flight"][0],
+        "elapsed": r["elapsed"],
+    }
+
+
+def memory_lines(probes: list[dict[str, Any]]) -> list[str]:
+    """The memory probe's report."""
+    if not probes:
+        return []
+    parts = []
+    for m in probes:
+        polled = m["worker_max_in_flight"]
+        parts.append(
+            f"{fmt(m['vm_hwm_mb'])} MB at concurrency {m['concurrency']} (at most "
+            f"{m['db_max_in_flight']} in flight by the database's events"
+            + (f", {polled} by worker.in_flight" if polled is not None else "")
+            + ")"
+        )
+    line = (
+        "async worker memory (one AsyncWorker process, 2 x concurrency sagas whose first "
+        f"async step sleeps {probes[0]['step_seconds']:g} s): peak RSS (VmHWM) " + "; ".join(parts)
+    )
+    if len(probes) == 2 and probes[0]["vm_hwm_mb"] and probes[1]["vm_hwm_mb"]:
+        lo, hi = probes
+        extra = hi["db_max_in_flight"] - lo["db_max_in_flight"]
+        if extra > 0:
+            per = (hi["vm_hwm_mb"] - lo["vm_hwm_mb"]) * 1024.0 / extra
+            line += f"; {per:,.0f} KiB per added saga in flight"
+    return [line]
 
 
 def dbos(server: Server, n: int, threads: int, tag: str) -> Row:
@@ -407,6 +511,167 @@ def migrated(server: Server, name: str) -> str:
     return url
 
 
+# The throughput rows, in the order each round runs them.
+ROW_ORDER = (
+    "pg1",
+    "floor",
+    "ours_seq",
+    "async_seq",
+    "dbos_seq",
+    "w2x4",
+    "w1x8",
+    "aw1x8",
+    "aw1x64",
+    "dbos_c8",
+    "pg8",
+)
+ASYNC_ROWS = ("async_seq", "aw1x8", "aw1x64")
+SYNC_ROWS = tuple(k for k in ROW_ORDER if k not in ASYNC_ROWS)
+ROW_GROUPS = {
+    "all": ROW_ORDER,
+    "sync": SYNC_ROWS,
+    "async": ("ours_seq", "async_seq", "w2x4", "w1x8", "aw1x8", "aw1x64"),
+    "async-only": ASYNC_ROWS,
+}
+
+
+def async_available() -> str | None:
+    """None when AsyncOrchestrator and AsyncWorker import; else why not."""
+    try:
+        from saga import AsyncOrchestrator, AsyncWorker  # noqa: F401
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
+def selected_rows() -> list[str]:
+    """The rows BENCH_ROWS asks for, in ROW_ORDER."""
+    raw = os.environ.get("BENCH_ROWS", "").strip() or "all"
+    wanted: set[str] = set()
+    for word in (w.strip() for w in raw.split(",")):
+        if not word:
+            continue
+        if word in ROW_GROUPS:
+            group = ROW_GROUPS[word]
+            if word == "all" and (why := async_available()) is not None:
+                log(f"async rows left out: {why}")
+                group = SYNC_ROWS
+            wanted.update(group)
+        elif word in ROW_ORDER:
+            wanted.add(word)
+        else:
+            raise SystemExit(
+                f"BENCH_ROWS: unknown row {word!r}; rows: {', '.join(ROW_ORDER)}; "
+                f"groups: {', '.join(ROW_GROUPS)}"
+            )
+    if not wanted:
+        raise SystemExit("BENCH_ROWS selects no row")
+    return [k for k in ROW_ORDER if k in wanted]
+
+
+def async_report(b: dict[str, Row]) -> tuple[list[str], dict[str, float]]:
+    """The notes and ratios of the async rows present in `b` (best of rounds, by key)."""
+    notes: list[str] = []
+    ratios: dict[str, float] = {}
+    aseq, a8, a64 = b.get("async_seq"), b.get("aw1x8"), b.get("aw1x64")
+    if aseq is not None:
+        notes.append(
+            "- async sequential: `await orch.execute(saga, input)` of an AsyncOrchestrator one "
+            "after another on one event loop; the saga of the sequential row with `async def` "
+            "steps (awaited on the loop)"
+        )
+    workers = [r for r in (a8, a64) if r is not None]
+    if workers:
+        notes.append(
+            "- async workers: one process running `await orch.worker(concurrency=C)"
+            ".run(until_idle=True)` of an AsyncOrchestrator, the saga with `async def` steps; "
+            "the sagas started first as for the workers rows (sync start() from 8 threads), "
+            "timed and latencies taken the same way ("
+            + "; ".join(f"{r.mode}: {r.note}" for r in workers)
+            + ")"
+        )
+    for r in workers:
+        hwm = [v for v in (r.extra.get("worker_vm_hwm_mb") or []) if v is not None]
+        polled = [v for v in (r.extra.get("worker_max_in_flight") or []) if v is not None]
+        notes.append(
+            f"- {r.mode}: peak RSS of the worker process "
+            f"{fmt(max(hwm) if hwm else None)} MB (VmHWM; ru_maxrss "
+            f"{fmt(max(r.extra['worker_rss_mb']))} MB), at most "
+            f"{r.extra.get('db_max_in_flight')} sagas in flight by the database's events"
+            + (f", {max(polled)} by worker.in_flight" if polled else "")
+        )
+    pairs = [
+        ("async_sequential_vs_sequential", "async_seq", "ours_seq", "sequential async/sync"),
+        ("async_c8_vs_workers_2x4", "aw1x8", "w2x4", "async worker 1x8 / workers 2x4"),
+        ("async_c8_vs_workers_1x8", "aw1x8", "w1x8", "async worker 1x8 / workers 1x8"),
+        ("async_c64_vs_workers_2x4", "aw1x64", "w2x4", "async worker 1x64 / workers 2x4"),
+        ("async_c64_vs_async_c8", "aw1x64", "aw1x8", "async worker 1x64 / 1x8"),
+    ]
+    shown: list[str] = []
+    for name, top, bottom, label in pairs:
+        if top in b and bottom in b:
+            ratios[name] = b[top].per_second / b[bottom].per_second
+            shown.append(
+                f"{label} = {ratios[name]:.2f}x "
+                f"({b[top].per_second:,.0f} / {b[bottom].per_second:,.0f})"
+            )
+    cpu = [
+        f"{b[k].mode} {b[k].extra['cpu_ms_per_saga']:.2f}"
+        for k in ("ours_seq", "async_seq", "w2x4", "w1x8", "aw1x8", "aw1x64")
+        if k in b and b[k].extra.get("cpu_ms_per_saga") is not None
+    ]
+    if workers or aseq is not None:
+        notes.append(
+            "- client CPU ms per saga (process_time of the timed loop; workers: of the worker "
+            "processes while they ran, all threads; best round): " + "; ".join(cpu)
+        )
+    if shown:
+        notes.append("")
+        notes.append("async ratios: " + "; ".join(shown))
+    return notes, ratios
+
+
+def partial_report(
+    server: Server,
+    report: dict[str, Any],
+    runs: dict[str, list[Row]],
+    began: float,
+    probes: list[dict[str, Any]],
+) -> None:
+    """The table of the rows that ran (BENCH_ROWS), their notes and ratios: partial.*"""
+    b = {key: best(rows) for key, rows in runs.items()}
+    rows = [b[k] for k in ROW_ORDER if k in b]
+    notes, ratios = async_report(b)
+    out = [
+        f"N = {report['n']} sagas of {STEPS} no-op steps, best of {report['rounds']} "
+        f"interleaved rounds; rows {', '.join(k for k in ROW_ORDER if k in b)}; "
+        f"PostgreSQL {server.version} ({server.source}, fsync {server.settings['fsync']}, "
+        f"synchronous_commit {server.settings['synchronous_commit']}); {report['machine']}; "
+        f"load average before {report['load_average_before']}, after {load_average()}",
+        "",
+        table(rows),
+        "",
+        *notes,
+        *memory_lines(probes),
+        "",
+        f"partial run (BENCH_ROWS={os.environ.get('BENCH_ROWS', '')}) took "
+        f"{(time.monotonic() - began) / 60:.1f} min",
+    ]
+    text = "\n".join(out)
+    print(text)
+    (RESULTS / "partial.txt").write_text(text + "\n")
+    report.update(
+        {
+            "rows": [asdict(r) for r in rows],
+            "all_runs": {k: [asdict(r) for r in v] for k, v in runs.items()},
+            "ratios": ratios,
+            "async_memory": probes,
+            "elapsed_s": time.monotonic() - began,
+        }
+    )
+    (RESULTS / "partial.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
 def main() -> None:
     n = env_int("BENCH_SAGAS", 2000)
     rounds = max(1, env_int("BENCH_ROUNDS", 3))
@@ -415,6 +680,10 @@ def main() -> None:
     in_flight = env_int("BENCH_RECOVERY", 100)
     began = time.monotonic()
     quiet_logs()
+    chosen = selected_rows()
+    full = all(k in chosen for k in SYNC_ROWS)
+    if any(k in chosen for k in ASYNC_ROWS) and (why := async_available()) is not None:
+        raise SystemExit(f"the async rows need AsyncOrchestrator and AsyncWorker: {why}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     server = Server()
     from importlib.metadata import version
@@ -427,13 +696,33 @@ def main() -> None:
         "dbos_version": version("dbos"),
         "n": n,
         "rounds": rounds,
+        "row_keys": chosen,
         "load_average_before": load_average(),
     }
     log(
         f"PostgreSQL {server.version} ({server.source}), {server.settings}; "
         f"{report['machine']}; N = {n}; {rounds} rounds; load average {load_average()}"
     )
+    if not full:
+        log(f"rows {', '.join(chosen)} only: no recovery, claim-latency or profile run")
     runs: dict[str, list[Row]] = {}
+
+    def measure_row(key: str, tag: str) -> Row:
+        """One run of the throughput row `key` (ROW_ORDER), in round `tag`."""
+        measure: dict[str, Callable[[], Row]] = {
+            "pg1": lambda: pgbench(server, 1, pgbench_seconds, tag),
+            "floor": lambda: floor(server, n, tag),
+            "ours_seq": lambda: ours_sequential(server, n, tag),
+            "async_seq": lambda: ours_async_sequential(server, n, tag),
+            "dbos_seq": lambda: dbos(server, n, 1, tag),
+            "w2x4": lambda: ours_workers(server, n, 2, 4, tag),
+            "w1x8": lambda: ours_workers(server, n, 1, 8, tag),
+            "aw1x8": lambda: ours_workers(server, n, 1, 8, tag, kind="async"),
+            "aw1x64": lambda: ours_workers(server, n, 1, 64, tag, kind="async"),
+            "dbos_c8": lambda: dbos(server, n, 8, tag),
+            "pg8": lambda: pgbench(server, 8, pgbench_seconds, tag),
+        }
+        return measure[key]()
 
     def record(key: str, row: Row) -> None:
         runs.setdefault(key, []).append(row)
@@ -445,15 +734,17 @@ def main() -> None:
         for i in range(rounds):
             tag = str(i + 1)
             log(f"round {tag} of {rounds}")
-            record("pg1", pgbench(server, 1, pgbench_seconds, tag))
-            record("floor", floor(server, n, tag))
-            record("ours_seq", ours_sequential(server, n, tag))
-            record("dbos_seq", dbos(server, n, 1, tag))
-            record("w2x4", ours_workers(server, n, 2, 4, tag))
-            record("w1x8", ours_workers(server, n, 1, 8, tag))
-            record("dbos_c8", dbos(server, n, 8, tag))
-            record("pg8", pgbench(server, 8, pgbench_seconds, tag))
+            for key in chosen:
+                record(key, measure_row(key, tag))
             server.drop_all()
+        probes: list[dict[str, Any]] = []
+        if "aw1x64" in chosen:
+            log("async worker memory: 8 then 64 sagas in flight")
+            probes = [async_memory(server, 8), async_memory(server, 64)]
+            server.drop_all()
+        if not full:
+            partial_report(server, report, runs, began, probes)
+            return
 
         log(f"recovery: SIGKILL a worker holding {in_flight} sagas (default lease)")
         recovery_default = run_child(
@@ -506,6 +797,11 @@ def main() -> None:
     w2x4, w1x8 = b["w2x4"], b["w1x8"]
     best_workers = max((w2x4, w1x8), key=lambda r: r.per_second)
     rows = [ours_seq, w2x4, w1x8, dbos_seq, dbos_c8, b["floor"], pg1, pg8]
+    # The async rows, when they ran, after the sync ones they are compared with.
+    rows[1:1] = [b[k] for k in ("async_seq",) if k in b]
+    at = rows.index(w1x8) + 1
+    rows[at:at] = [b[k] for k in ("aw1x8", "aw1x64") if k in b]
+    async_notes, async_ratios = async_report(b)
 
     ceiling = pg1.per_second / (STEPS + 1)
     ratios = {
@@ -558,6 +854,7 @@ def main() -> None:
         "read-only transactions, connection set-up and, for DBOS, its background polling)"
     )
     out.append("- peak RSS: ru_maxrss of the measuring process (workers: the largest process)")
+    out.extend(line for line in async_notes if line and not line.startswith("async ratios"))
     out.append("")
     out.append(
         f"ratios: sequential ours/DBOS = {ratios['sequential_vs_dbos']:.2f}x; "
@@ -568,6 +865,9 @@ def main() -> None:
         f"{ratios['c8_vs_ceiling_8_clients']:.0%}; "
         f"sequential / psycopg floor = {ratios['sequential_vs_psycopg_floor']:.0%}"
     )
+    out.extend(line for line in async_notes if line.startswith("async ratios"))
+    out.extend(memory_lines(probes))
+    ratios.update(async_ratios)
     out.append("")
     for rec in (recovery_default, recovery_short):
         out.append(
@@ -628,6 +928,7 @@ def main() -> None:
             "rows": [asdict(r) for r in rows],
             "all_runs": {k: [asdict(r) for r in v] for k, v in runs.items()},
             "ratios": ratios,
+            "async_memory": probes,
             "recovery_default": recovery_default,
             "recovery_lease_2s": recovery_short,
             "claim": claim,

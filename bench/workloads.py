@@ -5,10 +5,15 @@
 Each scenario prints one line `RESULT {json}` on stdout: its timings, latencies and the
 peak RSS of its process. Worker processes (`worker`) also speak a small line protocol on
 stdin/stdout (READY, then GO) so their start-up is not part of what is measured.
+
+The async scenarios (`ours_async_sequential`, `async_worker`, `ours_workers` with
+`"worker": "async_worker"`) import `AsyncOrchestrator` only when they run, so the others
+work without it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -44,6 +49,17 @@ def quiet_logs() -> None:
 def peak_rss_mb() -> float:
     """Peak resident set size of this process, in MiB (ru_maxrss is in KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def vm_hwm_mb(pid: int | str = "self") -> float | None:
+    """VmHWM (peak resident set) of a process from /proc, in MiB; None where unreadable."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def emit(result: Result) -> None:
@@ -84,6 +100,44 @@ def noop_saga(name: str = "bench") -> Saga[Item]:
     for step in ("s1", "s2", "s3"):
         saga.step(name=step)(_noop)
     return saga
+
+
+async def _anoop(ctx: StepContext, item: Item) -> None:
+    return None
+
+
+def async_noop_saga(name: str = "bench") -> Saga[Item]:
+    """The same saga as `noop_saga` (name, version, three no-op steps), its steps async."""
+    saga: Saga[Item] = Saga(name, version=1, input=Item, key=lambda i: i.id)
+    for step in ("s1", "s2", "s3"):
+        saga.step(name=step)(_anoop)
+    return saga
+
+
+def async_slow_saga(seconds: float) -> Saga[Item]:
+    """`slow_saga` with async steps: the first awaits asyncio.sleep(seconds)."""
+    saga: Saga[Item] = Saga("bench", version=1, input=Item, key=lambda i: i.id)
+
+    async def sleepy(ctx: StepContext, item: Item) -> None:
+        await asyncio.sleep(seconds)
+
+    saga.step(name="s1", idempotent=True)(sleepy)
+    saga.step(name="s2")(_anoop)
+    saga.step(name="s3")(_anoop)
+    return saga
+
+
+def bench_saga(steps: str, step_seconds: float = 0.0) -> Saga[Item]:
+    """The benchmark saga ("bench", version 1) with sync (`noop_saga`) or async
+    (`async_noop_saga`) steps; with `step_seconds`, async steps of which the first sleeps
+    that long (`async_slow_saga`)."""
+    if steps not in ("sync", "async"):
+        raise ValueError(f"steps must be 'sync' or 'async', got {steps!r}")
+    if step_seconds > 0:
+        if steps != "async":
+            raise ValueError("step_seconds is for async steps here (sync: saga_named)")
+        return async_slow_saga(step_seconds)
+    return async_noop_saga() if steps == "async" else noop_saga()
 
 
 def slow_saga(seconds: float) -> Saga[Item]:
@@ -145,17 +199,17 @@ def ours_sequential(args: Result) -> Result:
         if trips is not None:
             trips.count = trips.waits = 0
         profiler = _profiler(args)
-        started = time.perf_counter()
+        started, cpu0 = time.perf_counter(), time.process_time()
         for i in range(n):
             t0 = time.perf_counter()
             state = orch.execute(saga, Item(id=f"seq-{i}"))
             latencies.append(time.perf_counter() - t0)
             if state.status != "completed":
                 raise RuntimeError(f"saga {state.id} ended {state.status}")
-        elapsed = time.perf_counter() - started
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu0
         if profiler is not None:
             _write_profile(profiler, Path(args["profile"]))
-    result: Result = {"elapsed": elapsed, "completed": n, **percentiles(latencies)}
+    result: Result = {"elapsed": elapsed, "completed": n, "cpu_s": cpu, **percentiles(latencies)}
     if trips is not None:
         result["round_trips_per_saga"] = trips.count / n
         result["psycopg_waits_per_saga"] = trips.waits / n
@@ -178,6 +232,39 @@ def psycopg_floor(args: Result) -> Result:
             latencies.append(time.perf_counter() - t0)
         elapsed = time.perf_counter() - started
     return {"elapsed": elapsed, "completed": n, **percentiles(latencies)}
+
+
+async def _connect_async(orch: Any) -> None:
+    """Connect an AsyncOrchestrator's pool before the clock starts: `await orch.store()`,
+    what `orch.store` does for the sync one."""
+    await orch.store()
+
+
+def ours_async_sequential(args: Result) -> Result:
+    """N sagas one after another on one event loop, each with `await orch.execute()` of an
+    AsyncOrchestrator; the saga of `ours_sequential` with async steps."""
+    from saga import AsyncOrchestrator
+
+    saga = bench_saga(args.get("steps", "async"))
+    n = int(args["n"])
+
+    async def main() -> Result:
+        latencies: list[float] = []
+        async with AsyncOrchestrator(args["url"], sagas=[saga], auto_migrate=False) as orch:
+            await _connect_async(orch)
+            started, cpu0 = time.perf_counter(), time.process_time()
+            for i in range(n):
+                t0 = time.perf_counter()
+                state = await orch.execute(saga, Item(id=f"aseq-{i}"))
+                latencies.append(time.perf_counter() - t0)
+                if state.status != "completed":
+                    raise RuntimeError(f"saga {state.id} ended {state.status}")
+            elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu0
+        return {"elapsed": elapsed, "completed": n, "cpu_s": cpu, **percentiles(latencies)}
+
+    result = asyncio.run(main())
+    result["vm_hwm_mb"] = vm_hwm_mb()
+    return result
 
 
 def _profiler(args: Result) -> Any:
@@ -217,7 +304,10 @@ def _write_profile(profiler: Any, path: Path) -> None:
 
 def worker(args: Result) -> Result:
     """A worker process: connect, say READY, wait for GO, run until no saga is open."""
-    saga = saga_named(args.get("saga", "bench"), float(args.get("step_seconds", 0.0)))
+    if args.get("steps", "sync") != "sync":
+        saga = bench_saga(args["steps"], float(args.get("step_seconds", 0.0)))
+    else:
+        saga = saga_named(args.get("saga", "bench"), float(args.get("step_seconds", 0.0)))
     kwargs: dict[str, Any] = {}
     if args.get("lease_seconds"):
         kwargs["lease_seconds"] = float(args["lease_seconds"])
@@ -228,16 +318,62 @@ def worker(args: Result) -> Result:
         print("READY", flush=True)
         if sys.stdin.readline().strip() != "GO":
             return {"aborted": True}
-        started = time.perf_counter()
+        started, cpu0 = time.perf_counter(), time.process_time()
         orch.worker(concurrency=int(args["concurrency"])).run(until_idle=True)
-        elapsed = time.perf_counter() - started
-    return {"elapsed": elapsed}
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu0
+    return {"elapsed": elapsed, "cpu_s": cpu, "vm_hwm_mb": vm_hwm_mb()}
 
 
-def spawn_worker(args: Result) -> subprocess.Popen[str]:
-    """Start a worker process and wait until it is connected (READY)."""
+def async_worker(args: Result) -> Result:
+    """An AsyncWorker process: connect, say READY, wait for GO, run until no saga is open.
+
+    Besides its peak RSS it reports the most sagas its worker held at once (`in_flight`
+    sampled on the loop every 10 ms, when the worker has that property)."""
+    from saga import AsyncOrchestrator
+
+    saga = bench_saga(args.get("steps", "async"), float(args.get("step_seconds", 0.0)))
+    kwargs: dict[str, Any] = {}
+    if args.get("lease_seconds"):
+        kwargs["lease_seconds"] = float(args["lease_seconds"])
+
+    async def main() -> Result:
+        async with AsyncOrchestrator(
+            args["url"], sagas=[saga], auto_migrate=False, owner=args.get("owner"), **kwargs
+        ) as orch:
+            await _connect_async(orch)
+            print("READY", flush=True)
+            line = await asyncio.to_thread(sys.stdin.readline)
+            if line.strip() != "GO":
+                return {"aborted": True}
+            w = orch.worker(concurrency=int(args["concurrency"]))
+            peak: dict[str, int | None] = {"in_flight": None}
+
+            async def sample() -> None:
+                while True:
+                    now = getattr(w, "in_flight", None)
+                    if isinstance(now, int):
+                        peak["in_flight"] = max(peak["in_flight"] or 0, now)
+                    await asyncio.sleep(0.01)
+
+            sampler = asyncio.create_task(sample())
+            started, cpu0 = time.perf_counter(), time.process_time()
+            try:
+                await w.run(until_idle=True)
+            finally:
+                elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu0
+                sampler.cancel()
+        return {"elapsed": elapsed, "cpu_s": cpu, "max_in_flight": peak["in_flight"]}
+
+    result = asyncio.run(main())
+    result["vm_hwm_mb"] = vm_hwm_mb()
+    return result
+
+
+def spawn_worker(args: Result, scenario: str = "worker") -> subprocess.Popen[str]:
+    """Start a worker process (`worker` or `async_worker`) and wait until it is connected
+    (READY)."""
     proc = subprocess.Popen(
-        [sys.executable, str(HERE / "workloads.py"), "worker", json.dumps(args)],
+        [sys.executable, str(HERE / "workloads.py"), scenario, json.dumps(args)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -281,14 +417,31 @@ def start_many(orch: Orchestrator, saga: Saga[Item], ids: Sequence[str], threads
         list(pool.map(start_chunk, chunks))
 
 
+def most_at_once(spans: Sequence[tuple[float, float]]) -> int:
+    """The most intervals (start, end) open at one instant."""
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    most = now = 0
+    for _, step in edges:  # at a tie an end (-1) sorts before a start
+        now += step
+        most = max(most, now)
+    return most
+
+
 def ours_workers(args: Result) -> Result:
     """N sagas started first (8 threads), then driven by `procs` worker processes of
     `concurrency` each; timed by the database clock from the first start to the last
-    completion."""
-    saga = noop_saga()
+    completion. `worker` picks the worker processes' scenario (`worker`, the default, or
+    `async_worker`), `steps` the saga's steps (`sync`, the default, or `async`); the
+    sagas are started by a sync Orchestrator either way. With `step_seconds` (async
+    steps only) the first step sleeps that long."""
+    steps = args.get("steps", "sync")
+    step_seconds = float(args.get("step_seconds", 0.0))
+    saga = bench_saga(steps, step_seconds)
     n, procs, conc = int(args["n"]), int(args["procs"]), int(args["concurrency"])
     url = args["url"]
-    workers = [spawn_worker({"url": url, "concurrency": conc}) for _ in range(procs)]
+    scenario = args.get("worker", "worker")
+    common = {"url": url, "concurrency": conc, "steps": steps, "step_seconds": step_seconds}
+    workers = [spawn_worker(common, scenario) for _ in range(procs)]
     with Orchestrator(url, sagas=[saga], auto_migrate=False, pool_size=8) as orch:
         t0 = time.perf_counter()
         start_many(orch, saga, [f"w-{i}" for i in range(n)], threads=8)
@@ -308,7 +461,9 @@ def ours_workers(args: Result) -> Result:
         # Per saga: from its first claim by a worker to its completion (database clock).
         lat_rows = conn.execute(
             """SELECT extract(epoch FROM max(at) FILTER (WHERE event = 'saga_completed')
-                                  - min(at) FILTER (WHERE event = 'lease_acquired'))
+                                  - min(at) FILTER (WHERE event = 'lease_acquired')),
+                      extract(epoch FROM min(at) FILTER (WHERE event = 'lease_acquired')),
+                      extract(epoch FROM max(at) FILTER (WHERE event = 'saga_completed'))
                FROM saga.events GROUP BY saga_id"""
         ).fetchall()
         # The last completion's own commit is later than its updated_at (transaction start):
@@ -320,12 +475,20 @@ def ours_workers(args: Result) -> Result:
         assert last is not None
         db_elapsed = max(db_elapsed, float(last[0]))
     latencies = [float(r[0]) for r in lat_rows if r[0] is not None]
+    spans = [(float(r[1]), float(r[2])) for r in lat_rows if r[0] is not None]
     return {
         "elapsed": db_elapsed,
         "completed": completed,
         "start_phase": start_phase,
         "rss_mb": max([starter_rss] + [float(r["rss_mb"]) for r in results]),
         "worker_rss_mb": [float(r["rss_mb"]) for r in results],
+        "worker_vm_hwm_mb": [r.get("vm_hwm_mb") for r in results],
+        "worker_max_in_flight": [r.get("max_in_flight") for r in results],
+        # CPU time of the worker processes while they ran (process_time: every thread).
+        "worker_cpu_s": [r.get("cpu_s") for r in results],
+        # From the database: the most sagas between their first claim and their completion
+        # at one instant, over all workers.
+        "db_max_in_flight": most_at_once(spans),
         **percentiles(latencies),
     }
 
@@ -587,9 +750,11 @@ def claim_latency(args: Result) -> Result:
 
 SCENARIOS: dict[str, Callable[[Result], Result]] = {
     "ours_sequential": ours_sequential,
+    "ours_async_sequential": ours_async_sequential,
     "psycopg_floor": psycopg_floor,
     "ours_workers": ours_workers,
     "worker": worker,
+    "async_worker": async_worker,
     "dbos": dbos_run,
     "dbos_setup": dbos_setup,
     "recovery": recovery,
