@@ -13,12 +13,12 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel
 
-from saga import approvals
+from saga import approvals, inputs
 from saga.adriver import AsyncLeaseKeeper, AsyncRunner
 from saga.astore import AsyncStore
 from saga.database import check_connection, unavailable
 from saga.definition import Saga
-from saga.engine import Change, Engine
+from saga.engine import Engine
 from saga.errors import StepStateError
 from saga.logs import get_logger
 from saga.migrate import apply_migrations
@@ -189,7 +189,7 @@ class AsyncOrchestrator(Engine):
     async def _operator_change(
         self,
         saga_id: str,
-        change: Change,
+        change: inputs.Request,
         *,
         force: bool = False,
         actor: str | None = None,
@@ -216,7 +216,7 @@ class AsyncOrchestrator(Engine):
         check_actor("raise_ceilings", actor)
         return await self._operator_change(
             saga_id,
-            lambda p: p.raise_ceilings(
+            inputs.RaiseCeilings(
                 actor=actor,
                 max_operations=max_operations,
                 spend_budget=spend_budget,
@@ -239,7 +239,7 @@ class AsyncOrchestrator(Engine):
         actor = actor_or_os_user("compensate", actor)
         state = await self._operator_change(
             saga_id,
-            lambda p: p.request_compensation(include_unknown=include_unknown, actor=actor),
+            inputs.RequestCompensation(actor=actor, include_unknown=include_unknown),
             force=force,
             actor=actor,
         )
@@ -274,9 +274,7 @@ class AsyncOrchestrator(Engine):
             stored = codec.encode(codec.decode(result))
         return await self._operator_change(
             state.id,
-            lambda p: p.resolve(
-                step, kind=kind, outcome=outcome, result=stored, actor=actor, reason=reason
-            ),
+            inputs.Resolve(step, kind, outcome, stored, actor=actor, reason=reason),
             force=force,
             actor=actor,
         )
@@ -295,7 +293,7 @@ class AsyncOrchestrator(Engine):
         actor = actor_or_os_user("retry", actor)
         return await self._operator_change(
             saga_id,
-            lambda p: p.request_retry(extra_attempts=extra_attempts, actor=actor),
+            inputs.RequestRetry(extra_attempts=extra_attempts, actor=actor),
             force=force,
             actor=actor,
         )
@@ -315,7 +313,7 @@ class AsyncOrchestrator(Engine):
         actor = actor_or_os_user("cancel", actor)
         return await self._operator_change(
             saga_id,
-            lambda p: p.request_cancel(reason=reason, actor=actor, include_unknown=include_unknown),
+            inputs.RequestCancel(reason=reason, actor=actor, include_unknown=include_unknown),
             force=force,
             actor=actor,
         )
@@ -360,7 +358,7 @@ class AsyncOrchestrator(Engine):
         )
         return await self._operator_change(
             saga_id,
-            lambda p: p.approve_confirmation(step, request_hash, actor=granted.actor),
+            inputs.Approve(step, request_hash, actor=granted.actor),
             actor=granted.actor,
             registered=False,
         )

@@ -12,13 +12,13 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from saga import approvals, faults
+from saga import approvals, faults, inputs
 from saga.database import describe_url, resolve_database_url
 from saga.definition import Saga
 from saga.effects import Begin, Commit, Fetch, Flow, Pause, Stopping, db
@@ -44,8 +44,6 @@ ENV_CONFIRMATION_KEY = "SAGA_CONFIRMATION_KEY"
 # least this often meanwhile (seconds).
 LEASE_POLL_SECONDS = 0.05
 MAX_LEASE_POLL_SECONDS = 0.5
-
-Change = Callable[[Planner], object]
 
 
 class Engine:
@@ -275,7 +273,7 @@ class Engine:
         definition = self.definition(state.saga, state.version)
         if state.status == SagaStatus.AWAITING_CONFIRMATION:
             # A confirmation that expired unanswered is asked again, with a fresh preview.
-            state = yield from self._operator_flow(state.id, Planner.reopen_expired_confirmation)
+            state = yield from self._operator_flow(state.id, inputs.ReopenExpired())
         while state.status.is_runnable:
             driven = yield from flows.claim_and_drive(definition, state.id)
             if driven is not None:
@@ -291,7 +289,7 @@ class Engine:
     def _operator_flow(
         self,
         saga_id: str,
-        change: Change,
+        change: inputs.Request,
         *,
         force: bool = False,
         actor: str | None = None,
@@ -329,7 +327,7 @@ class Engine:
     def _operator_txn(
         self,
         saga_id: str,
-        change: Change,
+        change: inputs.Request,
         *,
         force: bool,
         actor: str | None,
@@ -371,7 +369,7 @@ class Engine:
             now=datetime.now().astimezone(),
         )
         planner.events.extend(broken)
-        changed = change(planner)
+        changed = inputs.request(planner, change, planner.now)
         events = planner.take_events()
         if changed is False and not events:
             # The change found the saga already where it asks for: nothing is

@@ -1,9 +1,10 @@
 """What happened to an operation, as frozen values the core applies to a snapshot.
 
 A driver calls user code, turns what came back into one of these values and hands it to
-`apply`. Replaying after a transient database error applies the same value to the
-snapshot reloaded from the database: nothing about the outcome is kept in a closure or
-in the driver. This module does no I/O, reads no clock and imports no driver.
+`apply`; an operator's request is one too, applied by `request`. Replaying after a
+transient database error applies the same value to the snapshot reloaded from the
+database: nothing about the outcome is kept in a closure or in the driver. This module
+does no I/O, reads no clock and imports no driver.
 """
 
 from __future__ import annotations
@@ -131,6 +132,79 @@ class Spent:
     refused: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class RequestCompensation:
+    """An operator asks to compensate what succeeded (`compensate`)."""
+
+    actor: str | None
+    include_unknown: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Resolve:
+    """An operator settles an operation they checked (`resolve`); `result` is encoded."""
+
+    step: str
+    kind: Literal["action", "compensation"] | None
+    outcome: Literal["succeeded", "failed"]
+    result: Any
+    actor: str
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRetry:
+    """An operator resumes a parked saga at the operation it stopped at (`retry`)."""
+
+    extra_attempts: int
+    actor: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCancel:
+    """An operator stops forward progress and asks for compensation (`cancel`)."""
+
+    reason: str
+    actor: str | None
+    include_unknown: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RaiseCeilings:
+    """An operator raises the saga's persisted ceilings (`raise_ceilings`)."""
+
+    actor: str | None
+    max_operations: int | None = None
+    spend_budget: float | None = None
+    max_side_effects: int | None = None
+    extend_deadline_seconds: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Approve:
+    """An approval, verified, releases the pending confirmation (`confirm`)."""
+
+    step: str
+    request_hash: str
+    actor: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReopenExpired:
+    """A confirmation that expired unanswered is asked for again (`run`)."""
+
+
+# An operator's request, applied under the saga's row lock.
+Request = (
+    RequestCompensation
+    | Resolve
+    | RequestRetry
+    | RequestCancel
+    | RaiseCeilings
+    | Approve
+    | ReopenExpired
+)
+
 # What happened to one operation.
 OpOutcome = (
     Returned
@@ -200,3 +274,39 @@ def _apply_to(planner: Planner, op: OpRow, outcome: OpOutcome) -> None:
             park=outcome.park,
             traceback=outcome.traceback,
         )
+
+
+def request(planner: Planner, req: Request, now: datetime) -> bool:
+    """Apply an operator's request, made at `now`, to `planner`'s snapshot; False when it
+    found the saga already where it asks for, and changed nothing."""
+    planner.now = now
+    if isinstance(req, RequestCompensation):
+        return planner.request_compensation(include_unknown=req.include_unknown, actor=req.actor)
+    if isinstance(req, Resolve):
+        planner.resolve(
+            req.step,
+            kind=req.kind,
+            outcome=req.outcome,
+            result=req.result,
+            actor=req.actor,
+            reason=req.reason,
+        )
+    elif isinstance(req, RequestRetry):
+        planner.request_retry(extra_attempts=req.extra_attempts, actor=req.actor)
+    elif isinstance(req, RequestCancel):
+        return planner.request_cancel(
+            reason=req.reason, actor=req.actor, include_unknown=req.include_unknown
+        )
+    elif isinstance(req, RaiseCeilings):
+        planner.raise_ceilings(
+            actor=req.actor,
+            max_operations=req.max_operations,
+            spend_budget=req.spend_budget,
+            max_side_effects=req.max_side_effects,
+            extend_deadline_seconds=req.extend_deadline_seconds,
+        )
+    elif isinstance(req, Approve):
+        planner.approve_confirmation(req.step, req.request_hash, actor=req.actor)
+    else:
+        return planner.reopen_expired_confirmation()
+    return True

@@ -16,10 +16,10 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 from pydantic import BaseModel
 
-from saga import approvals
+from saga import approvals, inputs
 from saga.database import check_connection, unavailable
 from saga.definition import Saga
-from saga.engine import ENV_CONFIRMATION_KEY, Change, Engine
+from saga.engine import ENV_CONFIRMATION_KEY, Engine
 from saga.errors import StepStateError
 from saga.leases import LeaseKeeper
 from saga.logs import get_logger
@@ -232,7 +232,7 @@ class Orchestrator(Engine):
         check_actor("raise_ceilings", actor)
         return self._operator_change(
             saga_id,
-            lambda p: p.raise_ceilings(
+            inputs.RaiseCeilings(
                 actor=actor,
                 max_operations=max_operations,
                 spend_budget=spend_budget,
@@ -308,7 +308,7 @@ class Orchestrator(Engine):
         # Approving runs no step code, so the approvers' tooling need not register the saga.
         return self._operator_change(
             saga_id,
-            lambda p: p.approve_confirmation(step, request_hash, actor=granted.actor),
+            inputs.Approve(step, request_hash, actor=granted.actor),
             actor=granted.actor,
             registered=False,
         )
@@ -359,7 +359,7 @@ class Orchestrator(Engine):
         actor = actor_or_os_user("compensate", actor)
         state = self._operator_change(
             saga_id,
-            lambda p: p.request_compensation(include_unknown=include_unknown, actor=actor),
+            inputs.RequestCompensation(actor=actor, include_unknown=include_unknown),
             force=force,
             actor=actor,
         )
@@ -403,9 +403,7 @@ class Orchestrator(Engine):
             stored = codec.encode(codec.decode(result))
         return self._operator_change(
             state.id,
-            lambda p: p.resolve(
-                step, kind=kind, outcome=outcome, result=stored, actor=actor, reason=reason
-            ),
+            inputs.Resolve(step, kind, outcome, stored, actor=actor, reason=reason),
             force=force,
             actor=actor,
         )
@@ -434,7 +432,7 @@ class Orchestrator(Engine):
         actor = actor_or_os_user("retry", actor)
         return self._operator_change(
             saga_id,
-            lambda p: p.request_retry(extra_attempts=extra_attempts, actor=actor),
+            inputs.RequestRetry(extra_attempts=extra_attempts, actor=actor),
             force=force,
             actor=actor,
         )
@@ -463,7 +461,7 @@ class Orchestrator(Engine):
         actor = actor_or_os_user("cancel", actor)
         return self._operator_change(
             saga_id,
-            lambda p: p.request_cancel(reason=reason, actor=actor, include_unknown=include_unknown),
+            inputs.RequestCancel(reason=reason, actor=actor, include_unknown=include_unknown),
             force=force,
             actor=actor,
         )
@@ -471,7 +469,7 @@ class Orchestrator(Engine):
     def _operator_change(
         self,
         saga_id: str,
-        change: Change,
+        change: inputs.Request,
         *,
         force: bool = False,
         actor: str | None = None,
