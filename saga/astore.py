@@ -14,17 +14,16 @@ from typing import Any, cast
 
 import psycopg
 from psycopg.rows import dict_row
-from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from saga.errors import LeaseLost, StepStateError
-from saga.protocol import ConfirmationRow, Event, OpRow, SagaRow
+from saga.protocol import ConfirmationRow, Event, OpRow, SagaRow, Write
 from saga.state import Confirmation, HistoryEvent, SagaState, WorkerInfo
 from saga.store import (
     FENCE_SQLSTATE,
     Loaded,
+    _ask_params,
     _confirmation_row,
-    _dumps,
     _op_row,
     _q,
     _saga_row,
@@ -164,64 +163,39 @@ class AsyncStore:
     async def save_txn(
         self,
         conn: AConn,
-        saga: SagaRow,
-        ops: Sequence[OpRow],
-        events: Sequence[Event],
+        write: Write,
         *,
         owner: str | None,
         lease_seconds: float | None = None,
-        release: bool = False,
-        lease_until: datetime | None = None,
-        notify: bool = False,
-        return_state: bool = False,
-        confirmations: Sequence[ConfirmationRow] = (),
         token: str | None = None,
     ) -> Callable[[], Awaitable[SagaState | None]]:
-        """Queue a planner's changes in a transaction (see `Store.save_txn`); returns the
-        read of the saga's state, to await once the transaction has committed."""
-        write = _write(
-            saga,
-            ops,
-            events,
-            owner=owner,
-            lease_seconds=lease_seconds,
-            release=release,
-            lease_until=lease_until,
-            notify=notify,
-            return_state=return_state,
-            token=token,
-        )
-        written = await conn.execute(_q("write_saga"), {"write": Jsonb(write, dumps=_dumps)})
-        for confirmation in confirmations:
-            if confirmation.new:
-                await conn.execute(
-                    _q("upsert_confirmation"),
-                    {
-                        "saga_id": saga.id,
-                        "step": confirmation.step,
-                        "request_hash": confirmation.request_hash,
-                        "preview": Jsonb(confirmation.preview),
-                        "expires_at": confirmation.expires_at,
-                    },
-                )
-                confirmation.new = False
-            elif confirmation.dirty and confirmation.consumed_attempt is not None:
-                params = {
-                    "saga_id": saga.id,
+        """Queue a write the core decided in a transaction (see `Store.save_txn`);
+        returns the read of the saga's state, to await once the transaction committed."""
+        params = _write(write, owner=owner, lease_seconds=lease_seconds, token=token)
+        written = await conn.execute(_q("write_saga"), {"write": params})
+        saga_id = write.saga.id
+        for change in write.confirmations:
+            confirmation = change.row
+            if change.action == "ask":
+                await conn.execute(_q("upsert_confirmation"), _ask_params(saga_id, confirmation))
+            elif change.action == "consume":
+                attempt = confirmation.consumed_attempt
+                assert attempt is not None
+                consume = {
+                    "saga_id": saga_id,
                     "step": confirmation.step,
                     "request_hash": confirmation.request_hash,
-                    "attempt": confirmation.consumed_attempt,
+                    "attempt": attempt,
                 }
-                row = await (await conn.execute(_q("consume_confirmation"), params)).fetchone()
+                row = await (await conn.execute(_q("consume_confirmation"), consume)).fetchone()
                 refusal = consume_refusal(
-                    row, confirmation.step, confirmation.request_hash, confirmation.consumed_attempt
+                    row, confirmation.step, confirmation.request_hash, attempt
                 )
                 if refusal is not None:
                     raise refusal
-                confirmation.dirty = False
-            elif confirmation.dirty:
+            else:
                 approve = {
-                    "saga_id": saga.id,
+                    "saga_id": saga_id,
                     "step": confirmation.step,
                     "request_hash": confirmation.request_hash,
                     "actor": confirmation.approved_by or "",
@@ -231,7 +205,6 @@ class AsyncStore:
                     raise StepStateError(
                         f"the confirmation of step {confirmation.step!r} is no longer pending"
                     )
-                confirmation.dirty = False
 
         async def read() -> SagaState | None:
             row = await written.fetchone()
@@ -257,33 +230,12 @@ class AsyncStore:
         return started(saga, ops, row["outcome"])
 
     async def apply_transition(
-        self,
-        saga: SagaRow,
-        ops: Sequence[OpRow],
-        events: Sequence[Event],
-        *,
-        owner: str,
-        lease_seconds: float,
-        release: bool,
-        lease_until: datetime | None,
-        notify: bool,
-        return_state: bool,
-        token: str | None = None,
+        self, write: Write, *, owner: str, lease_seconds: float, token: str | None = None
     ) -> SagaState | None:
-        """Persist a lease holder's transition in one statement and one round trip."""
+        """Persist a lease holder's write in one statement and one round trip."""
         async with _fenced(), self._connection() as conn:
             read = await self.save_txn(
-                conn,
-                saga,
-                ops,
-                events,
-                owner=owner,
-                lease_seconds=lease_seconds,
-                release=release,
-                lease_until=lease_until,
-                notify=notify,
-                return_state=return_state,
-                token=token,
+                conn, write, owner=owner, lease_seconds=lease_seconds, token=token
             )
             return await read()
 

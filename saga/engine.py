@@ -212,13 +212,13 @@ class Engine:
         claimed: tuple[Planner, Next] | None = None
         if claim:
             stopping = yield Stopping()
-            planner, nxt, released = flows.plan_new(saga, row, ops, may_call=not stopping)
-            if any(c.new or c.dirty for c in planner.confirmations):
+            planner, nxt, write = flows.plan_new(saga, row, ops, may_call=not stopping)
+            if write.confirmations:
                 # Confirmation rows are not written at start: start plainly, then run.
                 return (yield from self._start_flow(flows, saga, model, claim=False))
-            if released:
+            if write.release:
                 row.lease_owner = None
-            events += planner.take_events()
+            events += write.events
             claimed = (planner, nxt)
 
         # A start whose reply was lost is retried; the retry that finds this very saga
@@ -370,25 +370,15 @@ class Engine:
         )
         planner.events.extend(broken)
         changed = inputs.request(planner, change, planner.now)
-        events = planner.take_events()
+        write = planner.write(None, owner=None)  # an operator's change, under the row lock
+        events = write.events
         if changed is False and not events:
             # The change found the saga already where it asks for: nothing is
             # written, and the saga is returned as it is.
             state = yield db("get_state_txn", saga_id)
             yield Commit()
         else:
-            read = yield db(
-                "save_txn",
-                planner.saga,
-                planner.ops,
-                events,
-                owner=None,  # an operator's change, made under the row lock
-                release=True,
-                notify=planner.saga.status.is_runnable,
-                return_state=True,
-                confirmations=planner.confirmations,
-                token=token,
-            )
+            read = yield db("save_txn", write, owner=None, token=token)
             state = yield Fetch(read)
             yield Commit()
         log_events(planner, events)

@@ -54,6 +54,7 @@ from saga.protocol import (
     SagaRow,
     Sleep,
     Stop,
+    Write,
     Yield,
 )
 from saga.state import OperationStatus, SagaState
@@ -245,16 +246,16 @@ class Flows:
 
     def plan_new(
         self, definition: Saga[Any], row: SagaRow, ops: list[OpRow], *, may_call: bool = True
-    ) -> tuple[Planner, Next, bool]:
+    ) -> tuple[Planner, Next, Write]:
         """Plan the first move of a saga about to be created under our lease (nothing is
-        written here); returns the planner, its move, and whether the lease ends at once."""
+        written here); returns the planner, its move, and the write that records it."""
         # Nothing is stored yet: a definition that cannot plan it raises to the caller.
         planner = self._new_planner(definition, row, ops, [])
         nxt = planner.advance(_now(), may_call=may_call)
-        release, _ = self._hand_over(planner, nxt)
+        write = self._write(planner, nxt)
         if isinstance(nxt, Invoke):
             faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
-        return planner, nxt, release
+        return planner, nxt, write
 
     def drive(self, planner: Planner, nxt: Next) -> Flow[SagaState | None]:
         """Carry out `nxt` and every move after it until the saga stops or is handed back.
@@ -268,7 +269,7 @@ class Flows:
                 if isinstance(nxt, Sleep):
                     if planner.final_state is not None:
                         # The transaction that planned this backoff persisted it as
-                        # run_after and released the lease (_hand_over decided).
+                        # run_after and released the lease (Planner.write decided).
                         return planner.final_state
                     yield from self._wait_until(planner, nxt.until)
                     planner, nxt = yield from self._transact(planner, None)
@@ -328,9 +329,9 @@ class Flows:
             tried[0] = True
             fresh = yield from self._reload(planner)
             inputs.apply(fresh, inputs.Parked(reason), _now())
-            events: list[Event] = []
-            yield from self._transact_at_once(fresh, Stop(fresh.saga.status), token, events)
-            log_events(fresh, events)
+            write = self._write(fresh, Stop(fresh.saga.status))
+            yield from self._transact_at_once(fresh, write, token)
+            log_events(fresh, write.events)
             parked.append(fresh)
             return fresh.final_state
 
@@ -341,7 +342,7 @@ class Flows:
             return None
 
     def _wait_until(self, planner: Planner, until: datetime) -> Flow[None]:
-        """Wait out a short backoff under the lease (`_hand_over` kept it for this), renewed
+        """Wait out a short backoff under the lease (`Planner.write` kept it for this), renewed
         by the heartbeat meanwhile: it is never stretched to the backoff's end, so a process
         that dies while waiting blocks nobody beyond `lease_seconds` (run_after, set to the
         backoff's end, keeps workers from starting the saga early)."""
@@ -357,8 +358,11 @@ class Flows:
     ) -> Flow[tuple[Planner, Next, list[Event], Callable[[], Any] | None]]:
         planner = self._new_planner(definition, *loaded)
         nxt = yield from self._advance(planner)
-        events, read = yield from self._persist_txn(planner, nxt, token)
-        return planner, nxt, events, read
+        write = self._write(planner, nxt)
+        read = yield from self._persist_txn(write, token)
+        if isinstance(nxt, Invoke):
+            faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
+        return planner, nxt, list(write.events), read
 
     def _new_planner(
         self,
@@ -440,17 +444,19 @@ class Flows:
             inputs.apply(planner, outcome, _now())
         nxt = yield from self._advance(planner)
         token = new_token()
-        written: list[Event] = []
+        write = self._write(planner, nxt)
+        if isinstance(nxt, Invoke):
+            faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
         try:
-            if any(c.new or c.dirty for c in planner.confirmations):
-                yield from self._transact_pipelined(planner, nxt, token, written)
+            if write.confirmations:
+                yield from self._transact_pipelined(planner, write, token)
             else:
-                yield from self._transact_at_once(planner, nxt, token, written)
+                yield from self._transact_at_once(planner, write, token)
         except Exception as exc:
             if not is_transient(exc):
                 raise
-            raise _Unsure(planner, nxt, token, written, exc) from exc
-        log_events(planner, written)
+            raise _Unsure(planner, nxt, token, list(write.events), exc) from exc
+        log_events(planner, write.events)
         return nxt
 
     def _landed(self, unsure: _Unsure) -> Flow[bool]:
@@ -467,39 +473,24 @@ class Flows:
             planner.final_state = yield db("get_state", planner.saga.id)
         return True
 
-    def _transact_at_once(
-        self, planner: Planner, nxt: Next, token: str, written: list[Event]
-    ) -> Flow[None]:
+    def _transact_at_once(self, planner: Planner, write: Write, token: str) -> Flow[None]:
         """The common transition: one statement, one round trip (saga.write_saga_v3), which
         fails as a whole when the lease is no longer ours."""
-        release, lease_until = self._hand_over(planner, nxt)
-        written.extend(planner.take_events())
-        if isinstance(nxt, Invoke):
-            faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
         state = yield db(
             "apply_transition",
-            planner.saga,
-            planner.ops,
-            written,
+            write,
             owner=self.owner,
             lease_seconds=self.lease_seconds,
-            release=release,
-            lease_until=lease_until,
-            notify=isinstance(nxt, Yield),
-            return_state=release,
             token=token,
         )
-        if release:
+        if write.release:
             planner.final_state = state
 
-    def _transact_pipelined(
-        self, planner: Planner, nxt: Next, token: str, written: list[Event]
-    ) -> Flow[None]:
+    def _transact_pipelined(self, planner: Planner, write: Write, token: str) -> Flow[None]:
         """A transition that also writes confirmations, as one pipelined transaction whose
         fenced saga write goes first and fails it, writes included, if the lease was lost."""
         yield Begin()
-        events, read = yield from self._persist_txn(planner, nxt, token)
-        written.extend(events)
+        read = yield from self._persist_txn(write, token)
         yield Commit()
         if read is not None:
             planner.final_state = yield Fetch(read)
@@ -521,56 +512,18 @@ class Flows:
         assert loaded is not None  # the fence check found the row
         return Planner(planner.definition, *loaded, now=_now())
 
-    def _persist_txn(
-        self, planner: Planner, nxt: Next, token: str
-    ) -> Flow[tuple[list[Event], Callable[[], Any] | None]]:
-        """Queue the planner's changes; when the saga is handed back, also the read of its
-        state, returned as a read to make once the transaction has committed."""
-        release, lease_until = self._hand_over(planner, nxt)
-        events = planner.take_events()
+    def _persist_txn(self, write: Write, token: str) -> Flow[Callable[[], Any] | None]:
+        """Queue a write in the open transaction; when the saga is handed back, also the
+        read of its state, returned as a read to make once the transaction has committed."""
         read = yield db(
-            "save_txn",
-            planner.saga,
-            planner.ops,
-            events,
-            owner=self.owner,
-            lease_seconds=self.lease_seconds,
-            release=release,
-            lease_until=lease_until,
-            notify=isinstance(nxt, Yield),
-            # The caller's answer, read in the last transaction rather than in one more.
-            return_state=release,
-            confirmations=planner.confirmations,
-            token=token,
+            "save_txn", write, owner=self.owner, lease_seconds=self.lease_seconds, token=token
         )
-        if isinstance(nxt, Invoke):
-            faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
-        return events, read if release else None
+        # The caller's answer, read in the last transaction rather than in one more.
+        return read if write.release else None
 
-    def _hand_over(self, planner: Planner, nxt: Next) -> tuple[bool, datetime | None]:
-        """Whether the lease ends with this transition, and until when it must last
-        otherwise; records the matching events and run_after on the planner."""
-        saga = planner.saga
-        lease_until: datetime | None = None
-        release = isinstance(nxt, Stop | Yield)
-        if isinstance(nxt, Sleep):
-            saga.run_after = nxt.until
-            delay = (nxt.until - datetime.now().astimezone()).total_seconds()
-            if delay > self.options.max_inline_sleep:
-                release = True
-                planner.events.append(
-                    Event("lease_released", detail={"owner": self.owner, "reason": "backoff"})
-                )
-            # Otherwise the lease is kept through the backoff, renewed by the heartbeat
-            # while _wait_until waits (a lease is a liveness signal, never stretched).
-        elif isinstance(nxt, Yield):
-            saga.run_after = datetime.now().astimezone()
-            planner.events.append(
-                Event("lease_released", detail={"owner": self.owner, "reason": "shutdown"})
-            )
-        elif isinstance(nxt, Stop):
-            planner.events.append(Event("lease_released", detail={"owner": self.owner}))
-        return release, lease_until
+    def _write(self, planner: Planner, nxt: Next) -> Write:
+        """What the transaction that plans `nxt` writes, as the core decides it."""
+        return planner.write(nxt, owner=self.owner, max_inline_sleep=self.options.max_inline_sleep)
 
     # ----- calling user code -------------------------------------------------------------
 

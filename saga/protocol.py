@@ -115,6 +115,34 @@ class Event:
 
 
 @dataclass(frozen=True, slots=True)
+class ConfirmationChange:
+    """A confirmation to write: asked for (`ask`), approved (`approve`), or used up by
+    the attempt it releases (`consume`, refused by the database when that approval has
+    released an attempt already)."""
+
+    action: Literal["ask", "approve", "consume"]
+    row: ConfirmationRow
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    """Everything one transaction writes for a saga, as the core decided it: the saga's
+    columns, the operations created and changed, the confirmations, the audit events,
+    and what becomes of the lease (`release`: it ends with this write; otherwise the
+    write renews it). `notify` wakes workers (the saga is runnable by anyone now), and
+    `return_state` reads the saga's state back in the same statement."""
+
+    saga: SagaRow
+    new_ops: tuple[OpRow, ...]
+    changed_ops: tuple[OpRow, ...]
+    confirmations: tuple[ConfirmationChange, ...]
+    events: tuple[Event, ...]
+    release: bool
+    notify: bool
+    return_state: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Invoke:
     """Call the operation's function; its attempt is already recorded as running."""
 
@@ -1482,6 +1510,62 @@ class Planner:
 
     def _event(self, name: str, op: OpRow, **detail: Any) -> None:
         self.events.append(Event(name, op.step, op.kind, op.attempts or None, detail))
+
+    def write(self, nxt: Next | None, *, owner: str | None, max_inline_sleep: float = 0.0) -> Write:
+        """The write of everything decided since the last one, and what becomes of the
+        lease given the next move `nxt`; the rows handed over are marked written.
+
+        For the lease holder (`owner`): a stop or a shutdown gives the lease back (a
+        shutdown with the saga runnable at once, and workers told); a backoff persists
+        its end as run_after and keeps the lease when it is no longer than
+        `max_inline_sleep` seconds (waited out under the heartbeat), else gives it back.
+        `owner=None` is an operator's change under the row lock: the lease ends, and
+        workers are told when the saga is runnable."""
+        saga = self.saga
+        if owner is None:
+            release, notify = True, saga.status.is_runnable
+        else:
+            release, notify = isinstance(nxt, Stop | Yield), isinstance(nxt, Yield)
+            if isinstance(nxt, Sleep):
+                saga.run_after = nxt.until
+                if (nxt.until - self.now).total_seconds() > max_inline_sleep:
+                    release = True
+                    self.events.append(
+                        Event("lease_released", detail={"owner": owner, "reason": "backoff"})
+                    )
+                # Otherwise the lease is kept through the backoff, renewed by the heartbeat
+                # while the driver waits (a lease is a liveness signal, never stretched).
+            elif isinstance(nxt, Yield):
+                saga.run_after = self.now
+                self.events.append(
+                    Event("lease_released", detail={"owner": owner, "reason": "shutdown"})
+                )
+            elif isinstance(nxt, Stop):
+                self.events.append(Event("lease_released", detail={"owner": owner}))
+        new = tuple(op for op in self.ops if op.new)
+        changed = tuple(op for op in self.ops if op.dirty and not op.new)
+        for op in (*new, *changed):
+            op.new = op.dirty = False
+        confirmations: list[ConfirmationChange] = []
+        for row in self.confirmations:
+            if row.new:
+                confirmations.append(ConfirmationChange("ask", row))
+            elif row.dirty:
+                action: Literal["approve", "consume"] = (
+                    "consume" if row.consumed_attempt is not None else "approve"
+                )
+                confirmations.append(ConfirmationChange(action, row))
+            row.new = row.dirty = False
+        return Write(
+            saga=saga,
+            new_ops=new,
+            changed_ops=changed,
+            confirmations=tuple(confirmations),
+            events=tuple(self.take_events()),
+            release=release,
+            notify=notify,
+            return_state=release,
+        )
 
     def take_events(self) -> list[Event]:
         """Events produced since the last call (the runner persists and logs them)."""

@@ -79,12 +79,6 @@ class Runner:
         """Claim the longest-waiting runnable saga of these kinds and plan its first move."""
         return self.run(self.flows.claim_next(kinds, lookup))
 
-    def plan_new(
-        self, definition: Saga[Any], row: SagaRow, ops: list[OpRow]
-    ) -> tuple[Planner, Next, bool]:
-        """Plan the first move of a saga about to be created under our lease."""
-        return self.flows.plan_new(definition, row, ops, may_call=not self.stopping.is_set())
-
     def drive(self, planner: Planner, nxt: Next) -> SagaState | None:
         """Carry out `nxt` and every move after it until the saga stops or is handed back."""
         return self.run(self.flows.drive(planner, nxt))

@@ -19,7 +19,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
 from saga.errors import LeaseLost, StepStateError
-from saga.protocol import ConfirmationRow, Event, OpRow, SagaRow
+from saga.protocol import ConfirmationRow, Event, OpRow, SagaRow, Write
 from saga.state import (
     Confirmation,
     HistoryEvent,
@@ -207,20 +207,13 @@ class Store:
     def save_txn(
         self,
         conn: Conn,
-        saga: SagaRow,
-        ops: Sequence[OpRow],
-        events: Sequence[Event],
+        write: Write,
         *,
         owner: str | None,
         lease_seconds: float | None = None,
-        release: bool = False,
-        lease_until: datetime | None = None,
-        notify: bool = False,
-        return_state: bool = False,
-        confirmations: Sequence[ConfirmationRow] = (),
         token: str | None = None,
     ) -> Callable[[], SagaState | None]:
-        """Queue a planner's changes in a transaction: the saga row, new and changed
+        """Queue a write the core decided in a transaction: the saga row, new and changed
         operations and events (saga.write_saga, fenced when `owner` holds the lease; an
         operator passes None and holds the row lock instead), then confirmations asked
         for, approved, or used up by the attempt they release (refused, with the whole
@@ -231,47 +224,27 @@ class Store:
         the reply learns from `write_token` whether this write landed.
 
         Returns the read of the saga's state as the write left it (None unless
-        `return_state`), to call once the statement's result has arrived: at once in a
-        plain transaction, after the block in a pipelined one."""
-        write = _write(
-            saga,
-            ops,
-            events,
-            owner=owner,
-            lease_seconds=lease_seconds,
-            release=release,
-            lease_until=lease_until,
-            notify=notify,
-            return_state=return_state,
-            token=token,
-        )
-        written = conn.execute(_q("write_saga"), {"write": Jsonb(write, dumps=_dumps)})
-        for confirmation in confirmations:
-            if confirmation.new:
-                conn.execute(
-                    _q("upsert_confirmation"),
-                    {
-                        "saga_id": saga.id,
-                        "step": confirmation.step,
-                        "request_hash": confirmation.request_hash,
-                        "preview": Jsonb(confirmation.preview),
-                        "expires_at": confirmation.expires_at,
-                    },
-                )
-                confirmation.new = False
-            elif confirmation.dirty and confirmation.consumed_attempt is not None:
+        `write.return_state`), to call once the statement's result has arrived: at once
+        in a plain transaction, after the block in a pipelined one."""
+        params = _write(write, owner=owner, lease_seconds=lease_seconds, token=token)
+        written = conn.execute(_q("write_saga"), {"write": params})
+        for change in write.confirmations:
+            confirmation = change.row
+            if change.action == "ask":
+                conn.execute(_q("upsert_confirmation"), _ask_params(write.saga.id, confirmation))
+            elif change.action == "consume":
+                assert confirmation.consumed_attempt is not None
                 self.consume_confirmation_txn(
                     conn,
-                    saga.id,
+                    write.saga.id,
                     step=confirmation.step,
                     request_hash=confirmation.request_hash,
                     attempt=confirmation.consumed_attempt,
                 )
-                confirmation.dirty = False
-            elif confirmation.dirty:
+            else:
                 approved = self.approve_confirmation_txn(
                     conn,
-                    saga.id,
+                    write.saga.id,
                     step=confirmation.step,
                     request_hash=confirmation.request_hash,
                     actor=confirmation.approved_by or "",
@@ -280,7 +253,6 @@ class Store:
                     raise StepStateError(
                         f"the confirmation of step {confirmation.step!r} is no longer pending"
                     )
-                confirmation.dirty = False
 
         def read() -> SagaState | None:
             row = written.fetchone()
@@ -308,34 +280,14 @@ class Store:
         return started(saga, ops, row["outcome"])
 
     def apply_transition(
-        self,
-        saga: SagaRow,
-        ops: Sequence[OpRow],
-        events: Sequence[Event],
-        *,
-        owner: str,
-        lease_seconds: float,
-        release: bool,
-        lease_until: datetime | None,
-        notify: bool,
-        return_state: bool,
-        token: str | None = None,
+        self, write: Write, *, owner: str, lease_seconds: float, token: str | None = None
     ) -> SagaState | None:
-        """Persist a lease holder's transition in one statement and one round trip; the
-        saga's new state when asked for. `LeaseLost` when the fence no longer matches."""
+        """Persist a lease holder's write (one without confirmations) in one statement and
+        one round trip; the saga's new state when `write.return_state`. `LeaseLost` when
+        the fence no longer matches."""
         with _fenced(), self._connection() as conn:
             return self.save_txn(
-                conn,
-                saga,
-                ops,
-                events,
-                owner=owner,
-                lease_seconds=lease_seconds,
-                release=release,
-                lease_until=lease_until,
-                notify=notify,
-                return_state=return_state,
-                token=token,
+                conn, write, owner=owner, lease_seconds=lease_seconds, token=token
             )()
 
     def write_token(self, saga_id: str) -> tuple[str | None, str | None] | None:
@@ -648,32 +600,19 @@ def _op_row(row: dict[str, Any]) -> OpRow:
 
 
 def _write(
-    saga: SagaRow,
-    ops: Sequence[OpRow],
-    events: Sequence[Event],
-    *,
-    owner: str | None,
-    lease_seconds: float | None,
-    release: bool,
-    lease_until: datetime | None,
-    notify: bool,
-    return_state: bool,
-    token: str | None = None,
-) -> dict[str, Any]:
-    """The argument of saga.write_saga_v3 (migration 0011) for a planner's changes; the
-    operations sent are marked clean, as the caller's transaction will have written them."""
-    new = [op for op in ops if op.new]
-    changed = [op for op in ops if op.dirty and not op.new]
-    write = _compact(
+    write: Write, *, owner: str | None, lease_seconds: float | None, token: str | None
+) -> Jsonb:
+    """The argument of saga.write_saga_v3 (migration 0011) for a write of the core."""
+    saga = write.saga
+    params = _compact(
         {
             "saga_id": saga.id,
             "owner": owner,
             "fence": saga.fence if owner is not None else None,
             "lease_seconds": lease_seconds,
-            "release": release,
-            "lease_until": lease_until,
-            "notify": f"{saga.name}:{saga.version}" if notify else None,
-            "return_state": return_state,
+            "release": write.release,
+            "notify": f"{saga.name}:{saga.version}" if write.notify else None,
+            "return_state": write.return_state,
             "token": token,
             "saga": _compact(
                 {
@@ -690,14 +629,23 @@ def _write(
                     "deadline_at": saga.deadline_at,
                 }
             ),
-            "new_ops": [_new_op_params(op) for op in new] or None,
-            "ops": [_op_params(op) for op in changed] or None,
-            "events": _event_rows(events) or None,
+            "new_ops": [_new_op_params(op) for op in write.new_ops] or None,
+            "ops": [_op_params(op) for op in write.changed_ops] or None,
+            "events": _event_rows(write.events) or None,
         }
     )
-    for op in (*new, *changed):
-        op.new = op.dirty = False
-    return write
+    return Jsonb(params, dumps=_dumps)
+
+
+def _ask_params(saga_id: str, confirmation: ConfirmationRow) -> dict[str, Any]:
+    """The parameters of upsert_confirmation for a confirmation asked for."""
+    return {
+        "saga_id": saga_id,
+        "step": confirmation.step,
+        "request_hash": confirmation.request_hash,
+        "preview": Jsonb(confirmation.preview),
+        "expires_at": confirmation.expires_at,
+    }
 
 
 def _new_op_params(op: OpRow) -> dict[str, Any]:

@@ -222,14 +222,7 @@ def test_an_approval_is_used_once_even_by_a_stale_snapshot(database_url: str) ->
 
         def write(planner: Planner) -> None:
             with store.transaction() as conn:
-                store.save_txn(
-                    conn,
-                    planner.saga,
-                    planner.ops,
-                    planner.take_events(),
-                    owner=None,
-                    confirmations=planner.confirmations,
-                )
+                store.save_txn(conn, planner.write(None, owner=None), owner=None)
 
         write(planners[0])
         before = orch.history(state.id)
