@@ -349,6 +349,9 @@ async def _call_bounded(
             raise AttemptTimedOut(what) from None
     loop = asyncio.get_running_loop()
     done: asyncio.Future[Any] = loop.create_future()
+    # An abandoned call's late outcome is nobody's to read: retrieve it, so that asyncio
+    # does not report an exception "never retrieved".
+    done.add_done_callback(lambda f: f.cancelled() or f.exception())
     tracked: list[abandoned.Abandoned] = []
 
     def settle(value: Any, exc: BaseException | None) -> None:

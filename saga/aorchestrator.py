@@ -72,11 +72,24 @@ class AsyncOrchestrator(Engine):
         self._pool: AsyncConnectionPool[Any] | None = None
         self._store: AsyncStore | None = None
         self._keeper: AsyncLeaseKeeper | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ----- set-up ------------------------------------------------------------------------
 
     async def store(self) -> AsyncStore:
-        """The storage layer, connected (and migrated) on first use."""
+        """The storage layer, connected (and migrated) on first use.
+
+        Its connections belong to the event loop that first used it: using the same
+        orchestrator from another loop raises `RuntimeError` (make one per loop, or
+        `close()` it first)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not None and self._loop is not loop and self._store is not None:
+            raise RuntimeError(
+                "this AsyncOrchestrator is connected on another event loop; its "
+                "connections cannot serve this one: create an AsyncOrchestrator per event "
+                "loop, or close() it on its own loop first"
+            )
+        self._loop = loop
         if self._store is None:
             if self._connecting is None:
                 self._connecting = asyncio.Lock()
@@ -151,6 +164,8 @@ class AsyncOrchestrator(Engine):
             await self._pool.close()
             self._pool = None
             self._store = None
+        self._loop = None
+        self._connecting = None
 
     async def __aenter__(self) -> AsyncOrchestrator:
         return self

@@ -744,3 +744,41 @@ def test_sync_and_async_doors_drive_each_others_sagas(database_url: str) -> None
     for prefix, count in (("s", 8), ("a", 8), ("t", 20)):
         for n in range(count):
             assert calls.of(f"{prefix}-{n}") == {"charge": 1, "ship": 1}
+
+
+def test_an_orchestrator_used_from_a_second_loop_says_so(database_url: str) -> None:
+    """An AsyncOrchestrator's connections belong to the loop that connected it: a second
+    loop gets a clear error instead of a pool that hangs or fails deep inside psycopg;
+    once closed on its own loop, it serves a new one."""
+    calls = Calls()
+    saga = order_saga("one_loop")
+
+    @saga.step
+    async def only(ctx: StepContext, order: Order) -> dict[str, Any]:
+        calls.hit(order, "only")
+        return {}
+
+    orch = AsyncOrchestrator(database_url, sagas=[saga])
+
+    async def first() -> str:
+        return (await orch.start(saga, Order(order_id="o-1"))).id
+
+    async def second(saga_id: str) -> None:
+        with pytest.raises(RuntimeError, match="connected on another event loop"):
+            await orch.get(saga_id)
+
+    async def third(saga_id: str) -> str:
+        try:
+            return (await orch.run(saga_id)).status
+        finally:
+            await orch.close()
+
+    async def main() -> str:
+        saga_id = await first()
+        await asyncio.to_thread(asyncio.run, second(saga_id))
+        await orch.close()
+        return saga_id
+
+    saga_id = asyncio.run(main())
+    assert asyncio.run(third(saga_id)) == "completed"
+    assert calls.of("o-1") == {"only": 1}
