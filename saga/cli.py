@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
+import inspect
 import json
 import os
 import socket
 import sys
 import traceback
-from collections.abc import Callable, Sequence
-from typing import Any, Literal, NoReturn
+from collections.abc import Awaitable, Callable, Sequence
+from types import TracebackType
+from typing import Any, Literal, NoReturn, TypeVar, cast
 
 import psycopg
 import pydantic
@@ -18,6 +21,7 @@ import structlog
 
 from saga import __version__, operator
 from saga import cli_format as fmt
+from saga.aorchestrator import AsyncOrchestrator
 from saga.database import ENV_URL, check_connection, describe_url, resolve_database_url, unavailable
 from saga.errors import (
     DatabaseUnavailable,
@@ -28,6 +32,7 @@ from saga.migrate import apply_migrations
 from saga.orchestrator import ENV_CONFIRMATION_KEY, Orchestrator
 from saga.redact import scrub
 from saga.state import SagaState, SagaStatus
+from saga.store import Store
 
 EXIT_OK = 0
 EXIT_PARTIAL = 1
@@ -36,6 +41,10 @@ ENV_APP = "SAGA_APP"
 ENV_TRACEBACK = "SAGA_TRACEBACK"
 # The retention `saga purge` applies without --app or --retention-days, as Orchestrator's.
 DEFAULT_RETENTION_DAYS = 30.0
+
+T = TypeVar("T")
+# What --app names: the orchestrator of the user's module, sync or asyncio.
+App = Orchestrator | AsyncOrchestrator
 
 _EPILOG = """exit codes:
   0  done
@@ -47,7 +56,8 @@ The database comes from --database-url, else SAGA_DATABASE_URL, else an embedded
 PostgreSQL in a local data directory (SAGA_EMBEDDED_DIR). Commands that run your
 code (worker, compensate, resolve, retry, cancel, reconcile) load it with
 --app MODULE[:ATTR] or SAGA_APP: MODULE is imported (from the current directory or
-PYTHONPATH) and ATTR names its Orchestrator (found by itself when there is only one).
+PYTHONPATH) and ATTR names its Orchestrator or AsyncOrchestrator (found by itself when
+there is only one; an AsyncOrchestrator's worker is an AsyncWorker on an event loop).
 Mutating commands are recorded in each saga's audit trail with --actor (default:
 your OS user). Errors are one line on stderr; SAGA_TRACEBACK=1 adds the traceback.
 
@@ -123,7 +133,8 @@ def _parser() -> argparse.ArgumentParser:
         "--app",
         metavar="MODULE[:ATTR]",
         default=os.environ.get(ENV_APP),
-        help="module registering your sagas, and the name of its Orchestrator (or SAGA_APP)",
+        help="module registering your sagas, and the name of its Orchestrator or "
+        "AsyncOrchestrator (or SAGA_APP)",
     )
     acting = _Parser(add_help=False)
     acting.add_argument(
@@ -386,8 +397,9 @@ def _actor(args: argparse.Namespace) -> str:
     return str(actor)
 
 
-def load_app(spec: str | None, database_url: str | None) -> Orchestrator:
-    """Import `MODULE[:ATTR]` and return its Orchestrator; `UsageError` otherwise."""
+def load_app(spec: str | None, database_url: str | None) -> App:
+    """Import `MODULE[:ATTR]` and return its Orchestrator or AsyncOrchestrator;
+    `UsageError` otherwise."""
     if not spec:
         raise UsageError(f"this command runs your code: pass --app MODULE[:ATTR] or set {ENV_APP}")
     module_name, _, attr = spec.partition(":")
@@ -412,26 +424,28 @@ def load_app(spec: str | None, database_url: str | None) -> Orchestrator:
         raise
     except Exception as exc:
         raise UsageError(f"--app {spec!r}: importing it failed: {_one_line(exc)}") from None
+    orch: App
     if attr:
         found: Any = module
         for part in attr.split("."):
             if not hasattr(found, part):
                 raise UsageError(f"--app {spec!r}: module {module_name!r} has no {attr!r}")
             found = getattr(found, part)
-        if not isinstance(found, Orchestrator):
+        if not isinstance(found, Orchestrator | AsyncOrchestrator):
             raise UsageError(
-                f"--app {spec!r}: {attr!r} is a {type(found).__name__}, not an Orchestrator"
+                f"--app {spec!r}: {attr!r} is a {type(found).__name__}, not an Orchestrator "
+                "or an AsyncOrchestrator"
             )
         orch = found
     else:
-        candidates: dict[int, tuple[str, Orchestrator]] = {}
+        candidates: dict[int, tuple[str, App]] = {}
         for name, value in vars(module).items():
-            if isinstance(value, Orchestrator):
+            if isinstance(value, Orchestrator | AsyncOrchestrator):
                 candidates.setdefault(id(value), (name, value))
         if not candidates:
             raise UsageError(
-                f"--app {spec!r}: module {module_name!r} has no Orchestrator at its top level; "
-                "name one with MODULE:ATTR"
+                f"--app {spec!r}: module {module_name!r} has no Orchestrator (or "
+                "AsyncOrchestrator) at its top level; name one with MODULE:ATTR"
             )
         if len(candidates) > 1:
             names = ", ".join(sorted(n for n, _ in candidates.values()))
@@ -451,6 +465,95 @@ def load_app(spec: str | None, database_url: str | None) -> Orchestrator:
     return orch
 
 
+class AsyncApp:
+    """An `AsyncOrchestrator` behind the blocking calls the verbs (and `saga.operator`'s
+    batch jobs) make of an `Orchestrator`.
+
+    Each coroutine method runs to completion on one event loop of this command, the loop
+    the orchestrator's connections are bound to: user code runs as the app's workers run
+    it (async steps awaited on the loop). Plain methods and attributes (`registered`,
+    `definition`, `owner`, ...) are the app's own. `store` is a sync `Store` on the same
+    database, for what the verbs read around the user code (id prefixes, compensation
+    plans, the reconcile sweep's candidates); nothing is written through it. `close()`
+    closes the app on its loop, then the loop.
+    """
+
+    def __init__(self, app: AsyncOrchestrator) -> None:
+        self._app = app
+        self._loop = asyncio.Runner()
+        self._reader: Orchestrator | None = None
+
+    @property
+    def owner(self) -> str:
+        return str(self._app.owner)
+
+    @owner.setter
+    def owner(self, value: str) -> None:
+        self._app.owner = value
+
+    @property
+    def store(self) -> Store:
+        """A sync Store on the app's database (opened on first use, migrating as the app
+        would)."""
+        if self._reader is None:
+            self._reader = Orchestrator(
+                self._app.database_url,
+                auto_migrate=self._app.auto_migrate,
+                lease_seconds=self._app.lease_seconds,
+                owner=self._app.owner,
+                pool_size=2,
+            )
+        return self._reader.store
+
+    def wait(self, awaitable: Awaitable[T]) -> T:
+        """Run `awaitable` to completion on this command's event loop."""
+
+        async def result() -> T:
+            return await awaitable
+
+        return self._loop.run(result())
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._app, name)
+        if not callable(value):
+            return value
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            result = value(*args, **kwargs)
+            return self.wait(result) if inspect.isawaitable(result) else result
+
+        return call
+
+    def close(self) -> None:
+        """Close the app (on its loop), the loop, and the sync store."""
+        try:
+            self.wait(self._app.close())
+        finally:
+            self._loop.close()
+            if self._reader is not None:
+                self._reader.close()
+                self._reader = None
+
+    def __enter__(self) -> AsyncApp:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def blocking(app: App) -> Orchestrator:
+    """`app` as the verbs call it: an Orchestrator as it is, an AsyncOrchestrator behind
+    an `AsyncApp` (which answers every call an Orchestrator does, so it is typed as one)."""
+    if isinstance(app, AsyncOrchestrator):
+        return cast(Orchestrator, AsyncApp(app))
+    return app
+
+
 def _reader(database_url: str | None) -> Orchestrator:
     # Read-only commands never migrate: a missing schema is reported instead.
     return Orchestrator(database_url or None, auto_migrate=False)
@@ -458,7 +561,7 @@ def _reader(database_url: str | None) -> Orchestrator:
 
 def _operator(args: argparse.Namespace) -> Orchestrator:
     actor = _actor(args)  # a blank --actor is refused before the app is even loaded
-    orch = load_app(args.app, args.database_url)
+    orch = blocking(load_app(args.app, args.database_url))
     # Leases this command takes are named after who ran it, in the audit trail too.
     orch.owner = f"saga-cli:{actor}@{socket.gethostname()}:{os.getpid()}"
     return orch
@@ -499,6 +602,8 @@ def _migrate(args: argparse.Namespace) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     orch = load_app(args.app, args.database_url)
+    if isinstance(orch, AsyncOrchestrator):
+        return asyncio.run(_async_worker(orch, args.concurrency))
     with orch:
         kinds = ", ".join(f"{s.name} v{s.version}" for s in orch.registered())
         _ = orch.store  # connect (and migrate) now: a bad database fails before we announce
@@ -509,6 +614,26 @@ def _worker(args: argparse.Namespace) -> int:
             flush=True,
         )
         orch.worker(concurrency=args.concurrency).run()
+    print(f"worker {orch.owner}: stopped", file=sys.stderr)
+    return EXIT_OK
+
+
+async def _async_worker(orch: AsyncOrchestrator, concurrency: int) -> int:
+    """`saga worker` for an AsyncOrchestrator app: an AsyncWorker on this loop, stopped
+    gracefully by SIGTERM or SIGINT; the orchestrator is closed before the loop ends."""
+    try:
+        kinds = ", ".join(f"{s.name} v{s.version}" for s in orch.registered())
+        await orch.store()  # connect (and migrate) now: a bad database fails before we announce
+        print(
+            f"worker {orch.owner}: driving {kinds} with concurrency {concurrency} "
+            f"(asyncio) on {describe_url(orch.database_url)}; SIGTERM or Ctrl-C stops it "
+            "gracefully",
+            file=sys.stderr,
+            flush=True,
+        )
+        await orch.worker(concurrency=concurrency).run(handle_signals=True)
+    finally:
+        await orch.close()
     print(f"worker {orch.owner}: stopped", file=sys.stderr)
     return EXIT_OK
 
@@ -790,7 +915,7 @@ def _confirm(args: argparse.Namespace) -> int:
 
 
 def _purge(args: argparse.Namespace) -> int:
-    app = load_app(args.app, args.database_url) if args.app else None
+    app = blocking(load_app(args.app, args.database_url)) if args.app else None
     days, source = _purge_cutoff(args, None if app is None else app.retention_days)
     verb = "dry run: would purge" if args.dry_run else "purging"
     print(f"{verb} sagas that ended more than {days:g} days ago ({source})", file=sys.stderr)
@@ -881,7 +1006,7 @@ def _reconcile(args: argparse.Namespace) -> int:
 def _versions(args: argparse.Namespace) -> int:
     registered: set[tuple[str, int]] | None = None
     if args.app:
-        app = load_app(args.app, args.database_url)
+        app = blocking(load_app(args.app, args.database_url))
         registered = {(s.name, s.version) for s in app.registered()}
         app.close()
     with _reader(args.database_url) as orch:

@@ -24,6 +24,7 @@ database the orchestrator uses.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import json
@@ -48,6 +49,7 @@ from psycopg.conninfo import make_conninfo
 from pydantic import BaseModel
 
 from saga import faults
+from saga.aorchestrator import AsyncOrchestrator
 from saga.cli import load_app
 from saga.definition import Saga
 from saga.orchestrator import Orchestrator
@@ -508,9 +510,11 @@ def crash_test(
 
     Args:
         app: `MODULE[:ATTR]` of the module that registers your sagas and the name of its
-            `Orchestrator` (found by itself when the module has only one), as for
-            `saga worker --app`. It is imported in child processes only, with
-            `SAGA_DATABASE_URL` set to `database_url`.
+            `Orchestrator` or `AsyncOrchestrator` (found by itself when the module has
+            only one), as for `saga worker --app`. It is imported in child processes
+            only, with `SAGA_DATABASE_URL` set to `database_url`. With an
+            `AsyncOrchestrator` the children drive the saga through the async door
+            (`await orch.run(...)` on an event loop).
         saga: The saga to run: its name (`"renewal"` or `"renewal:2"`) or the `Saga`.
         input: A function of the run's name (`"baseline"`, `"before_call:action:charge"`,
             ...) returning that run's input, whose key must differ from run to run; or
@@ -658,7 +662,7 @@ def _say(**message: Any) -> None:
     print(_MARK + json.dumps(message), flush=True)
 
 
-def _definition(app: Orchestrator, spec: str) -> Saga[Any]:
+def _definition(app: Orchestrator | AsyncOrchestrator, spec: str) -> Saga[Any]:
     name, _, version = spec.partition(":")
     candidates = [s for s in app.registered() if s.name == name]
     if version:
@@ -671,9 +675,11 @@ def _definition(app: Orchestrator, spec: str) -> Saga[Any]:
 def _child_main(request: Mapping[str, Any]) -> int:
     app = load_app(request["app"], None)  # as `saga worker --app` finds it
     url = os.environ["SAGA_DATABASE_URL"]
-    with Orchestrator(
-        url, sagas=app.registered(), lease_seconds=float(request["lease_seconds"])
-    ) as orch:
+    lease_seconds = float(request["lease_seconds"])
+    if isinstance(app, AsyncOrchestrator):
+        # The async door: the saga is driven by an AsyncOrchestrator on an event loop.
+        return asyncio.run(_async_child_main(app, request, url, lease_seconds))
+    with Orchestrator(url, sagas=app.registered(), lease_seconds=lease_seconds) as orch:
         if request["op"] == "run":
             definition = _definition(app, request["saga"])
             handle = orch.start(definition, request["input"])
@@ -690,16 +696,44 @@ def _child_main(request: Mapping[str, Any]) -> int:
                 if time.monotonic() > deadline:
                     _say(stuck=saga_id, status=str(state.status))
                     return 1
-                # Leased by a killed child until its lease expires (by the database clock).
-                expires = state.lease_expires_at
-                wait = 0.05
-                if expires is not None:
-                    wait = max(
-                        wait, min(1.0, (expires - datetime.now(expires.tzinfo)).total_seconds())
-                    )
-                time.sleep(wait)
+                time.sleep(_lease_wait(state))
         _say(resumed=len(request["ids"]))
     return 0
+
+
+async def _async_child_main(
+    app: AsyncOrchestrator, request: Mapping[str, Any], url: str, lease_seconds: float
+) -> int:
+    async with AsyncOrchestrator(url, sagas=app.registered(), lease_seconds=lease_seconds) as orch:
+        if request["op"] == "run":
+            definition = _definition(app, request["saga"])
+            handle = await orch.start(definition, request["input"])
+            _say(started=handle.id)
+            state = await orch.run(handle.id)
+            _say(finished=str(state.status))
+            return 0
+        deadline = time.monotonic() + float(request["deadline_seconds"])
+        for saga_id in request["ids"]:
+            while True:
+                state = await orch.run(saga_id)
+                if not state.status.is_runnable:
+                    break
+                if time.monotonic() > deadline:
+                    _say(stuck=saga_id, status=str(state.status))
+                    return 1
+                await asyncio.sleep(_lease_wait(state))
+        _say(resumed=len(request["ids"]))
+    return 0
+
+
+def _lease_wait(state: SagaState) -> float:
+    """How long to wait before driving a saga again that is leased, most likely by a
+    killed child until its lease expires (by the database clock)."""
+    expires = state.lease_expires_at
+    wait = 0.05
+    if expires is not None:
+        wait = max(wait, min(1.0, (expires - datetime.now(expires.tzinfo)).total_seconds()))
+    return wait
 
 
 def _child_entry(argv: Sequence[str]) -> int:

@@ -15,12 +15,15 @@ So an effect performed twice for one key is always the orchestrator's fault.
 
 Run as `python -m faults.app` (with `tests/` on the path) it is a worker process:
 `SAGA_DATABASE_URL`, `FAULT_PROVIDER_URL`, and optionally `SAGA_FAULT`,
-`FAULT_LEASE_SECONDS`, `FAULT_CONCURRENCY`, `FAULT_UNTIL_IDLE`, `FAULT_OWNER` and
-`FAULT_STEP_DELAY` (seconds each step sleeps before calling the provider).
+`FAULT_LEASE_SECONDS`, `FAULT_CONCURRENCY`, `FAULT_UNTIL_IDLE`, `FAULT_OWNER`,
+`FAULT_STEP_DELAY` (seconds each step sleeps before calling the provider) and
+`FAULT_ASYNC=1` (an `AsyncOrchestrator`'s `AsyncWorker` on an event loop instead of the
+sync `Worker`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import random
@@ -39,6 +42,7 @@ from pydantic import BaseModel
 
 from saga import (
     Absent,
+    AsyncOrchestrator,
     Found,
     Orchestrator,
     PermanentError,
@@ -49,6 +53,7 @@ from saga import (
 )
 
 ENV_PROVIDER_URL = "FAULT_PROVIDER_URL"
+ENV_ASYNC = "FAULT_ASYNC"  # "1": the worker process runs an AsyncWorker
 PROVIDER_APP_NAME = "fault_provider"  # application_name of provider connections
 
 PROVIDER_SCHEMA = """
@@ -355,28 +360,47 @@ def make_input(
     return SAGAS[name], FaultInput(key=f"{prefix}-{seed}-{index}", plan=plan)
 
 
+def _settings() -> dict[str, Any]:
+    """The orchestrator's arguments of a worker process, from its environment."""
+    return {
+        "sagas": ALL_SAGAS,
+        "lease_seconds": float(os.environ.get("FAULT_LEASE_SECONDS", "1.0")),
+        "owner": os.environ.get("FAULT_OWNER") or None,
+    }
+
+
+def _worker_settings() -> dict[str, Any]:
+    return {
+        "concurrency": int(os.environ.get("FAULT_CONCURRENCY", "4")),
+        "poll_seconds": 0.2,
+        "grace_seconds": 2.0,
+        "short_wait_seconds": 0.5,
+    }
+
+
 def main() -> int:
     """A worker process of the harness (see the module docstring)."""
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    url = os.environ["SAGA_DATABASE_URL"]
-    orch = Orchestrator(
-        url,
-        sagas=ALL_SAGAS,
-        lease_seconds=float(os.environ.get("FAULT_LEASE_SECONDS", "1.0")),
-        owner=os.environ.get("FAULT_OWNER") or None,
-    )
-    with orch:
-        worker = orch.worker(
-            concurrency=int(os.environ.get("FAULT_CONCURRENCY", "4")),
-            poll_seconds=0.2,
-            grace_seconds=2.0,
-            short_wait_seconds=0.5,
-        )
-        print(f"FAULT_WORKER ready {orch.owner}", flush=True)
-        worker.run(until_idle=os.environ.get("FAULT_UNTIL_IDLE") == "1", handle_signals=True)
+    until_idle = os.environ.get("FAULT_UNTIL_IDLE") == "1"
+    if os.environ.get(ENV_ASYNC) == "1":
+        asyncio.run(_async_main(until_idle))
+    else:
+        with Orchestrator(os.environ["SAGA_DATABASE_URL"], **_settings()) as orch:
+            worker = orch.worker(**_worker_settings())
+            print(f"FAULT_WORKER ready {orch.owner}", flush=True)
+            worker.run(until_idle=until_idle, handle_signals=True)
     provider.close()
     print("FAULT_WORKER stopped", flush=True)
     return 0
+
+
+async def _async_main(until_idle: bool) -> None:
+    """The worker process as an AsyncWorker: the same sagas (their sync steps run in
+    threads of the worker), the same settings."""
+    async with AsyncOrchestrator(os.environ["SAGA_DATABASE_URL"], **_settings()) as orch:
+        worker = orch.worker(**_worker_settings())
+        print(f"FAULT_WORKER ready {orch.owner} (asyncio)", flush=True)
+        await worker.run(until_idle=until_idle, handle_signals=True)
 
 
 if __name__ == "__main__":

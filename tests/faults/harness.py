@@ -23,7 +23,10 @@ TESTS_DIR = Path(__file__).resolve().parents[1]
 
 
 class WorkerProcess:
-    """A `python -m faults.app` worker child; its output goes to a log file."""
+    """A `python -m faults.app` worker child; its output goes to a log file. With
+    `async_worker` it runs an `AsyncWorker` (`FAULT_ASYNC=1` in its environment), else the
+    sync `Worker`; left out, it follows `FAULT_ASYNC` of this process, so
+    `FAULT_ASYNC=1 pytest tests/faults` runs every scenario with async workers."""
 
     def __init__(
         self,
@@ -37,8 +40,11 @@ class WorkerProcess:
         until_idle: bool = True,
         owner: str | None = None,
         step_delay: float = 0.0,
+        async_worker: bool | None = None,
     ) -> None:
-        env = {k: v for k, v in os.environ.items() if k != "SAGA_FAULT"}
+        if async_worker is None:
+            async_worker = os.environ.get(app.ENV_ASYNC) == "1"
+        env = {k: v for k, v in os.environ.items() if k not in ("SAGA_FAULT", app.ENV_ASYNC)}
         env.update(
             SAGA_DATABASE_URL=url,
             FAULT_PROVIDER_URL=provider_url,
@@ -52,8 +58,11 @@ class WorkerProcess:
             env["SAGA_FAULT"] = fault
         if owner:
             env["FAULT_OWNER"] = owner
+        if async_worker:
+            env[app.ENV_ASYNC] = "1"
         self.fault = fault
         self.owner = owner
+        self.async_worker = async_worker
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"worker-{time.monotonic_ns()}.log"
         self._log = self.log_path.open("w")

@@ -12,6 +12,11 @@ its last line is
 `soak: sagas=N kills=K restarts=R lost_replies=Q duplicates=D lost=L parked=P`. The exit
 status is 1 when anything was duplicated, lost or violated an invariant.
 
+`SOAK_ASYNC` picks the kind of worker process: unset or `0`, the sync `Worker` in every
+process; `1`, an `AsyncWorker` (an `AsyncOrchestrator` on an event loop) in every
+process; `half`, async in every other slot of the fleet (a replacement keeps its slot's
+kind), so both drivers share the same sagas under the same faults.
+
 Run it as `make soak`, or `PYTHONPATH=tests python -m faults.soak`.
 """
 
@@ -50,6 +55,20 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(name) or default
 
 
+def async_slots(mode: str, workers: int) -> list[bool]:
+    """Which slots of a fleet of `workers` run an AsyncWorker, by `SOAK_ASYNC`: `0`
+    (none), `1` (all) or `half` (every other slot, the second first, so a fleet of one is
+    sync and a fleet of two has one of each)."""
+    mode = mode.strip().lower()
+    if mode in ("", "0", "no", "false"):
+        return [False] * workers
+    if mode in ("1", "yes", "true", "all"):
+        return [True] * workers
+    if mode == "half":
+        return [slot % 2 == 1 for slot in range(workers)]
+    raise SystemExit(f"soak: SOAK_ASYNC must be 0, 1 or half, not {mode!r}")
+
+
 def main() -> int:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     sagas = int(_env("SOAK_SAGAS", "10000"))
@@ -59,6 +78,7 @@ def main() -> int:
     restart_every = int(_env("SOAK_RESTART_EVERY", "10"))
     lost_reply_every = int(_env("SOAK_LOST_REPLY_EVERY", "50"))
     timeout = float(_env("SOAK_TIMEOUT_SECONDS", "7200"))
+    asyncs = async_slots(_env("SOAK_ASYNC", "0"), n_workers)
     rng = random.Random(seed)
     started_at = time.monotonic()
 
@@ -75,16 +95,26 @@ def main() -> int:
                     proxy.lose_reply(statement, times=None, probability=1 / lost_reply_every)
             app.create_provider(prov.url)
             os.environ[app.ENV_PROVIDER_URL] = prov.url
-            print(f"soak: starting {sagas} sagas (seed {seed})", flush=True)
+            print(
+                f"soak: starting {sagas} sagas (seed {seed}); workers: "
+                f"{asyncs.count(False)} sync, {asyncs.count(True)} asyncio",
+                flush=True,
+            )
             keys = start_sagas(pg.url, sagas, seed, prefix="soak")
             logs = root / "logs"
 
-            def spawn(fault: str | None = None) -> WorkerProcess:
+            def spawn(slot: int, fault: str | None = None) -> WorkerProcess:
                 return WorkerProcess(
-                    proxy.url, prov.url, logs, fault=fault, lease_seconds=2.0, until_idle=False
+                    proxy.url,
+                    prov.url,
+                    logs,
+                    fault=fault,
+                    lease_seconds=2.0,
+                    until_idle=False,
+                    async_worker=asyncs[slot],
                 )
 
-            fleet = [spawn() for _ in range(n_workers)]
+            fleet = [spawn(slot) for slot in range(n_workers)]
             kills = armed_kills = terminations = 0
             next_chaos = time.monotonic() + rng.uniform(0.5, 2 * kill_seconds)
             last_report = 0.0
@@ -104,7 +134,7 @@ def main() -> int:
                             kills += 1
                             armed_kills += 1
                         worker.kill()
-                        fleet[i] = spawn()
+                        fleet[i] = spawn(i)
                     if now >= next_chaos:
                         next_chaos = now + rng.uniform(0.5, 2 * kill_seconds)
                         victim = rng.randrange(len(fleet))
@@ -116,7 +146,7 @@ def main() -> int:
                             kind = rng.choice(("action", "compensation"))
                             # Half the replacements die at a fault point of their own.
                             fault = f"{point}:{kind}" if rng.random() < 0.5 else None
-                            fleet[victim] = spawn(fault)
+                            fleet[victim] = spawn(victim, fault)
                         elif action < 0.8:
                             terminations += 1 if terminate_worker_backends(pg.url) else 0
                         while pg.restarts < kills // restart_every:
@@ -157,6 +187,7 @@ def main() -> int:
     print(
         invariants.table(
             summary,
+            workers=f"{asyncs.count(False)} sync, {asyncs.count(True)} asyncio",
             kills=f"{kills} ({armed_kills} at a fault point)",
             restarts=pg.restarts,
             terminations=terminations,
