@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-from collections.abc import Iterable
 from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
@@ -44,30 +43,7 @@ class AsyncOrchestrator(Engine):
     `await orch.close()` when done.
     """
 
-    def __init__(
-        self,
-        database_url: str | None = None,
-        *,
-        sagas: Iterable[Saga[Any]] = (),
-        lease_seconds: float = 10.0,
-        heartbeat_seconds: float | None = None,
-        auto_migrate: bool = True,
-        owner: str | None = None,
-        pool_size: int = 10,
-        confirmation_key: str | bytes | None = None,
-        retention_days: float = 30.0,
-    ) -> None:
-        super().__init__(
-            database_url,
-            sagas=sagas,
-            lease_seconds=lease_seconds,
-            heartbeat_seconds=heartbeat_seconds,
-            auto_migrate=auto_migrate,
-            owner=owner,
-            pool_size=pool_size,
-            confirmation_key=confirmation_key,
-            retention_days=retention_days,
-        )
+    def _unconnected(self) -> None:
         self._connecting: asyncio.Lock | None = None
         self._pool: AsyncConnectionPool[Any] | None = None
         self._store: AsyncStore | None = None

@@ -89,8 +89,12 @@ class Engine:
         self._registry: dict[tuple[str, int], Saga[Any]] = {}
         for saga in sagas:
             self.register(saga)
+        self._unconnected()
         # Crash tests arm a fault point in a child process through SAGA_FAULT.
         faults.arm_from_environment()
+
+    def _unconnected(self) -> None:
+        """Set the driver's connection state to "not connected yet" (each door has its own)."""
 
     # ----- set-up ------------------------------------------------------------------------
 

@@ -6,7 +6,6 @@ import builtins
 import math
 import os
 import threading
-from collections.abc import Iterable
 from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
@@ -71,30 +70,7 @@ class Orchestrator(Engine):
             only those older (default 30).
     """
 
-    def __init__(
-        self,
-        database_url: str | None = None,
-        *,
-        sagas: Iterable[Saga[Any]] = (),
-        lease_seconds: float = 10.0,
-        heartbeat_seconds: float | None = None,
-        auto_migrate: bool = True,
-        owner: str | None = None,
-        pool_size: int = 10,
-        confirmation_key: str | bytes | None = None,
-        retention_days: float = 30.0,
-    ) -> None:
-        super().__init__(
-            database_url,
-            sagas=sagas,
-            lease_seconds=lease_seconds,
-            heartbeat_seconds=heartbeat_seconds,
-            auto_migrate=auto_migrate,
-            owner=owner,
-            pool_size=pool_size,
-            confirmation_key=confirmation_key,
-            retention_days=retention_days,
-        )
+    def _unconnected(self) -> None:
         self._lock = threading.Lock()
         self._pool: ConnectionPool[Any] | None = None
         self._keeper: LeaseKeeper | None = None
