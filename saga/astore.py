@@ -16,21 +16,19 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from saga.errors import LeaseLost, StepStateError
+from saga.errors import StepStateError
 from saga.protocol import ConfirmationRow, Event, OpRow, SagaRow, Write
 from saga.state import Confirmation, HistoryEvent, SagaState, WorkerInfo
 from saga.store import (
-    FENCE_SQLSTATE,
     Loaded,
-    _ask_params,
     _confirmation_row,
     _op_row,
     _q,
     _saga_row,
     _state,
     _write,
-    consume_refusal,
     loaded_from_rows,
+    refused,
     start_params,
     started,
 )
@@ -40,12 +38,13 @@ AConn = psycopg.AsyncConnection[dict[str, Any]]
 
 @asynccontextmanager
 async def _fenced() -> AsyncIterator[None]:
-    """A failed fence check (SQLSTATE SG001) becomes `LeaseLost`."""
+    """What saga.write_saga refuses, as the orchestrator's errors (see `store._fenced`)."""
     try:
         yield
     except psycopg.Error as exc:
-        if exc.sqlstate == FENCE_SQLSTATE:
-            raise LeaseLost(str(exc.diag.message_primary or exc)) from None
+        refusal = refused(exc)
+        if refusal is not None:
+            raise refusal from None
         raise
 
 
@@ -65,7 +64,7 @@ class AsyncStore:
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AConn]:
         """A connection inside one transaction, committed when the block exits cleanly."""
-        async with self._connection() as conn, conn.transaction():
+        async with _fenced(), self._connection() as conn, conn.transaction():
             yield conn
 
     @asynccontextmanager
@@ -173,38 +172,6 @@ class AsyncStore:
         returns the read of the saga's state, to await once the transaction committed."""
         params = _write(write, owner=owner, lease_seconds=lease_seconds, token=token)
         written = await conn.execute(_q("write_saga"), {"write": params})
-        saga_id = write.saga.id
-        for change in write.confirmations:
-            confirmation = change.row
-            if change.action == "ask":
-                await conn.execute(_q("upsert_confirmation"), _ask_params(saga_id, confirmation))
-            elif change.action == "consume":
-                attempt = confirmation.consumed_attempt
-                assert attempt is not None
-                consume = {
-                    "saga_id": saga_id,
-                    "step": confirmation.step,
-                    "request_hash": confirmation.request_hash,
-                    "attempt": attempt,
-                }
-                row = await (await conn.execute(_q("consume_confirmation"), consume)).fetchone()
-                refusal = consume_refusal(
-                    row, confirmation.step, confirmation.request_hash, attempt
-                )
-                if refusal is not None:
-                    raise refusal
-            else:
-                approve = {
-                    "saga_id": saga_id,
-                    "step": confirmation.step,
-                    "request_hash": confirmation.request_hash,
-                    "actor": confirmation.approved_by or "",
-                }
-                row = await (await conn.execute(_q("approve_confirmation"), approve)).fetchone()
-                if row is None:  # expired meanwhile, by the database clock
-                    raise StepStateError(
-                        f"the confirmation of step {confirmation.step!r} is no longer pending"
-                    )
 
         async def read() -> SagaState | None:
             row = await written.fetchone()

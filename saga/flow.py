@@ -448,10 +448,7 @@ class Flows:
         if isinstance(nxt, Invoke):
             faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
         try:
-            if write.confirmations:
-                yield from self._transact_pipelined(planner, write, token)
-            else:
-                yield from self._transact_at_once(planner, write, token)
+            yield from self._transact_at_once(planner, write, token)
         except Exception as exc:
             if not is_transient(exc):
                 raise
@@ -474,8 +471,8 @@ class Flows:
         return True
 
     def _transact_at_once(self, planner: Planner, write: Write, token: str) -> Flow[None]:
-        """The common transition: one statement, one round trip (saga.write_saga_v3), which
-        fails as a whole when the lease is no longer ours."""
+        """A transition: one statement, one round trip (saga.write_saga_v4), which fails
+        as a whole when the lease is no longer ours."""
         state = yield db(
             "apply_transition",
             write,
@@ -485,15 +482,6 @@ class Flows:
         )
         if write.release:
             planner.final_state = state
-
-    def _transact_pipelined(self, planner: Planner, write: Write, token: str) -> Flow[None]:
-        """A transition that also writes confirmations, as one pipelined transaction whose
-        fenced saga write goes first and fails it, writes included, if the lease was lost."""
-        yield Begin()
-        read = yield from self._persist_txn(write, token)
-        yield Commit()
-        if read is not None:
-            planner.final_state = yield Fetch(read)
 
     def _reload(self, planner: Planner) -> Flow[Planner]:
         """A fresh planner from the database, once the lease is checked to be still ours

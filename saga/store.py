@@ -19,7 +19,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
 from saga.errors import LeaseLost, StepStateError
-from saga.protocol import ConfirmationRow, Event, OpRow, SagaRow, Write
+from saga.protocol import ConfirmationChange, ConfirmationRow, Event, OpRow, SagaRow, Write
 from saga.state import (
     Confirmation,
     HistoryEvent,
@@ -36,6 +36,9 @@ Loaded = tuple[SagaRow, list[OpRow], list[ConfirmationRow]]
 # SQLSTATE raised by saga.assert_fence and saga.write_saga when the lease is no longer
 # the caller's.
 FENCE_SQLSTATE = "SG001"
+# SQLSTATE raised by saga.write_saga_v4 when a confirmation cannot be written as asked: an
+# approval that expired, or that has released an attempt already.
+CONFIRMATION_SQLSTATE = "SG002"
 _HEADER = re.compile(r"^-- ([a-z_]+) --$", re.MULTILINE)
 
 
@@ -59,14 +62,27 @@ def _q(name: str) -> LiteralString:
 
 @contextmanager
 def _fenced() -> Iterator[None]:
-    """Turn a failed fence check (SQLSTATE SG001, from saga.assert_fence or a fenced
-    saga.write_saga) into `LeaseLost`; the transaction is rolled back with it."""
+    """Turn what saga.write_saga refuses into the orchestrator's errors, the transaction
+    rolled back with it: a failed fence check (SQLSTATE SG001, also from
+    saga.assert_fence) into `LeaseLost`, a confirmation it cannot write (SG002) into
+    `StepStateError`."""
     try:
         yield
     except psycopg.Error as exc:
-        if exc.sqlstate == FENCE_SQLSTATE:
-            raise LeaseLost(str(exc.diag.message_primary or exc)) from None
+        refusal = refused(exc)
+        if refusal is not None:
+            raise refusal from None
         raise
+
+
+def refused(exc: psycopg.Error) -> LeaseLost | StepStateError | None:
+    """The orchestrator's error for a refusal raised by its SQL functions, else None."""
+    message = str(exc.diag.message_primary or exc)
+    if exc.sqlstate == FENCE_SQLSTATE:
+        return LeaseLost(message)
+    if exc.sqlstate == CONFIRMATION_SQLSTATE:
+        return StepStateError(message)
+    return None
 
 
 def _sync(conn: Conn) -> None:
@@ -107,7 +123,7 @@ class Store:
     @contextmanager
     def transaction(self) -> Iterator[Conn]:
         """A connection inside one transaction, committed when the block exits cleanly."""
-        with self._connection() as conn, conn.transaction():
+        with _fenced(), self._connection() as conn, conn.transaction():
             yield conn
 
     @contextmanager
@@ -213,12 +229,13 @@ class Store:
         lease_seconds: float | None = None,
         token: str | None = None,
     ) -> Callable[[], SagaState | None]:
-        """Queue a write the core decided in a transaction: the saga row, new and changed
-        operations and events (saga.write_saga, fenced when `owner` holds the lease; an
-        operator passes None and holds the row lock instead), then confirmations asked
-        for, approved, or used up by the attempt they release (refused, with the whole
-        transaction, when that approval has released an attempt already). A lost fence
-        fails the transaction with everything in it.
+        """Queue a write the core decided, in one statement (saga.write_saga): the saga
+        row (fenced when `owner` holds the lease; an operator passes None and holds the
+        row lock instead), new and changed operations, events, and confirmations asked
+        for, approved, or used up by the attempt they release. A lost fence (`LeaseLost`)
+        or a confirmation that cannot be written (`StepStateError`: an approval that
+        expired, or has released an attempt already) fails the transaction with
+        everything in it.
 
         `token` (see `new_token`) is stored as the saga's write token: a writer that lost
         the reply learns from `write_token` whether this write landed.
@@ -228,31 +245,6 @@ class Store:
         in a plain transaction, after the block in a pipelined one."""
         params = _write(write, owner=owner, lease_seconds=lease_seconds, token=token)
         written = conn.execute(_q("write_saga"), {"write": params})
-        for change in write.confirmations:
-            confirmation = change.row
-            if change.action == "ask":
-                conn.execute(_q("upsert_confirmation"), _ask_params(write.saga.id, confirmation))
-            elif change.action == "consume":
-                assert confirmation.consumed_attempt is not None
-                self.consume_confirmation_txn(
-                    conn,
-                    write.saga.id,
-                    step=confirmation.step,
-                    request_hash=confirmation.request_hash,
-                    attempt=confirmation.consumed_attempt,
-                )
-            else:
-                approved = self.approve_confirmation_txn(
-                    conn,
-                    write.saga.id,
-                    step=confirmation.step,
-                    request_hash=confirmation.request_hash,
-                    actor=confirmation.approved_by or "",
-                )
-                if not approved:  # expired meanwhile, by the database clock
-                    raise StepStateError(
-                        f"the confirmation of step {confirmation.step!r} is no longer pending"
-                    )
 
         def read() -> SagaState | None:
             row = written.fetchone()
@@ -282,9 +274,9 @@ class Store:
     def apply_transition(
         self, write: Write, *, owner: str, lease_seconds: float, token: str | None = None
     ) -> SagaState | None:
-        """Persist a lease holder's write (one without confirmations) in one statement and
-        one round trip; the saga's new state when `write.return_state`. `LeaseLost` when
-        the fence no longer matches."""
+        """Persist a lease holder's write in one statement and one round trip; the saga's
+        new state when `write.return_state`. `LeaseLost` when the fence no longer matches,
+        `StepStateError` when a confirmation cannot be written."""
         with _fenced(), self._connection() as conn:
             return self.save_txn(
                 conn, write, owner=owner, lease_seconds=lease_seconds, token=token
@@ -355,35 +347,6 @@ class Store:
         with self._connection() as conn:
             rows = conn.execute(_q("get_confirmations"), {"saga_id": saga_id}).fetchall()
         return [Confirmation.model_validate({**r, "saga_id": saga_id}) for r in rows]
-
-    def approve_confirmation_txn(
-        self, conn: Conn, saga_id: str, *, step: str, request_hash: str, actor: str
-    ) -> bool:
-        """Approve a pending, unexpired confirmation; False when there is none."""
-        row = conn.execute(
-            _q("approve_confirmation"),
-            {"saga_id": saga_id, "step": step, "request_hash": request_hash, "actor": actor},
-        ).fetchone()
-        return row is not None
-
-    def consume_confirmation_txn(
-        self, conn: Conn, saga_id: str, *, step: str, request_hash: str, attempt: int
-    ) -> None:
-        """Use an approval up: record `attempt` as the one it released, in the transaction
-        that records that attempt as running. `StepStateError` (the caller's transaction
-        then rolls back, the attempt's start with it) when the confirmation is not
-        approved or its approval has released an attempt already: one approval, one
-        attempt, whatever a stale snapshot believes."""
-        params = {
-            "saga_id": saga_id,
-            "step": step,
-            "request_hash": request_hash,
-            "attempt": attempt,
-        }
-        row = conn.execute(_q("consume_confirmation"), params).fetchone()
-        refusal = consume_refusal(row, step, request_hash, attempt)
-        if refusal is not None:
-            raise refusal
 
     def purge_finished(self, *, retention_seconds: float, batch_size: int) -> int:
         """Delete one batch of sagas that ended before the retention cutoff; how many."""
@@ -602,7 +565,7 @@ def _op_row(row: dict[str, Any]) -> OpRow:
 def _write(
     write: Write, *, owner: str | None, lease_seconds: float | None, token: str | None
 ) -> Jsonb:
-    """The argument of saga.write_saga_v3 (migration 0011) for a write of the core."""
+    """The argument of saga.write_saga_v4 (migration 0013) for a write of the core."""
     saga = write.saga
     params = _compact(
         {
@@ -632,20 +595,26 @@ def _write(
             "new_ops": [_new_op_params(op) for op in write.new_ops] or None,
             "ops": [_op_params(op) for op in write.changed_ops] or None,
             "events": _event_rows(write.events) or None,
+            "confirmations": [_confirmation_params(c) for c in write.confirmations] or None,
         }
     )
     return Jsonb(params, dumps=_dumps)
 
 
-def _ask_params(saga_id: str, confirmation: ConfirmationRow) -> dict[str, Any]:
-    """The parameters of upsert_confirmation for a confirmation asked for."""
-    return {
-        "saga_id": saga_id,
-        "step": confirmation.step,
-        "request_hash": confirmation.request_hash,
-        "preview": Jsonb(confirmation.preview),
-        "expires_at": confirmation.expires_at,
-    }
+def _confirmation_params(change: ConfirmationChange) -> dict[str, Any]:
+    """A confirmation to ask for, approve or use up, for saga.write_saga_v4 (0013)."""
+    row = change.row
+    return _compact(
+        {
+            "action": change.action,
+            "step": row.step,
+            "request_hash": row.request_hash,
+            "preview": row.preview if change.action == "ask" else None,
+            "expires_at": row.expires_at if change.action == "ask" else None,
+            "actor": (row.approved_by or "") if change.action == "approve" else None,
+            "attempt": row.consumed_attempt if change.action == "consume" else None,
+        }
+    )
 
 
 def _new_op_params(op: OpRow) -> dict[str, Any]:
@@ -781,23 +750,3 @@ def started(saga: SagaRow, ops: Sequence[OpRow], outcome: dict[str, Any]) -> dic
             if name in outcome:
                 setattr(saga, name, datetime.fromisoformat(outcome[name]))
     return outcome
-
-
-def consume_refusal(
-    row: dict[str, Any] | None, step: str, request_hash: str, attempt: int
-) -> StepStateError | None:
-    """Why consume_confirmation did not use the approval up (its answer `row`), or None
-    when it did: one approval, one attempt, whatever a stale snapshot believes."""
-    assert row is not None  # the query returns one row, found or not
-    if row["used"] is not None:
-        return None
-    what = f"the approval of step {step!r} (request {request_hash[:12]})"
-    if row["released"] is not None:
-        why = f"{what} already released attempt {row['released']}"
-    elif row["approved"]:
-        why = f"{what} was used up meanwhile"
-    else:
-        why = f"{what} is not approved (any more)"
-    return StepStateError(
-        f"{why}: one approval releases one attempt, so attempt {attempt} is not started"
-    )

@@ -194,47 +194,6 @@ FROM saga.confirmations
 WHERE saga_id = NULLIF(current_setting('saga.claimed', true), '')::uuid
 ORDER BY requested_at
 
--- upsert_confirmation --
--- Ask (again) for a confirmation of one exact preview; a new ask renews its preview and
--- expiry and withdraws any earlier approval of it (used up or not).
-INSERT INTO saga.confirmations (saga_id, step, request_hash, preview, expires_at)
-VALUES (%(saga_id)s, %(step)s, %(request_hash)s, %(preview)s, %(expires_at)s)
-ON CONFLICT (saga_id, step, request_hash) DO UPDATE
-SET preview = EXCLUDED.preview,
-    requested_at = now(),
-    expires_at = EXCLUDED.expires_at,
-    approved_by = NULL,
-    approved_at = NULL,
-    consumed_attempt = NULL,
-    consumed_at = NULL
-
--- approve_confirmation --
--- Record an approval of a pending, unexpired confirmation; no row when there is none.
-UPDATE saga.confirmations
-SET approved_by = %(actor)s, approved_at = now()
-WHERE saga_id = %(saga_id)s AND step = %(step)s AND request_hash = %(request_hash)s
-  AND approved_at IS NULL AND expires_at > now()
-RETURNING step
-
--- consume_confirmation --
--- Use an approval up: the attempt it releases, recorded in the transaction that records
--- that attempt as running (migration 0012). One row: `used` is that attempt, or NULL when
--- the approval releases none; then `approved` and `released` (the attempt it released
--- already) say why (the join reads the row as it was before this statement).
-WITH used AS (
-    UPDATE saga.confirmations
-    SET consumed_attempt = %(attempt)s, consumed_at = now()
-    WHERE saga_id = %(saga_id)s AND step = %(step)s AND request_hash = %(request_hash)s
-      AND approved_at IS NOT NULL AND consumed_attempt IS NULL
-    RETURNING consumed_attempt
-)
-SELECT (SELECT consumed_attempt FROM used) AS used,
-       c.approved_at IS NOT NULL AS approved,
-       c.consumed_attempt AS released
-FROM (VALUES (1)) AS one (x)
-LEFT JOIN saga.confirmations AS c
-  ON c.saga_id = %(saga_id)s AND c.step = %(step)s AND c.request_hash = %(request_hash)s
-
 -- purge_finished_sagas --
 -- Delete a batch of completed or compensated sagas that ended before the cutoff, with
 -- their operations, events and confirmations; sagas still running or parked are never
@@ -272,9 +231,9 @@ SELECT saga.assert_fence(%(saga_id)s, %(owner)s, %(fence)s, %(lease_seconds)s)
 
 -- write_saga --
 -- A saga's decisions in one statement: its row (fenced for a lease holder), operations,
--- events, wake-up, the write's token and, when asked, its state as it now stands (see
--- migrations 0008, 0010 and 0011).
-SELECT saga.write_saga_v3(%(write)s) AS state
+-- events, confirmations, wake-up, the write's token and, when asked, its state as it now
+-- stands (see migrations 0008, 0010, 0011 and 0013).
+SELECT saga.write_saga_v4(%(write)s) AS state
 
 -- own_claim --
 -- The saga this owner's claim took, found by the token of the claim's first write: a worker

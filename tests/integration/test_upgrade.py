@@ -30,9 +30,10 @@ from saga.migrate import apply_migrations, load_migrations
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TREES = ("saga", "migrations")
 
-# The previous release: main with migrations 0001 to 0010 (write tokens, saga.write_saga_v2).
+# The previous release: main with migrations 0001 to 0012 (saga.write_saga_v3, and the
+# confirmation queries beside it).
 PREVIOUS_RELEASE = os.environ.get(
-    "SAGA_TEST_PREVIOUS_RELEASE", "387e3ebd6c7296225fd562101bb49d2695aadbd8"
+    "SAGA_TEST_PREVIOUS_RELEASE", "85a34e6f7de907affc3161b34daa24bf2d548c22"
 )
 
 # Run by the previous release's package: migrate, then start a saga whose first step
