@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Literal
 
-import psycopg
-
 from saga.errors import DatabaseUnavailable, SagaError, SagaNotFound
 from saga.protocol import Planner
 from saga.state import OperationStatus, SagaState, SagaStatus
@@ -274,7 +272,7 @@ def _compensate_one(
     try:
         after = orch.compensate(state.id, include_unknown=include_unknown, actor=actor, force=force)
         after = _await_handoff(orch, after)
-    except (DatabaseUnavailable, psycopg.OperationalError):
+    except DatabaseUnavailable:  # the database, not this saga: the batch stops
         raise
     except SagaError as exc:
         return Outcome(state.id, name, "skipped", str(exc))
@@ -315,7 +313,7 @@ def _reconcile_one(orch: Orchestrator, saga_id: str, row: dict[str, object]) -> 
     what = f"{step} ({kind})" if kind == "compensation" else step
     try:
         state = _await_handoff(orch, orch.run(saga_id))
-    except (DatabaseUnavailable, psycopg.OperationalError):
+    except DatabaseUnavailable:  # the database, not this saga: the batch stops
         raise
     except SagaError as exc:
         return Outcome(saga_id, name, "skipped", str(exc))
