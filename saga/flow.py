@@ -108,8 +108,8 @@ def retried(what: str, body: Callable[[], Flow[T]], *, interruptible: bool = Fal
             else:
                 state.set_result(result)
         elif isinstance(action, tenacity.DoSleep):
-            state.prepare_for_next_attempt()
             exc = state.outcome.exception() if state.outcome is not None else None
+            state.prepare_for_next_attempt()
             if interruptible and (yield Stopping()):
                 assert exc is not None
                 raise exc

@@ -1,0 +1,79 @@
+"""Database retries inside flows: tenacity's schedule, with the sleeps as effects."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+from structlog.testing import capture_logs
+
+from saga.effects import Effect, Flow, Pause, Stopping
+from saga.flow import retried
+from saga.runner import carry_out
+
+
+def _run(flow: Flow[Any], *, stopping: bool = False) -> tuple[Any, list[Effect]]:
+    seen: list[Effect] = []
+
+    def effect(step: Effect, conn: Any) -> Any:
+        seen.append(step)
+        return stopping if isinstance(step, Stopping) else None
+
+    def no_transaction(pipelined: bool) -> Any:
+        raise AssertionError("no transaction here")
+
+    return carry_out(flow, effect, no_transaction), seen
+
+
+def _failing(times: int) -> tuple[list[int], Any]:
+    calls: list[int] = []
+
+    def body() -> Flow[str]:
+        calls.append(len(calls) + 1)
+        if len(calls) <= times:
+            raise psycopg.OperationalError(f"connection lost ({len(calls)})")
+        yield from ()
+        return "done"
+
+    return calls, body
+
+
+def test_a_transient_error_is_retried_after_a_pause_and_logged_with_its_cause() -> None:
+    """Each retry sleeps through a Pause effect (no clock in the flow), and its log line
+    names the error that caused it and the attempt that failed."""
+    calls, body = _failing(2)
+    with capture_logs() as logs:
+        result, seen = _run(retried("record_transition", body))
+    assert result == "done"
+    assert calls == [1, 2, 3]
+    pauses = [e for e in seen if isinstance(e, Pause)]
+    assert len(pauses) == 2 and all(p.seconds > 0 for p in pauses)
+    retries = [e for e in logs if e["event"] == "database_retry"]
+    assert [(e["attempt"], e["error"]) for e in retries] == [
+        (1, "OperationalError: connection lost (1)"),
+        (2, "OperationalError: connection lost (2)"),
+    ]
+
+
+def test_an_error_that_is_not_transient_is_raised_at_once() -> None:
+    """Only transient database errors are retried."""
+    calls: list[int] = []
+
+    def body() -> Flow[None]:
+        calls.append(1)
+        raise ValueError("a bug")
+        yield  # pragma: no cover - makes this a generator
+
+    with pytest.raises(ValueError, match="a bug"):
+        _run(retried("record_transition", body))
+    assert calls == [1]
+
+
+def test_an_interruptible_retry_ends_when_the_driver_is_stopping() -> None:
+    """While the driver shuts down, an interruptible retry raises the last error instead
+    of sleeping again."""
+    calls, body = _failing(5)
+    with pytest.raises(psycopg.OperationalError, match=r"\(1\)"):
+        _run(retried("claim_next_saga", body, interruptible=True), stopping=True)
+    assert calls == [1]
