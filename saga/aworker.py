@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 _log = get_logger("saga.worker")
 
+# Most claims a worker has in flight at once (each holds a connection while it runs).
+_PARALLEL_CLAIMS = 4
 # Longest wait (seconds) between two attempts to LISTEN again after the listener failed.
 _LISTEN_RETRY_MAX_SECONDS = 5.0
 
@@ -165,10 +167,8 @@ class AsyncWorker:
                     )
                     announced = time.monotonic()
                 while self.in_flight < self.concurrency and not self._stopping.is_set():
-                    claimed = await runner.claim_next(kinds, self.orchestrator.definition)
-                    if claimed is None:
+                    if not await self._claim_some(runner, kinds):
                         break
-                    self._spawn(runner, *claimed)
                 if self.in_flight >= self.concurrency:
                     await self._sleep(self.poll_seconds)
                     continue
@@ -181,6 +181,29 @@ class AsyncWorker:
                 _log.warning("worker_database_error", error=describe_error(exc))
                 timeout = self.poll_seconds
             await self._sleep(timeout)
+
+    async def _claim_some(self, runner: AsyncRunner, kinds: list[str]) -> bool:
+        """Claim sagas for the free slots, several claims at once (each its own
+        transaction, SKIP LOCKED keeping them apart), and start driving each one claimed;
+        whether every claim found a saga (there may be more to claim).
+
+        One claim at a time would leave the slots to fill at the pace of one round trip and
+        commit each, slower than short sagas end."""
+        wanted = min(self.concurrency - self.in_flight, _PARALLEL_CLAIMS)
+        lookup = self.orchestrator.definition
+        results = await asyncio.gather(
+            *(runner.claim_next(kinds, lookup) for _ in range(wanted)), return_exceptions=True
+        )
+        failure: BaseException | None = None
+        for result in results:
+            if isinstance(result, BaseException):
+                failure = failure or result
+            elif result is not None:
+                self._spawn(runner, *result)
+        if failure is not None:
+            # The sagas the other claims took are driven; the error goes to the loop.
+            raise failure
+        return all(result is not None for result in results)
 
     async def _sleep(self, seconds: float) -> None:
         assert self._wake is not None
