@@ -8,7 +8,6 @@ from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
-import psycopg
 from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel
 
@@ -20,7 +19,7 @@ from saga.definition import Saga
 from saga.engine import Engine
 from saga.errors import StepStateError
 from saga.logs import get_logger
-from saga.migrate import apply_migrations
+from saga.migrate import migrate_database
 from saga.operator import actor_or_os_user, check_actor
 from saga.orchestrator import session_options
 from saga.state import Confirmation, HistoryEvent, SagaHandle, SagaState, SagaStatus, WorkerInfo
@@ -79,10 +78,7 @@ class AsyncOrchestrator(Engine):
         url = await asyncio.to_thread(lambda: self.database_url)
         await asyncio.to_thread(check_connection, url)
         if self.auto_migrate:
-            try:
-                await asyncio.to_thread(_migrate, url)
-            except psycopg.OperationalError as exc:
-                raise unavailable(url, exc) from None
+            await asyncio.to_thread(migrate_database, url)
         pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
             url,
             min_size=1,
@@ -435,8 +431,3 @@ class AsyncOrchestrator(Engine):
             grace_seconds=grace_seconds,
             short_wait_seconds=short_wait_seconds,
         )
-
-
-def _migrate(url: str) -> None:
-    with psycopg.connect(url, autocommit=True) as conn:
-        apply_migrations(conn)

@@ -109,3 +109,22 @@ def check_not_newer(applied: set[int], migrations: list[Migration]) -> None:
     newest = max(applied, default=0)
     if newest > shipped:
         raise SchemaTooNew(database_version=newest, package_version=shipped)
+
+
+def migrate_database(url: str) -> list[int]:
+    """Connect to `url` and apply pending migrations, as an orchestrator does on first use.
+
+    A transient error (a connection terminated or a server restarting just then) is
+    retried like any database work, for a bounded time: the migration is one transaction,
+    so a failed try leaves nothing behind. What is not transient, or outlasts the retries,
+    is raised (a refused or unreachable server as `DatabaseUnavailable`)."""
+    from saga.database import unavailable
+    from saga.dbretry import retrying
+
+    try:
+        for attempt in retrying("migrate"):
+            with attempt, psycopg.connect(url, autocommit=True) as conn:
+                return apply_migrations(conn)
+    except psycopg.OperationalError as exc:
+        raise unavailable(url, exc) from None
+    raise AssertionError("unreachable: retrying() reraises")  # pragma: no cover

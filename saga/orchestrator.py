@@ -10,7 +10,6 @@ from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
-import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 from pydantic import BaseModel
@@ -23,7 +22,7 @@ from saga.errors import StepStateError
 from saga.leases import LeaseKeeper
 from saga.logs import get_logger
 from saga.loopguard import sync_only
-from saga.migrate import apply_migrations
+from saga.migrate import migrate_database
 from saga.operator import actor_or_os_user, check_actor
 from saga.runner import Runner
 from saga.state import (
@@ -91,11 +90,7 @@ class Orchestrator(Engine):
         url = self.database_url
         check_connection(url)
         if self.auto_migrate:
-            try:
-                with psycopg.connect(url, autocommit=True) as conn:
-                    apply_migrations(conn)
-            except psycopg.OperationalError as exc:
-                raise unavailable(url, exc) from None
+            migrate_database(url)
         pool: ConnectionPool[Any] = ConnectionPool(
             url,
             min_size=1,

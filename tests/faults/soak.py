@@ -47,7 +47,7 @@ from faults.proxy import LostReplyProxy
 from saga.testing import FAULT_POINTS
 
 # Every write of the protocol: transitions, claims' first moves, operator changes
-# (saga.write_saga_v3), heartbeats (renew_leases) and workers announcing themselves.
+# (saga.write_saga_v4), heartbeats (renew_leases) and workers announcing themselves.
 LOST_REPLY_WRITES = ("saga.write_saga", "AS h(id, fence)", "saga.workers")
 
 

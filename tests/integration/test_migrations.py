@@ -7,9 +7,12 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import psycopg
+import pytest
 
+from saga import Orchestrator, migrate
 from saga.migrate import apply_migrations, load_migrations
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -89,3 +92,27 @@ def test_two_processes_migrating_at_once_both_succeed(empty_database_url: str) -
     versions, schemas, _ = _schema_summary(empty_database_url)
     assert versions == [(v, 1) for v in expected]
     assert schemas == 1
+
+
+def test_migrating_on_first_use_retries_a_connection_lost_meanwhile(
+    empty_database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that starts while its connection is terminated (a failover, an operator's
+    pg_terminate_backend) retries the migration instead of exiting: the migration is one
+    transaction, so the try that failed left nothing behind."""
+    real = migrate.apply_migrations
+    tries: list[int] = []
+
+    def flaky(conn: psycopg.Connection[Any]) -> list[int]:
+        tries.append(1)
+        if len(tries) == 1:
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return real(conn)
+
+    monkeypatch.setattr(migrate, "apply_migrations", flaky)
+    with Orchestrator(empty_database_url) as orch:
+        assert orch.list() == []
+    assert len(tries) == 2
+    with psycopg.connect(empty_database_url) as conn:
+        row = conn.execute("SELECT count(*) FROM saga.schema_migrations").fetchone()
+    assert row is not None and row[0] == len(migrate.load_migrations())
