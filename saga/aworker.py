@@ -10,22 +10,45 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import psycopg
 from psycopg import sql
 
 from saga.adriver import AsyncRunner
+from saga.astore import AsyncStore
 from saga.dbretry import is_transient
+from saga.definition import Saga
 from saga.flow import describe_error
 from saga.logs import get_logger
 from saga.protocol import Next, Planner
 from saga.worker import CHANNEL
 
-if TYPE_CHECKING:
-    from saga.aorchestrator import AsyncOrchestrator
-
 _log = get_logger("saga.worker")
+
+
+class AsyncWorkerEngine(Protocol):
+    """What an `AsyncWorker` needs of its orchestrator: the registry, the settings, the
+    store and a driver (an `AsyncOrchestrator` is one)."""
+
+    @property
+    def owner(self) -> str: ...
+
+    @property
+    def database_url(self) -> str: ...
+
+    def registered(self) -> list[Saga[Any]]: ...
+
+    def definition(self, name: str, version: int) -> Saga[Any]: ...
+
+    async def store(self) -> AsyncStore: ...
+
+    async def ensure_pool_size(self, connections: int) -> None: ...
+
+    async def runner(
+        self, *, stopping: asyncio.Event | None = None, max_inline_sleep: float | None = None
+    ) -> AsyncRunner: ...
+
 
 # Most claims a worker has in flight at once (each holds a connection while it runs).
 _PARALLEL_CLAIMS = 4
@@ -54,7 +77,7 @@ class AsyncWorker:
 
     def __init__(
         self,
-        orchestrator: AsyncOrchestrator,
+        orchestrator: AsyncWorkerEngine,
         *,
         concurrency: int = 4,
         poll_seconds: float = 1.0,

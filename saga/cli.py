@@ -22,13 +22,13 @@ import structlog
 from saga import __version__, operator
 from saga import cli_format as fmt
 from saga.aorchestrator import AsyncOrchestrator
-from saga.database import ENV_URL, check_connection, describe_url, resolve_database_url, unavailable
+from saga.database import ENV_URL, check_connection, describe_url, resolve_database_url
 from saga.errors import (
     DatabaseUnavailable,
     SagaError,
     StepStateError,
 )
-from saga.migrate import apply_migrations
+from saga.migrate import migrate_database
 from saga.orchestrator import ENV_CONFIRMATION_KEY, Orchestrator
 from saga.redact import scrub
 from saga.state import SagaState, SagaStatus
@@ -588,11 +588,7 @@ def _given(args: argparse.Namespace) -> dict[str, object]:
 def _migrate(args: argparse.Namespace) -> int:
     url = resolve_database_url(args.database_url)
     check_connection(url)
-    try:
-        with psycopg.connect(url, autocommit=True) as conn:
-            applied = apply_migrations(conn)
-    except psycopg.OperationalError as exc:
-        raise unavailable(url, exc) from None
+    applied = migrate_database(url)
     if applied:
         print(f"applied migrations: {', '.join(f'{v:04d}' for v in applied)}")
     else:

@@ -10,21 +10,47 @@ import time
 from collections.abc import Iterator
 from datetime import datetime
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import psycopg
 from psycopg import sql
 
 from saga.dbretry import is_transient, retrying
+from saga.definition import Saga
+from saga.leases import LeaseKeeper
 from saga.logs import get_logger
 from saga.loopguard import sync_only
 from saga.protocol import Next, Planner
-from saga.runner import Runner
-
-if TYPE_CHECKING:
-    from saga.orchestrator import Orchestrator
+from saga.runner import Runner, RunnerOptions
+from saga.store import Store
 
 _log = get_logger("saga.worker")
+
+
+class WorkerEngine(Protocol):
+    """What a `Worker` needs of its orchestrator: the registry, the settings, the store
+    and the heartbeat (an `Orchestrator` is one)."""
+
+    @property
+    def owner(self) -> str: ...
+
+    @property
+    def database_url(self) -> str: ...
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def lease_keeper(self) -> LeaseKeeper: ...
+
+    def registered(self) -> list[Saga[Any]]: ...
+
+    def definition(self, name: str, version: int) -> Saga[Any]: ...
+
+    def runner_options(self, *, max_inline_sleep: float = ...) -> RunnerOptions: ...
+
+    def ensure_pool_size(self, connections: int) -> None: ...
+
 
 CHANNEL = "saga_runnable"
 
@@ -51,7 +77,7 @@ class Worker:
 
     def __init__(
         self,
-        orchestrator: Orchestrator,
+        orchestrator: WorkerEngine,
         *,
         concurrency: int = 4,
         poll_seconds: float = 1.0,
