@@ -39,6 +39,7 @@ from saga.effects import (
 from saga.flow import Flows, RunnerOptions, describe_error, retried
 from saga.logs import get_logger
 from saga.protocol import Next, OpRow, Planner, SagaRow
+from saga.signatures import is_async
 from saga.state import SagaState
 
 _log = get_logger("saga")
@@ -312,12 +313,6 @@ async def acarry_out(
             error = exc
 
 
-def _is_async(fn: Callable[..., Any]) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)  # noqa: B004 - the method, not callability
-    )
-
-
 async def _call_bounded(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -340,7 +335,7 @@ async def _call_bounded(
         if timeout_seconds is not None
         else ""
     )
-    if _is_async(fn):
+    if is_async(fn):
         if timeout_seconds is None:
             return await fn(*args)
         try:

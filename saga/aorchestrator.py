@@ -16,8 +16,7 @@ from saga.adriver import AsyncLeaseKeeper, AsyncRunner
 from saga.astore import AsyncStore
 from saga.database import check_connection, unavailable
 from saga.definition import Saga
-from saga.engine import Engine
-from saga.errors import StepStateError
+from saga.engine import Engine, list_filters, resolve_arguments
 from saga.logs import get_logger
 from saga.migrate import migrate_database
 from saga.operator import actor_or_os_user, check_actor
@@ -245,23 +244,14 @@ class AsyncOrchestrator(Engine):
         force: bool = False,
     ) -> SagaState:
         """Settle an operation a human has checked; see `Orchestrator.resolve`."""
-        if outcome not in ("succeeded", "failed"):
-            raise ValueError(f"outcome must be 'succeeded' or 'failed', got {outcome!r}")
-        check_actor("resolve", actor)
+        resolve_arguments(outcome, actor)
         state = await self.get(saga_id)
-        definition = self.definition(state.saga, state.version)
-        target = definition.step_named(step)
-        if target is None:
-            raise StepStateError(f"saga {state.saga!r} has no step {step!r}")
-        stored = None
-        if outcome == "succeeded":
-            codec = target.codec
-            if kind == "compensation" and target.compensation_op is not None:
-                codec = target.compensation_op.codec
-            stored = codec.encode(codec.decode(result))
+        request = self._resolution(
+            state, step, outcome=outcome, result=result, actor=actor, reason=reason, kind=kind
+        )
         return await self._operator_change(
             state.id,
-            inputs.Resolve(step, kind, outcome, stored, actor=actor, reason=reason),
+            request,
             force=force,
             actor=actor,
         )
@@ -387,15 +377,7 @@ class AsyncOrchestrator(Engine):
     ) -> builtins.list[SagaState]:
         """Sagas filtered by status, saga name and tenant, newest first; see
         `Orchestrator.list`."""
-        if status is not None:
-            status = SagaStatus(status).value
-        if limit < 1:
-            raise ValueError(f"limit must be positive, got {limit}")
-        seconds = None
-        if older_than is not None:
-            seconds = older_than.total_seconds()
-            if seconds < 0:
-                raise ValueError(f"older_than must not be negative, got {older_than}")
+        status, seconds = list_filters(status, limit, older_than)
         store = await self.store()
         return await store.list_states(
             status=status, name=saga, tenant_id=tenant, limit=limit, older_than_seconds=seconds

@@ -22,7 +22,7 @@ from saga.definition import Saga
 from saga.flow import describe_error
 from saga.logs import get_logger
 from saga.protocol import Next, Planner
-from saga.worker import CHANNEL
+from saga.worker import CHANNEL, check_settings
 
 _log = get_logger("saga.worker")
 
@@ -84,15 +84,7 @@ class AsyncWorker:
         grace_seconds: float = 10.0,
         short_wait_seconds: float = 1.0,
     ) -> None:
-        if concurrency < 1:
-            raise ValueError(f"concurrency must be at least 1, got {concurrency}")
-        for name, value in (
-            ("poll_seconds", poll_seconds),
-            ("grace_seconds", grace_seconds),
-            ("short_wait_seconds", short_wait_seconds),
-        ):
-            if not value >= 0 or (name == "poll_seconds" and value == 0):
-                raise ValueError(f"{name} must be positive, got {value}")
+        check_settings(concurrency, poll_seconds, grace_seconds, short_wait_seconds)
         self.orchestrator = orchestrator
         self.concurrency = concurrency
         self.poll_seconds = poll_seconds

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -33,6 +33,7 @@ from saga.flow import Flows, RunnerOptions, log_events, retried
 from saga.keys import check_saga_input
 from saga.keys import request_hash as hash_business_fields
 from saga.logs import get_logger
+from saga.operator import check_actor
 from saga.protocol import Event, Next, Planner, SagaRow, new_action_rows
 from saga.state import SagaHandle, SagaState, SagaStatus
 from saga.store import new_token, parse_id
@@ -44,6 +45,31 @@ ENV_CONFIRMATION_KEY = "SAGA_CONFIRMATION_KEY"
 # least this often meanwhile (seconds).
 LEASE_POLL_SECONDS = 0.05
 MAX_LEASE_POLL_SECONDS = 0.5
+
+
+def resolve_arguments(outcome: str, actor: str) -> None:
+    """`ValueError` for an outcome of `resolve` other than succeeded or failed, or a blank
+    actor, before anything is read or written."""
+    if outcome not in ("succeeded", "failed"):
+        raise ValueError(f"outcome must be 'succeeded' or 'failed', got {outcome!r}")
+    check_actor("resolve", actor)
+
+
+def list_filters(
+    status: str | None, limit: int, older_than: timedelta | None
+) -> tuple[str | None, float | None]:
+    """The status and age (seconds) `list` filters by, checked: `ValueError` for an
+    unknown status, a limit below 1 or a negative age."""
+    if status is not None:
+        status = SagaStatus(status).value
+    if limit < 1:
+        raise ValueError(f"limit must be positive, got {limit}")
+    if older_than is None:
+        return status, None
+    seconds = older_than.total_seconds()
+    if seconds < 0:
+        raise ValueError(f"older_than must not be negative, got {older_than}")
+    return status, seconds
 
 
 class Engine:
@@ -162,6 +188,30 @@ class Engine:
                 f"{ENV_CONFIRMATION_KEY}"
             )
         return self._confirmation_key
+
+    def _resolution(
+        self,
+        state: SagaState,
+        step: str,
+        *,
+        outcome: Literal["succeeded", "failed"],
+        result: Any,
+        actor: str,
+        reason: str | None,
+        kind: Literal["action", "compensation"] | None,
+    ) -> inputs.Resolve:
+        """The request of `resolve` for `state`: `result` validated like the step's (or
+        its compensation's) return value; `StepStateError` when the saga has no `step`."""
+        target = self.definition(state.saga, state.version).step_named(step)
+        if target is None:
+            raise StepStateError(f"saga {state.saga!r} has no step {step!r}")
+        stored = None
+        if outcome == "succeeded":
+            codec = target.codec
+            if kind == "compensation" and target.compensation_op is not None:
+                codec = target.compensation_op.codec
+            stored = codec.encode(codec.decode(result))
+        return inputs.Resolve(step, kind, outcome, stored, actor=actor, reason=reason)
 
     def _sign_approval(
         self, saga_id: str, step: str, request_hash: str, *, actor: str, ttl_seconds: float

@@ -17,8 +17,7 @@ from pydantic import BaseModel
 from saga import approvals, inputs
 from saga.database import check_connection, unavailable
 from saga.definition import Saga
-from saga.engine import ENV_CONFIRMATION_KEY, Engine
-from saga.errors import StepStateError
+from saga.engine import ENV_CONFIRMATION_KEY, Engine, list_filters, resolve_arguments
 from saga.leases import LeaseKeeper
 from saga.logs import get_logger
 from saga.loopguard import sync_only
@@ -358,23 +357,14 @@ class Orchestrator(Engine):
         settled the step, recorded in the audit trail; an empty or blank one is refused
         (`ValueError`).
         """
-        if outcome not in ("succeeded", "failed"):
-            raise ValueError(f"outcome must be 'succeeded' or 'failed', got {outcome!r}")
-        check_actor("resolve", actor)
+        resolve_arguments(outcome, actor)
         state = self.get(saga_id)
-        definition = self.definition(state.saga, state.version)
-        target = definition.step_named(step)
-        if target is None:
-            raise StepStateError(f"saga {state.saga!r} has no step {step!r}")
-        stored = None
-        if outcome == "succeeded":
-            codec = target.codec
-            if kind == "compensation" and target.compensation_op is not None:
-                codec = target.compensation_op.codec
-            stored = codec.encode(codec.decode(result))
+        request = self._resolution(
+            state, step, outcome=outcome, result=result, actor=actor, reason=reason, kind=kind
+        )
         return self._operator_change(
             state.id,
-            inputs.Resolve(step, kind, outcome, stored, actor=actor, reason=reason),
+            request,
             force=force,
             actor=actor,
         )
@@ -489,15 +479,7 @@ class Orchestrator(Engine):
         `older_than` keeps sagas whose last change (`updated_at`, by the database
         clock) is at least that long ago: for a parked saga, how long it has waited.
         """
-        if status is not None:
-            status = SagaStatus(status).value
-        if limit < 1:
-            raise ValueError(f"limit must be positive, got {limit}")
-        seconds = None
-        if older_than is not None:
-            seconds = older_than.total_seconds()
-            if seconds < 0:
-                raise ValueError(f"older_than must not be negative, got {older_than}")
+        status, seconds = list_filters(status, limit, older_than)
         return self.store.list_states(
             status=status, name=saga, tenant_id=tenant, limit=limit, older_than_seconds=seconds
         )

@@ -40,6 +40,7 @@ from saga.flow import Flows, RunnerOptions, describe_error, log_event, log_event
 from saga.leases import LeaseKeeper
 from saga.logs import get_logger
 from saga.protocol import Next, OpRow, Planner, SagaRow
+from saga.signatures import is_async
 from saga.state import SagaState
 from saga.store import Conn, Store
 
@@ -227,7 +228,7 @@ def _call_with_timeout(
     if timeout_seconds is None:
         return _call(fn, *args)
     what = f"attempt exceeded its timeout of {timeout_seconds:g}s; its outcome is unknown"
-    if _is_async(fn):
+    if is_async(fn):
         return _run_async(lambda: fn(*args), began=False, timeout=timeout_seconds, timed_out=what)
     outcome: list[Any] = []
     failure: list[BaseException] = []
@@ -270,21 +271,13 @@ def _call_with_timeout(
 def _call(fn: Callable[..., Any], *args: Any) -> Any:
     """Call a user function; an async one (or one that returns an awaitable) is awaited in
     an event loop of its own. `NotCalledError` or `MachineryFailedError` when that loop fails."""
-    if _is_async(fn):
+    if is_async(fn):
         # Nothing of an async function runs before its coroutine is awaited, in the loop.
         return _run_async(lambda: fn(*args), began=False)
     result = fn(*args)
     if inspect.isawaitable(result):
         return _run_async(lambda: result, began=True)
     return result
-
-
-def _is_async(fn: Callable[..., Any]) -> bool:
-    """Whether calling `fn` only creates a coroutine (async def, a partial of one, or an
-    object whose `__call__` is one)."""
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)  # noqa: B004 - the method, not callability
-    )
 
 
 def _run_async(

@@ -58,6 +58,14 @@ def _mismatch(signature: inspect.Signature, count: int) -> str | None:
     return None
 
 
+def is_async(fn: Callable[..., Any]) -> bool:
+    """Whether calling `fn` only creates a coroutine (async def, a partial of one, or an
+    object whose `__call__` is one)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - the method, not callability
+    )
+
+
 def describe_callable(fn: Callable[..., Any]) -> str:
     """The qualified name of a user function as a message names it: `Class.method`,
     `functools.partial(name)`, `Class.__call__` for a callable object."""

@@ -27,6 +27,21 @@ from saga.store import Store
 _log = get_logger("saga.worker")
 
 
+def check_settings(
+    concurrency: int, poll_seconds: float, grace_seconds: float, short_wait_seconds: float
+) -> None:
+    """`ValueError` naming the first worker setting out of range (both workers')."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+    for name, value in (
+        ("poll_seconds", poll_seconds),
+        ("grace_seconds", grace_seconds),
+        ("short_wait_seconds", short_wait_seconds),
+    ):
+        if not value >= 0 or (name == "poll_seconds" and value == 0):
+            raise ValueError(f"{name} must be positive, got {value}")
+
+
 class WorkerEngine(Protocol):
     """What a `Worker` needs of its orchestrator: the registry, the settings, the store
     and the heartbeat (an `Orchestrator` is one)."""
@@ -84,15 +99,7 @@ class Worker:
         grace_seconds: float = 10.0,
         short_wait_seconds: float = 1.0,
     ) -> None:
-        if concurrency < 1:
-            raise ValueError(f"concurrency must be at least 1, got {concurrency}")
-        for name, value in (
-            ("poll_seconds", poll_seconds),
-            ("grace_seconds", grace_seconds),
-            ("short_wait_seconds", short_wait_seconds),
-        ):
-            if not value >= 0 or (name == "poll_seconds" and value == 0):
-                raise ValueError(f"{name} must be positive, got {value}")
+        check_settings(concurrency, poll_seconds, grace_seconds, short_wait_seconds)
         self.orchestrator = orchestrator
         self.concurrency = concurrency
         self.poll_seconds = poll_seconds
