@@ -6,6 +6,8 @@ from saga.aworker import AsyncWorker
 from saga.context import StepContext
 from saga.definition import Ceilings, Compensation, Saga, Step
 from saga.errors import (
+    DatabaseError,
+    DatabaseInterrupted,
     DatabaseRefused,
     DatabaseUnavailable,
     IdempotencyConflict,
@@ -15,6 +17,7 @@ from saga.errors import (
     SagaDefinitionError,
     SagaError,
     SagaNotFound,
+    SchemaMissing,
     SchemaTooNew,
     StepStateError,
     SyncCallInEventLoop,
@@ -57,6 +60,8 @@ __all__ = [
     "Ceilings",
     "Compensation",
     "Confirmation",
+    "DatabaseError",
+    "DatabaseInterrupted",
     "DatabaseRefused",
     "DatabaseUnavailable",
     "Found",
@@ -77,6 +82,7 @@ __all__ = [
     "SagaNotFound",
     "SagaState",
     "SagaStatus",
+    "SchemaMissing",
     "SchemaTooNew",
     "Step",
     "StepContext",

@@ -28,24 +28,21 @@ from saga.store import (
     _state,
     _write,
     loaded_from_rows,
-    refused,
     start_params,
     started,
+    translate,
 )
 
 AConn = psycopg.AsyncConnection[dict[str, Any]]
 
 
 @asynccontextmanager
-async def _fenced() -> AsyncIterator[None]:
-    """What saga.write_saga refuses, as the orchestrator's errors (see `store._fenced`)."""
+async def _translated(conninfo: str) -> AsyncIterator[None]:
+    """What PostgreSQL or the pool raised, as the orchestrator's error (`store.translate`)."""
     try:
         yield
     except psycopg.Error as exc:
-        refusal = refused(exc)
-        if refusal is not None:
-            raise refusal from None
-        raise
+        raise translate(exc, conninfo) from exc
 
 
 class AsyncStore:
@@ -54,23 +51,25 @@ class AsyncStore:
 
     def __init__(self, pool: AsyncConnectionPool[Any]) -> None:
         self.pool = pool
+        # The pool's URL, for errors that say which database (never its password).
+        self._conninfo = pool.conninfo if isinstance(pool.conninfo, str) else ""
 
     @asynccontextmanager
     async def _connection(self) -> AsyncIterator[AConn]:
-        async with self.pool.connection() as conn:
+        async with _translated(self._conninfo), self.pool.connection() as conn:
             conn.row_factory = dict_row
             yield cast(AConn, conn)
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AConn]:
         """A connection inside one transaction, committed when the block exits cleanly."""
-        async with _fenced(), self._connection() as conn, conn.transaction():
+        async with self._connection() as conn, conn.transaction():
             yield conn
 
     @asynccontextmanager
     async def pipelined(self) -> AsyncIterator[AConn]:
         """One transaction sent in a pipeline (see `Store.pipelined`)."""
-        async with _fenced(), self._connection() as conn, conn.pipeline(), conn.transaction():
+        async with self._connection() as conn, conn.pipeline(), conn.transaction():
             yield conn
 
     # ----- leases ----------------------------------------------------------------------
@@ -200,7 +199,7 @@ class AsyncStore:
         self, write: Write, *, owner: str, lease_seconds: float, token: str | None = None
     ) -> SagaState | None:
         """Persist a lease holder's write in one statement and one round trip."""
-        async with _fenced(), self._connection() as conn:
+        async with self._connection() as conn:
             read = await self.save_txn(
                 conn, write, owner=owner, lease_seconds=lease_seconds, token=token
             )

@@ -15,7 +15,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, Literal, NoReturn, TypeVar, cast
 
-import psycopg
 import pydantic
 import structlog
 
@@ -1072,12 +1071,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"refused: {fmt.cli_wording(str(exc), _given(args))}", EXIT_PARTIAL, urls)
     except SagaError as exc:
         return _fail(fmt.cli_wording(str(exc), _given(args)), EXIT_PARTIAL, urls)
-    except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName):
-        return _fail(
-            "the saga schema is missing from this database; run `saga migrate`", EXIT_PARTIAL, urls
-        )
-    except psycopg.Error as exc:
-        return _fail(_one_line(exc), EXIT_PARTIAL, urls)
     except ValueError as exc:
         return _fail(f"{args.command}: {exc}", EXIT_USAGE, urls)
     except KeyboardInterrupt:

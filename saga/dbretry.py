@@ -11,6 +11,7 @@ import tenacity
 from psycopg import errors
 from psycopg_pool import PoolTimeout
 
+from saga.errors import DatabaseInterrupted
 from saga.logs import get_logger
 
 _log = get_logger("saga")
@@ -20,7 +21,10 @@ DEFAULT_RETRY_SECONDS = 30.0
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Connection lost, server shutting down, serialization failure, deadlock, pool timeout."""
+    """Connection lost, server shutting down, serialization failure, deadlock, pool timeout:
+    as psycopg raises them, or as the store translates them (`DatabaseInterrupted`)."""
+    if isinstance(exc, DatabaseInterrupted):
+        return True
     if isinstance(exc, errors.SerializationFailure | errors.DeadlockDetected):
         return True
     if isinstance(exc, PoolTimeout):

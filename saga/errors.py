@@ -49,6 +49,26 @@ class DatabaseRefused(DatabaseUnavailable):
     database, an access rule): retrying will not help until the settings change."""
 
 
+class DatabaseInterrupted(DatabaseUnavailable):
+    """Database work was cut off for a reason that may pass (the connection was lost, the
+    server is restarting or shutting down, no pooled connection came in time, a deadlock):
+    the orchestrator retries it with backoff, and raises this once its retries ran out."""
+
+
+class SchemaMissing(SagaError):
+    """The saga schema (or a function of it) is missing from the database: run
+    `saga migrate`, or let the orchestrator migrate on first use (`auto_migrate=True`)."""
+
+
+class DatabaseError(SagaError):
+    """PostgreSQL refused a statement for a reason that is neither the saga's state nor a
+    lost connection; the message names the SQLSTATE and what the server said."""
+
+    def __init__(self, message: str, *, sqlstate: str | None) -> None:
+        super().__init__(message)
+        self.sqlstate = sqlstate
+
+
 class StepStateError(SagaError, ValueError):
     """An operator request does not fit the saga's current state (e.g. resolving a settled step)."""
 

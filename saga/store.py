@@ -18,8 +18,18 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
-from saga.errors import LeaseLost, StepStateError
+from saga.database import describe_url
+from saga.dbretry import is_transient
+from saga.errors import (
+    DatabaseError,
+    DatabaseInterrupted,
+    LeaseLost,
+    SagaError,
+    SchemaMissing,
+    StepStateError,
+)
 from saga.protocol import ConfirmationChange, ConfirmationRow, Event, OpRow, SagaRow, Write
+from saga.redact import scrub
 from saga.state import (
     Confirmation,
     HistoryEvent,
@@ -60,23 +70,58 @@ def _q(name: str) -> LiteralString:
     return QUERIES[name]
 
 
+# SQLSTATEs of a statement that names a table, schema or function the database lacks.
+_SCHEMA_MISSING = (
+    psycopg.errors.UndefinedTable,
+    psycopg.errors.InvalidSchemaName,
+    psycopg.errors.UndefinedFunction,
+)
+
+
+def translate(exc: psycopg.Error, conninfo: str) -> SagaError:
+    """The orchestrator's error for what PostgreSQL or the pool raised; the server's own
+    words, with any password of `conninfo` scrubbed out.
+
+    A refusal of the saga's SQL functions (`refused`) keeps its meaning; a missing schema
+    says to run `saga migrate`; a transient failure (`is_transient`: a lost connection, a
+    restart, a pool timeout, a deadlock) becomes `DatabaseInterrupted`, which the retry
+    loops still recognise as transient; anything else is `DatabaseError` naming its
+    SQLSTATE.
+    """
+    refusal = refused(exc)
+    if refusal is not None:
+        return refusal
+    where = describe_url(conninfo) if conninfo else "the configured database"
+    said = scrub(" ".join(str(exc.diag.message_primary or exc).split()), conninfo)
+    if isinstance(exc, _SCHEMA_MISSING):
+        return SchemaMissing(
+            f"the saga schema is missing from the database at {where} ({said}); run `saga migrate`"
+        )
+    if is_transient(exc):
+        reason = said or type(exc).__name__
+        return DatabaseInterrupted(f"database work at {where} was cut off: {reason}")
+    code = f" [SQLSTATE {exc.sqlstate}]" if exc.sqlstate else ""
+    return DatabaseError(
+        f"PostgreSQL at {where} refused a statement{code}: {said or type(exc).__name__}",
+        sqlstate=exc.sqlstate,
+    )
+
+
 @contextmanager
-def _fenced() -> Iterator[None]:
-    """Turn what saga.write_saga refuses into the orchestrator's errors, the transaction
-    rolled back with it: a failed fence check (SQLSTATE SG001, also from
-    saga.assert_fence) into `LeaseLost`, a confirmation it cannot write (SG002) into
-    `StepStateError`."""
+def _translated(conninfo: str) -> Iterator[None]:
+    """Raise what PostgreSQL or the pool raised inside the block as the orchestrator's
+    error (`translate`); the transaction was rolled back with it."""
     try:
         yield
     except psycopg.Error as exc:
-        refusal = refused(exc)
-        if refusal is not None:
-            raise refusal from None
-        raise
+        raise translate(exc, conninfo) from exc
 
 
 def refused(exc: psycopg.Error) -> LeaseLost | StepStateError | None:
-    """The orchestrator's error for a refusal raised by its SQL functions, else None."""
+    """The orchestrator's error for a refusal raised by its SQL functions: a failed fence
+    check (SQLSTATE SG001, from saga.assert_fence and saga.write_saga) is `LeaseLost`, a
+    confirmation saga.write_saga cannot write as asked (SG002) is `StepStateError`;
+    else None."""
     message = str(exc.diag.message_primary or exc)
     if exc.sqlstate == FENCE_SQLSTATE:
         return LeaseLost(message)
@@ -119,18 +164,21 @@ class Store:
 
     def __init__(self, pool: ConnectionPool[Any]) -> None:
         self.pool = pool
+        # The pool's URL, for errors that say which database (never its password).
+        self._conninfo = pool.conninfo if isinstance(pool.conninfo, str) else ""
 
     @contextmanager
     def transaction(self) -> Iterator[Conn]:
         """A connection inside one transaction, committed when the block exits cleanly."""
-        with _fenced(), self._connection() as conn, conn.transaction():
+        with self._connection() as conn, conn.transaction():
             yield conn
 
     @contextmanager
     def _connection(self) -> Iterator[Conn]:
         # An autocommit connection: one statement is one transaction, and costs no
-        # BEGIN and COMMIT of its own (for statements that need no company).
-        with self.pool.connection() as conn:
+        # BEGIN and COMMIT of its own (for statements that need no company). Whatever
+        # psycopg raises inside leaves as the orchestrator's error (`translate`).
+        with _translated(self._conninfo), self.pool.connection() as conn:
             conn.row_factory = dict_row
             yield cast(Conn, conn)
 
@@ -141,7 +189,7 @@ class Store:
         inside. Results of deferred reads are fetched after the block. A failed fence check
         (`assert_fence_txn`, or a fenced `save_txn`) becomes `LeaseLost`, with everything
         queued rolled back."""
-        with _fenced(), self._connection() as conn, conn.pipeline(), conn.transaction():
+        with self._connection() as conn, conn.pipeline(), conn.transaction():
             yield conn
 
     def assert_fence_txn(
@@ -277,7 +325,7 @@ class Store:
         """Persist a lease holder's write in one statement and one round trip; the saga's
         new state when `write.return_state`. `LeaseLost` when the fence no longer matches,
         `StepStateError` when a confirmation cannot be written."""
-        with _fenced(), self._connection() as conn:
+        with self._connection() as conn:
             return self.save_txn(
                 conn, write, owner=owner, lease_seconds=lease_seconds, token=token
             )()

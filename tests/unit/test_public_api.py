@@ -15,6 +15,8 @@ EXPECTED_ALL = [
     "Ceilings",
     "Compensation",
     "Confirmation",
+    "DatabaseError",
+    "DatabaseInterrupted",
     "DatabaseRefused",
     "DatabaseUnavailable",
     "Found",
@@ -35,6 +37,7 @@ EXPECTED_ALL = [
     "SagaNotFound",
     "SagaState",
     "SagaStatus",
+    "SchemaMissing",
     "SchemaTooNew",
     "Step",
     "StepContext",
@@ -105,9 +108,13 @@ def test_errors_share_the_documented_bases() -> None:
         saga.StepStateError,
         saga.LeaseLost,
         saga.SchemaTooNew,
+        saga.SchemaMissing,
+        saga.DatabaseError,
     ):
         assert issubclass(error, saga.SagaError)
     assert issubclass(saga.DatabaseUnavailable, ConnectionError)
+    # A connection lost after the retries ran out is still "the database is unavailable".
+    assert issubclass(saga.DatabaseInterrupted, saga.DatabaseUnavailable)
     assert issubclass(saga.SagaNotFound, LookupError)
     assert not issubclass(saga.PermanentError, saga.TransientError)
     assert not issubclass(saga.TransientError, saga.PermanentError)
