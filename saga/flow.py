@@ -57,6 +57,7 @@ from saga.protocol import (
     Write,
     Yield,
 )
+from saga.rows import describe
 from saga.state import OperationStatus, SagaState
 from saga.store import Loaded, new_token
 
@@ -555,7 +556,7 @@ class Flows:
             # not started; the saga parks with the reason.
             _log.error("prepare_not_run", step=op.step, kind=op.kind, error=str(exc))
             reason = (
-                f"prepare of {_describe_op(op)} could not be run: the orchestrator failed "
+                f"prepare of {describe(op)} could not be run: the orchestrator failed "
                 f"({exc}); the attempt was not called"
             )
             return (yield from self._transact(planner, inputs.NotCalled(op.step, op.kind, reason)))
@@ -598,7 +599,7 @@ class Flows:
                 raise
             _log.error("attempt_not_called", **where, error=_describe_error(exc))
             reason = (
-                f"attempt {op.attempts} of {_describe_op(op)} was not called: its arguments "
+                f"attempt {op.attempts} of {describe(op)} was not called: its arguments "
                 f"could not be built ({_describe_error(exc)}); nothing of it ran"
             )
             return (yield from self._transact(planner, inputs.NotCalled(op.step, op.kind, reason)))
@@ -616,7 +617,7 @@ class Flows:
             # Our machinery failed before any of the step ran: no outcome to record.
             _log.error("attempt_not_called", **where, error=str(exc), traceback=traceback_of(exc))
             reason = (
-                f"attempt {op.attempts} of {_describe_op(op)} was not called: the orchestrator "
+                f"attempt {op.attempts} of {describe(op)} was not called: the orchestrator "
                 f"could not run it ({exc}); nothing of it ran"
             )
             outcome = inputs.NotCalled(op.step, op.kind, reason)
@@ -744,10 +745,6 @@ def traceback_of(exc: BaseException) -> str:
 def _now() -> datetime:
     # The time of an input to the core (which reads no clock itself).
     return datetime.now().astimezone()
-
-
-def _describe_op(op: OpRow) -> str:
-    return f"step {op.step!r}" if op.kind == "action" else f"compensation of step {op.step!r}"
 
 
 def _describe_error(exc: BaseException) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
+from saga import ceilings, interventions
 from saga.protocol import OpRow, Planner
 
 Verdict = Literal["retry", "failed", "unknown"]
@@ -230,10 +231,10 @@ def apply(planner: Planner, outcome: Outcome, now: datetime) -> None:
     if isinstance(outcome, Spent):
         inner = outcome.outcome
         op = planner.op(inner.step, inner.kind)
-        planner.note_spend(op, outcome.amount)
+        ceilings.note_spend(op, outcome.amount)
         _apply_to(planner, op, inner)
         if outcome.refused is not None:
-            planner.refuse_spend(op, outcome.refused)
+            ceilings.refuse_spend(planner, op, outcome.refused)
         return
     _apply_to(planner, planner.op(outcome.step, outcome.kind), outcome)
 
@@ -279,34 +280,47 @@ def _apply_to(planner: Planner, op: OpRow, outcome: OpOutcome) -> None:
 def request(planner: Planner, req: Request, now: datetime) -> bool:
     """Apply an operator's request, made at `now`, to `planner`'s snapshot; False when it
     found the saga already where it asks for, and changed nothing."""
-    planner.now = now
     if isinstance(req, RequestCompensation):
-        return planner.request_compensation(include_unknown=req.include_unknown, actor=req.actor)
+        return interventions.request_compensation(
+            planner, include_unknown=req.include_unknown, actor=req.actor, now=now
+        )
     if isinstance(req, Resolve):
-        planner.resolve(
+        interventions.resolve(
+            planner,
             req.step,
             kind=req.kind,
             outcome=req.outcome,
             result=req.result,
             actor=req.actor,
             reason=req.reason,
+            now=now,
         )
     elif isinstance(req, RequestRetry):
-        planner.request_retry(extra_attempts=req.extra_attempts, actor=req.actor)
+        interventions.request_retry(
+            planner, extra_attempts=req.extra_attempts, actor=req.actor, now=now
+        )
     elif isinstance(req, RequestCancel):
-        return planner.request_cancel(
-            reason=req.reason, actor=req.actor, include_unknown=req.include_unknown
+        return interventions.request_cancel(
+            planner,
+            reason=req.reason,
+            actor=req.actor,
+            include_unknown=req.include_unknown,
+            now=now,
         )
     elif isinstance(req, RaiseCeilings):
-        planner.raise_ceilings(
+        interventions.raise_ceilings(
+            planner,
             actor=req.actor,
             max_operations=req.max_operations,
             spend_budget=req.spend_budget,
             max_side_effects=req.max_side_effects,
             extend_deadline_seconds=req.extend_deadline_seconds,
+            now=now,
         )
     elif isinstance(req, Approve):
-        planner.approve_confirmation(req.step, req.request_hash, actor=req.actor)
+        interventions.approve_confirmation(
+            planner, req.step, req.request_hash, actor=req.actor, now=now
+        )
     else:
-        return planner.reopen_expired_confirmation()
+        return interventions.reopen_expired_confirmation(planner, now=now)
     return True

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Literal
 
+from saga import interventions
 from saga.errors import DatabaseUnavailable, SagaError, SagaNotFound
 from saga.protocol import Planner
 from saga.state import OperationStatus, SagaState, SagaStatus
@@ -153,8 +154,9 @@ def plan_compensation(
     if loaded is None:
         return PlannedSaga(state.id, describe(state), [], skip="the saga no longer exists")
     planner = Planner(definition, *loaded, now=datetime.now().astimezone())
-    runs, stop = planner.compensation_plan(include_unknown=include_unknown)
-    return PlannedSaga(state.id, describe(state), runs, stop=stop, raises=planner.fresh_budgets())
+    runs, stop = interventions.compensation_plan(planner, include_unknown=include_unknown)
+    raises = interventions.fresh_budgets(planner)
+    return PlannedSaga(state.id, describe(state), runs, stop=stop, raises=raises)
 
 
 def cancel_plan(
@@ -173,8 +175,9 @@ def cancel_plan(
     planner = Planner(definition, *loaded, now=datetime.now().astimezone())
     if planner.saga.direction == "backward":
         return None
-    runs, stop = planner.compensation_plan(include_unknown=include_unknown)
-    return PlannedSaga(state.id, describe(state), runs, stop=stop, raises=planner.fresh_budgets())
+    runs, stop = interventions.compensation_plan(planner, include_unknown=include_unknown)
+    raises = interventions.fresh_budgets(planner)
+    return PlannedSaga(state.id, describe(state), runs, stop=stop, raises=raises)
 
 
 def dry_run(

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from saga import RetryPolicy, Saga, StepStateError
+from saga import RetryPolicy, Saga, StepStateError, interventions
 from saga.cli import UsageError, _parser, load_app
 from saga.operator import parse_duration
 from saga.protocol import Invoke, OpRow, Planner, SagaRow, new_action_rows
@@ -77,10 +77,10 @@ def test_retry_needs_extra_attempts_at_the_ceiling_and_keeps_the_count() -> None
     planner.take_events()
 
     with pytest.raises(StepStateError, match="1 of its 1 attempts"):
-        planner.request_retry(extra_attempts=0, actor="bob")
+        interventions.request_retry(planner, extra_attempts=0, actor="bob", now=planner.now)
     assert (notify.status, notify.attempts, notify.max_attempts) == ("failed", 1, 1)
 
-    op = planner.request_retry(extra_attempts=2, actor="bob")
+    op = interventions.request_retry(planner, extra_attempts=2, actor="bob", now=planner.now)
     assert op is notify
     assert (notify.status, notify.attempts, notify.max_attempts) == ("pending", 1, 3)
     assert planner.saga.status == SagaStatus.RUNNING and planner.saga.error is None
@@ -99,7 +99,7 @@ def test_retry_refuses_an_unknown_outcome_that_could_repeat_its_effect() -> None
     charge = _start(planner)
     planner.record_unknown(charge, "TypeError: not JSON", park=True)
     with pytest.raises(StepStateError, match="resolve it"):
-        planner.request_retry(extra_attempts=5, actor="bob")
+        interventions.request_retry(planner, extra_attempts=5, actor="bob", now=planner.now)
     assert charge.status == OperationStatus.UNKNOWN
 
 
@@ -109,7 +109,7 @@ def test_retry_settles_an_idempotent_unknown_again() -> None:
     _succeed(planner, 1)
     charge = _start(planner)
     planner.record_unknown(charge, "crashed", park=True)
-    planner.request_retry(extra_attempts=0, actor=None)
+    interventions.request_retry(planner, extra_attempts=0, actor=None, now=planner.now)
     assert charge.status == OperationStatus.UNKNOWN
     assert _start(planner) is charge and charge.attempts == 2
 
@@ -119,7 +119,7 @@ def test_retry_refuses_a_saga_that_is_not_parked() -> None:
     planner = _planner()
     _start(planner)
     with pytest.raises(StepStateError, match="not needs_review"):
-        planner.request_retry(extra_attempts=1, actor="bob")
+        interventions.request_retry(planner, extra_attempts=1, actor="bob", now=planner.now)
 
 
 # ----- cancel --------------------------------------------------------------------------
@@ -130,13 +130,17 @@ def test_cancel_records_the_reason_and_turns_backward() -> None:
     planner = _planner()
     _succeed(planner, 1)
     planner.take_events()
-    assert planner.request_cancel(reason="customer asked", actor="carol", include_unknown=False)
+    assert interventions.request_cancel(
+        planner, reason="customer asked", actor="carol", include_unknown=False, now=planner.now
+    )
     assert planner.saga.direction == "backward"
     assert planner.saga.status == SagaStatus.COMPENSATING
     assert planner.saga.error == "cancelled by carol: customer asked"
     names = [e.event for e in planner.take_events()]
     assert names == ["cancel_requested", "compensation_requested"]
-    assert not planner.request_cancel(reason="again", actor="carol", include_unknown=False)
+    assert not interventions.request_cancel(
+        planner, reason="again", actor="carol", include_unknown=False, now=planner.now
+    )
 
 
 def test_cancel_refuses_past_a_pivot_and_a_completed_saga() -> None:
@@ -144,13 +148,17 @@ def test_cancel_refuses_past_a_pivot_and_a_completed_saga() -> None:
     pivoted = _planner(pivot=True)
     _succeed(pivoted, 2)
     with pytest.raises(StepStateError, match="pivot step 'charge'"):
-        pivoted.request_cancel(reason="x", actor="carol", include_unknown=False)
+        interventions.request_cancel(
+            pivoted, reason="x", actor="carol", include_unknown=False, now=pivoted.now
+        )
     done = _planner()
     _succeed(done, 3)
     done.advance()
     assert done.saga.status == SagaStatus.COMPLETED
     with pytest.raises(StepStateError, match="completed"):
-        done.request_cancel(reason="x", actor="carol", include_unknown=False)
+        interventions.request_cancel(
+            done, reason="x", actor="carol", include_unknown=False, now=done.now
+        )
 
 
 # ----- compensation plan -----------------------------------------------------------------
@@ -162,7 +170,7 @@ def test_compensation_plan_lists_keys_in_reverse_and_changes_nothing() -> None:
     _succeed(planner, 2)
     planner.take_events()
     before = [(o.step, o.kind, o.status, o.attempts) for o in planner.ops]
-    runs, stop = planner.compensation_plan(include_unknown=False)
+    runs, stop = interventions.compensation_plan(planner, include_unknown=False)
     assert runs == [
         ("charge", "shop:v1::o-1:charge:compensate"),
         ("reserve", "shop:v1::o-1:reserve:compensate"),
@@ -178,9 +186,9 @@ def test_compensation_plan_stops_at_an_unknown_step_unless_included() -> None:
     _succeed(planner, 1)
     charge = _start(planner)
     planner.record_unknown(charge, "crashed", park=True)
-    runs, stop = planner.compensation_plan(include_unknown=False)
+    runs, stop = interventions.compensation_plan(planner, include_unknown=False)
     assert runs == [] and stop is not None and "'charge'" in stop
-    runs, stop = planner.compensation_plan(include_unknown=True)
+    runs, stop = interventions.compensation_plan(planner, include_unknown=True)
     assert [step for step, _ in runs] == ["charge", "reserve"] and stop is None
 
 

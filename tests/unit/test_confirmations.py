@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from saga import RetryPolicy, Saga, StepContext
+from saga import RetryPolicy, Saga, StepContext, confirmations, interventions
 from saga.approvals import preview_hash
 from saga.protocol import (
     ConfirmationRow,
@@ -84,13 +84,15 @@ def _later(seconds: float = 1.0) -> datetime:
 def _waits(planner: Planner, now: datetime | None = None) -> ConfirmationRow:
     nxt: Next = planner.advance(now)
     assert isinstance(nxt, Stop) and nxt.status == SagaStatus.AWAITING_CONFIRMATION, nxt
-    pending = planner.pending_confirmation()
+    pending = confirmations.pending_confirmation(planner)
     assert pending is not None
     return pending
 
 
 def _approve(planner: Planner, pending: ConfirmationRow) -> None:
-    planner.approve_confirmation("pay", pending.request_hash, actor="ops")
+    interventions.approve_confirmation(
+        planner, "pay", pending.request_hash, actor="ops", now=planner.now
+    )
     pending.dirty = False  # written by the operator's transaction
 
 
@@ -152,7 +154,7 @@ def test_an_operator_retry_asks_again() -> None:
     assert _released(planner) == 1
     planner.record_failure(op, "declined", retryable=False, delay=0.0)
     assert isinstance(planner.advance(), Stop) and planner.saga.status == SagaStatus.NEEDS_REVIEW
-    planner.request_retry(extra_attempts=0, actor="ops")
+    interventions.request_retry(planner, extra_attempts=0, actor="ops", now=planner.now)
     assert _waits(planner).preview["attempt"] == 2
 
 

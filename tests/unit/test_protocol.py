@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from saga import RetryPolicy, Saga, StepStateError, inputs
+from saga import RetryPolicy, Saga, StepStateError, inputs, interventions
 from saga.keys import operation_key
 from saga.protocol import (
     AskReconcile,
@@ -469,11 +469,13 @@ def test_compensation_request_gives_a_compensation_failed_at_its_ceiling_a_fresh
     records ceiling_raised with the actor, and the plan lists exactly what then runs."""
     planner, comp = _parked_at_compensation(retryable=True)
     assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)  # the runtime never raises it
-    plan, stop = planner.compensation_plan(include_unknown=False)
+    plan, stop = interventions.compensation_plan(planner, include_unknown=False)
     assert stop is None
     assert [step for step, _ in plan] == ["charge", "reserve"]
 
-    planner.request_compensation(include_unknown=False, actor="ops@acme")
+    interventions.request_compensation(
+        planner, include_unknown=False, actor="ops@acme", now=planner.now
+    )
 
     assert (comp.status, comp.attempts, comp.max_attempts) == (OperationStatus.PENDING, 2, 4)
     raised = [e for e in planner.take_events() if e.event == "ceiling_raised"]
@@ -493,10 +495,10 @@ def test_compensation_request_leaves_a_permanently_failed_compensation_to_a_huma
     """A compensation that failed below its ceiling failed permanently: no fresh budget,
     and the plan says it would stop there and what to do instead."""
     planner, comp = _parked_at_compensation(retryable=False)
-    plan, stop = planner.compensation_plan(include_unknown=False)
+    plan, stop = interventions.compensation_plan(planner, include_unknown=False)
     assert plan == [] and stop is not None
     assert "failed permanently" in stop and "resolve" in stop
-    planner.request_compensation(include_unknown=False, actor="ops")
+    interventions.request_compensation(planner, include_unknown=False, actor="ops", now=planner.now)
     assert "ceiling_raised" not in _names(planner)
     assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
     assert (comp.status, comp.max_attempts) == (OperationStatus.FAILED, 2)
@@ -624,7 +626,7 @@ def test_unknown_stays_unknown_while_its_retry_is_blocked_by_a_shutdown() -> Non
     assert op.attempts == 1
     assert op.retrying_unknown
     assert _names(planner) == ["outcome_unknown"]
-    assert planner.compensation_plan(include_unknown=False)[1] is not None
+    assert interventions.compensation_plan(planner, include_unknown=False)[1] is not None
     assert _invoke(planner) is op and op.attempts == 2
     assert _names(planner) == ["unknown_retried", "attempt_started"]
 
@@ -637,17 +639,17 @@ def test_unknown_blocked_by_a_saga_ceiling_is_compensated_as_unknown() -> None:
     assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
     assert op.status == OperationStatus.UNKNOWN and op.attempts == 1
     assert planner.blocking_operation() is op
-    runs, stop = planner.compensation_plan(include_unknown=False)
+    runs, stop = interventions.compensation_plan(planner, include_unknown=False)
     assert runs == [] and stop is not None and "'charge'" in stop
-    runs, stop = planner.compensation_plan(include_unknown=True)
+    runs, stop = interventions.compensation_plan(planner, include_unknown=True)
     assert [step for step, _ in runs] == ["charge", "reserve"] and stop is None
 
-    planner.request_compensation(include_unknown=False, actor="ops")
+    interventions.request_compensation(planner, include_unknown=False, actor="ops", now=planner.now)
     assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
     assert _ops(planner, "compensation") == []
 
     planner.saga.max_operations = None
-    planner.request_compensation(include_unknown=True, actor="ops")
+    interventions.request_compensation(planner, include_unknown=True, actor="ops", now=planner.now)
     nxt, ran = _compensate_all(planner)
     assert nxt == Stop(SagaStatus.COMPENSATED)
     assert ran == [("charge", "compensation"), ("reserve", "compensation")]
@@ -659,7 +661,9 @@ def test_cancel_with_include_unknown_undoes_a_blocked_unknown_retry() -> None:
     planner.saga.max_operations = 2
     assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
     planner.saga.max_operations = None
-    assert planner.request_cancel(reason="customer left", actor="ops", include_unknown=True)
+    assert interventions.request_cancel(
+        planner, reason="customer left", actor="ops", include_unknown=True, now=planner.now
+    )
     nxt, ran = _compensate_all(planner)
     assert nxt == Stop(SagaStatus.COMPENSATED)
     assert ran == [("charge", "compensation"), ("reserve", "compensation")]
@@ -682,7 +686,7 @@ def test_a_retry_failing_transiently_after_an_unknown_attempt_stays_unknown() ->
     planner.record_failure(op, "TransientError: down", retryable=True, delay=5.0)
     assert op.status == OperationStatus.UNKNOWN
     assert isinstance(planner.advance(), Sleep)
-    assert planner.compensation_plan(include_unknown=False)[1] is not None
+    assert interventions.compensation_plan(planner, include_unknown=False)[1] is not None
     later = planner.now + timedelta(seconds=10)
     assert _invoke(planner, later) is op and op.attempts == 3
     planner.record_failure(op, "TransientError: down", retryable=True, delay=5.0)
@@ -878,7 +882,9 @@ def _parked_with_unknown(*, comp_idempotent: bool = True) -> Planner:
 def test_compensate_stops_at_an_unknown_step() -> None:
     """request_compensation without include_unknown stops at the unknown step: nothing runs."""
     planner = _parked_with_unknown()
-    planner.request_compensation(include_unknown=False, actor="ops@acme")
+    interventions.request_compensation(
+        planner, include_unknown=False, actor="ops@acme", now=planner.now
+    )
     assert planner.saga.status == SagaStatus.COMPENSATING
     assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
     assert _ops(planner, "compensation") == []
@@ -892,7 +898,9 @@ def test_compensate_stops_at_an_unknown_step() -> None:
 def test_compensate_with_include_unknown_compensates_the_unknown_step_too() -> None:
     """include_unknown=True compensates the unknown step, then the earlier ones, in reverse."""
     planner = _parked_with_unknown()
-    planner.request_compensation(include_unknown=True, actor="ops@acme")
+    interventions.request_compensation(
+        planner, include_unknown=True, actor="ops@acme", now=planner.now
+    )
     ran: list[tuple[str, str]] = []
     while not isinstance(nxt := planner.advance(), Stop):
         assert isinstance(nxt, Invoke)
@@ -907,7 +915,7 @@ def test_compensate_a_running_saga_runs_no_further_step() -> None:
     """An operator's compensation request undoes what succeeded and never runs later steps."""
     planner = _planner(Spec("reserve"), Spec("charge"), Spec("ship"))
     _succeed(planner)
-    planner.request_compensation(include_unknown=False, actor=None)
+    interventions.request_compensation(planner, include_unknown=False, actor=None, now=planner.now)
     comp = _invoke(planner)
     assert (comp.step, comp.kind) == ("reserve", "compensation")
     planner.record_success(comp, None)
@@ -923,7 +931,7 @@ def test_compensating_a_compensated_saga_is_a_no_op() -> None:
     planner.record_failure(op, "boom", retryable=False, delay=0.0)
     assert planner.advance() == Stop(SagaStatus.COMPENSATED)
     planner.take_events()
-    planner.request_compensation(include_unknown=True, actor="ops")
+    interventions.request_compensation(planner, include_unknown=True, actor="ops", now=planner.now)
     assert planner.saga.status == SagaStatus.COMPENSATED
     assert planner.take_events() == []
 
@@ -931,13 +939,15 @@ def test_compensating_a_compensated_saga_is_a_no_op() -> None:
 def test_resolve_succeeded_settles_the_step_and_makes_the_saga_runnable() -> None:
     """resolve(outcome='succeeded') stores the result; the saga runs on from the next step."""
     planner = _parked_with_unknown()
-    op = planner.resolve(
+    op = interventions.resolve(
+        planner,
         "charge",
         kind=None,
         outcome="succeeded",
         result={"charge": "ch_9"},
         actor="ops@acme",
         reason="seen in dashboard",
+        now=planner.now,
     )
     assert op.kind == "action"
     assert op.status == OperationStatus.SUCCEEDED
@@ -959,8 +969,15 @@ def test_resolve_succeeded_settles_the_step_and_makes_the_saga_runnable() -> Non
 def test_resolve_failed_starts_compensation() -> None:
     """resolve(outcome='failed') fails the step; advancing then compensates earlier steps."""
     planner = _parked_with_unknown()
-    op = planner.resolve(
-        "charge", kind=None, outcome="failed", result=None, actor="ops@acme", reason="no charge"
+    op = interventions.resolve(
+        planner,
+        "charge",
+        kind=None,
+        outcome="failed",
+        result=None,
+        actor="ops@acme",
+        reason="no charge",
+        now=planner.now,
     )
     assert op.status == OperationStatus.FAILED
     assert op.error == "resolved as failed by ops@acme: no charge"
@@ -981,8 +998,15 @@ def test_resolve_refuses_a_compensated_or_completed_saga() -> None:
     assert compensated.advance() == Stop(SagaStatus.COMPENSATED)
     compensated.take_events()
     with pytest.raises(StepStateError, match="compensated: it is final"):
-        compensated.resolve(
-            "charge", kind=None, outcome="succeeded", result={}, actor="ops", reason=None
+        interventions.resolve(
+            compensated,
+            "charge",
+            kind=None,
+            outcome="succeeded",
+            result={},
+            actor="ops",
+            reason=None,
+            now=compensated.now,
         )
     assert compensated.find("charge", "action").status == OperationStatus.FAILED  # type: ignore[union-attr]
     assert compensated.take_events() == []
@@ -991,11 +1015,18 @@ def test_resolve_refuses_a_compensated_or_completed_saga() -> None:
     _succeed(completed)
     assert completed.advance() == Stop(SagaStatus.COMPLETED)
     with pytest.raises(StepStateError, match=r"completed: .*compensate it"):
-        completed.resolve(
-            "reserve", kind=None, outcome="failed", result=None, actor="o", reason="x"
+        interventions.resolve(
+            completed,
+            "reserve",
+            kind=None,
+            outcome="failed",
+            result=None,
+            actor="o",
+            reason="x",
+            now=completed.now,
         )
     with pytest.raises(StepStateError, match="completed"):
-        completed.raise_ceilings(actor="ops", max_operations=10)
+        interventions.raise_ceilings(completed, actor="ops", max_operations=10, now=completed.now)
 
 
 def test_resolve_refuses_success_of_a_step_compensation_has_gone_past() -> None:
@@ -1009,8 +1040,15 @@ def test_resolve_refuses_success_of_a_step_compensation_has_gone_past() -> None:
     planner.record_failure(_invoke(planner), "warehouse gone", retryable=False, delay=0.0)
     assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
     with pytest.raises(StepStateError, match="already gone past step 'ship'"):
-        planner.resolve(
-            "ship", kind="action", outcome="succeeded", result={}, actor="ops", reason=None
+        interventions.resolve(
+            planner,
+            "ship",
+            kind="action",
+            outcome="succeeded",
+            result={},
+            actor="ops",
+            reason=None,
+            now=planner.now,
         )
     assert planner.find("ship", "action").status == OperationStatus.FAILED  # type: ignore[union-attr]
 
@@ -1026,8 +1064,15 @@ def test_resolve_a_failed_compensation_continues_compensating() -> None:
     assert comp.step == "charge"
     planner.record_failure(comp, "refund API down", retryable=False, delay=0.0)
     assert planner.advance() == Stop(SagaStatus.NEEDS_REVIEW)
-    resolved = planner.resolve(
-        "charge", kind=None, outcome="succeeded", result=None, actor="ops", reason=None
+    resolved = interventions.resolve(
+        planner,
+        "charge",
+        kind=None,
+        outcome="succeeded",
+        result=None,
+        actor="ops",
+        reason=None,
+        now=planner.now,
     )
     assert resolved is comp
     assert planner.saga.status == SagaStatus.COMPENSATING
@@ -1041,8 +1086,15 @@ def test_resolve_refuses_a_succeeded_step() -> None:
     op = _succeed(planner, {"r": 1})
     planner.take_events()
     with pytest.raises(StepStateError):
-        planner.resolve(
-            "reserve", kind=None, outcome="failed", result=None, actor="ops", reason=None
+        interventions.resolve(
+            planner,
+            "reserve",
+            kind=None,
+            outcome="failed",
+            result=None,
+            actor="ops",
+            reason=None,
+            now=planner.now,
         )
     assert op.status == OperationStatus.SUCCEEDED
     assert op.result == {"r": 1}
@@ -1053,8 +1105,15 @@ def test_resolve_refuses_a_step_never_attempted() -> None:
     """Resolving a step that has not been attempted raises StepStateError."""
     planner = _planner(Spec("reserve"), Spec("charge"))
     with pytest.raises(StepStateError):
-        planner.resolve(
-            "charge", kind=None, outcome="succeeded", result=None, actor="ops", reason=None
+        interventions.resolve(
+            planner,
+            "charge",
+            kind=None,
+            outcome="succeeded",
+            result=None,
+            actor="ops",
+            reason=None,
+            now=planner.now,
         )
     assert planner.find("charge", "action").status == OperationStatus.PENDING  # type: ignore[union-attr]
 
@@ -1063,10 +1122,26 @@ def test_resolve_refuses_unknown_step_or_missing_compensation() -> None:
     """An undeclared step name, or a compensation not created yet, raises StepStateError."""
     planner = _parked_with_unknown()
     with pytest.raises(StepStateError):
-        planner.resolve("refund", kind=None, outcome="failed", result=None, actor="o", reason=None)
+        interventions.resolve(
+            planner,
+            "refund",
+            kind=None,
+            outcome="failed",
+            result=None,
+            actor="o",
+            reason=None,
+            now=planner.now,
+        )
     with pytest.raises(StepStateError):
-        planner.resolve(
-            "charge", kind="compensation", outcome="failed", result=None, actor="o", reason=None
+        interventions.resolve(
+            planner,
+            "charge",
+            kind="compensation",
+            outcome="failed",
+            result=None,
+            actor="o",
+            reason=None,
+            now=planner.now,
         )
 
 

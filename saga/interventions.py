@@ -1,0 +1,450 @@
+"""An operator's requests, applied to a saga's snapshot under its row lock, and the dry
+runs of compensating.
+
+Each request (compensate, cancel, resolve, retry, raise ceilings, approve or reopen a
+confirmation) is refused with `StepStateError`, changing nothing, where it would leave
+the saga somewhere the protocol never goes; otherwise it changes the snapshot and
+records its audit events, with who asked. `saga.inputs.request` applies them as
+values. Like the rest of the core, this module does no I/O and reads no clock: each
+request is made at the `now` it is given.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+from saga.confirmations import pending_confirmation
+from saga.errors import StepStateError
+from saga.protocol import Planner, unknown_remedy
+from saga.rows import Event, Kind, OpRow, describe
+from saga.state import OperationStatus, SagaStatus
+
+
+def request_compensation(
+    planner: Planner, *, include_unknown: bool, actor: str | None, now: datetime
+) -> bool:
+    """Switch to compensating what succeeded, in reverse, running no further step.
+
+    An explicit request gives each compensation that failed at its ceiling a fresh
+    budget of its policy's max_attempts (the attempts made still count), recorded as
+    `ceiling_raised`; the automatic runtime never does. False when the saga is
+    already compensated (nothing changes).
+    """
+    planner.now = now
+    if planner.saga.status == SagaStatus.COMPENSATED:
+        return False
+    planner.saga.direction = "backward"
+    _resume(planner, now)
+    planner.events.append(
+        Event(
+            "compensation_requested",
+            detail={"actor": actor, "include_unknown": include_unknown},
+        )
+    )
+    if include_unknown:
+        for act in planner.actions:
+            if act.status in (OperationStatus.UNKNOWN, OperationStatus.RUNNING):
+                planner.mark_unknown(act, act.error or "outcome unknown")
+                if planner.compensation_of(act) and planner.find(act.step, "compensation") is None:
+                    planner.add_compensation(act)
+    for comp in planner.ops:
+        budget = _fresh_budget(planner, comp)
+        if budget is None:
+            continue
+        previous = comp.max_attempts
+        comp.max_attempts = comp.attempts + budget
+        planner.touch(comp, status=OperationStatus.PENDING)
+        comp.next_attempt_at = None
+        planner.event(
+            "ceiling_raised",
+            comp,
+            actor=actor,
+            reason="explicit compensation request",
+            previous_max_attempts=previous,
+            max_attempts=comp.max_attempts,
+        )
+    return True
+
+
+def resolve(
+    planner: Planner,
+    step: str,
+    *,
+    kind: Kind | None,
+    outcome: Literal["succeeded", "failed"],
+    result: Any,
+    actor: str,
+    reason: str | None,
+    now: datetime,
+) -> OpRow:
+    """An operator settles an operation; the saga becomes runnable again.
+
+    Refused (`StepStateError`, nothing changed) where the settlement would leave the
+    saga in a state the protocol never reaches: on a completed or compensated saga
+    (nothing runs again, so nothing could act on it), and as `succeeded` for a step
+    that compensation has already gone past (it would be undone out of order)."""
+    planner.now = now
+    _refuse_when_final(planner, "resolve", step)
+    op = _resolution_target(planner, step, kind)
+    if outcome == "succeeded" and op.kind == "action" and planner.saga.direction == "backward":
+        _refuse_success_behind_compensation(planner, op)
+    if op.status == OperationStatus.SUCCEEDED:
+        raise StepStateError(f"{describe(op)} already succeeded; there is nothing to resolve")
+    if op.status == OperationStatus.PENDING and op.attempts == 0:
+        raise StepStateError(f"{describe(op)} has not been attempted; there is nothing to resolve")
+    if outcome == "succeeded":
+        planner.touch(op, status=OperationStatus.SUCCEEDED)
+        op.result = result
+        op.error = None
+    else:
+        planner.touch(op, status=OperationStatus.FAILED)
+        op.error = f"resolved as failed by {actor}" + (f": {reason}" if reason else "")
+    op.next_attempt_at = None
+    op.finished_at = now
+    op.retrying_unknown = False
+    planner.event("operation_resolved", op, outcome=outcome, actor=actor, reason=reason)
+    if not planner.saga.status.is_terminal:
+        _resume(planner, now)
+    return op
+
+
+def request_retry(
+    planner: Planner, *, extra_attempts: int, actor: str | None, now: datetime
+) -> OpRow:
+    """Resume a parked saga at the operation that blocks it, its ceiling raised by
+    `extra_attempts`; attempts already made still count."""
+    planner.now = now
+    if extra_attempts < 0:
+        raise ValueError(f"extra_attempts must not be negative, got {extra_attempts}")
+    if planner.saga.status != SagaStatus.NEEDS_REVIEW:
+        raise StepStateError(
+            f"saga {planner.saga.id} is {planner.saga.status}, not needs_review; nothing to retry"
+        )
+    op = planner.blocking_operation()
+    if op is None:
+        raise StepStateError(
+            f"no operation of saga {planner.saga.id} is blocked; compensate or resolve it instead"
+        )
+    if op.kind == "action" and planner.saga.direction == "backward":
+        raise StepStateError(
+            f"compensation stopped at step {op.step!r}, whose outcome is unknown: resolve it, "
+            "or compensate with include_unknown"
+        )
+    if (
+        op.status == OperationStatus.UNKNOWN
+        and planner.reconcile_fn(op) is None
+        and not planner.is_idempotent(op)
+    ):
+        raise StepStateError(
+            f"outcome of {describe(op)} is unknown and it is neither idempotent nor has a "
+            "reconcile hook, so a retry could repeat its effect; check with the provider "
+            "and resolve it"
+        )
+    ceiling = op.max_attempts + extra_attempts
+    if op.attempts >= ceiling:
+        raise StepStateError(
+            f"{describe(op)} has used {op.attempts} of its {op.max_attempts} attempts; "
+            "raise its ceiling with extra attempts to retry it"
+        )
+    previous_status, previous_ceiling = op.status, op.max_attempts
+    op.max_attempts = ceiling
+    if op.status == OperationStatus.FAILED:
+        planner.touch(op, status=OperationStatus.PENDING)
+    else:
+        # An unknown outcome stays unknown: the planner settles it (reconcile or retry).
+        op.dirty = True
+    op.next_attempt_at = None
+    planner.event(
+        "retry_requested",
+        op,
+        actor=actor,
+        previous_status=str(previous_status),
+        extra_attempts=extra_attempts,
+        previous_max_attempts=previous_ceiling,
+        max_attempts=ceiling,
+    )
+    _resume(planner, now)
+    return op
+
+
+def request_cancel(
+    planner: Planner, *, reason: str, actor: str | None, include_unknown: bool, now: datetime
+) -> bool:
+    """Stop forward progress and compensate what succeeded, in reverse; False when the
+    saga is already compensating or compensated (nothing changes)."""
+    planner.now = now
+    status = planner.saga.status
+    if status == SagaStatus.COMPLETED:
+        raise StepStateError(
+            f"saga {planner.saga.id} is completed: there is no forward progress to stop "
+            "(compensate undoes a completed saga)"
+        )
+    if planner.saga.direction == "backward":
+        if status in (SagaStatus.COMPENSATING, SagaStatus.COMPENSATED):
+            return False
+        raise StepStateError(
+            f"saga {planner.saga.id} is already compensating and parked ({planner.saga.error}); "
+            "retry or resolve the blocked compensation"
+        )
+    pivot = planner.succeeded_pivot()
+    if pivot is not None:
+        raise StepStateError(
+            f"pivot step {pivot!r} of saga {planner.saga.id} has succeeded: it can only go "
+            "forward (compensate it explicitly if you must undo it)"
+        )
+    planner.events.append(Event("cancel_requested", detail={"actor": actor, "reason": reason}))
+    request_compensation(planner, include_unknown=include_unknown, actor=actor, now=now)
+    planner.saga.error = f"cancelled by {actor or 'an operator'}: {reason}"
+    return True
+
+
+def raise_ceilings(
+    planner: Planner,
+    *,
+    actor: str | None,
+    max_operations: int | None = None,
+    spend_budget: float | None = None,
+    max_side_effects: int | None = None,
+    extend_deadline_seconds: float | None = None,
+    now: datetime,
+) -> None:
+    """An operator raises saga ceilings (never lowers them); a saga parked in
+    needs_review becomes runnable again, its counters untouched.
+
+    A ceiling the saga does not have is unlimited, the highest there is: setting
+    one there would lower it, and is refused like any lowering. One refused
+    ceiling refuses the whole request, changing nothing."""
+    planner.now = now
+    _refuse_when_final(planner, "raise a ceiling for")
+    saga = planner.saga
+
+    def ceilings() -> dict[str, Any]:
+        return {
+            "max_operations": saga.max_operations,
+            "spend_budget": saga.spend_budget,
+            "max_side_effects": saga.max_side_effects,
+            "deadline_at": str(saga.deadline_at) if saga.deadline_at else None,
+        }
+
+    before = ceilings()
+    for name, new, old in (
+        ("max_operations", max_operations, saga.max_operations),
+        ("spend_budget", spend_budget, saga.spend_budget),
+        ("max_side_effects", max_side_effects, saga.max_side_effects),
+    ):
+        if new is None:
+            continue
+        if new != new:  # NaN: no ceiling would ever be reached, nor compared
+            raise ValueError(f"{name} must be a number, got {new!r}")
+        if old is None:
+            raise StepStateError(f"{name} can only be raised: it is unlimited, not {new:g}")
+        if new < old:
+            raise StepStateError(f"{name} can only be raised: it is {old:g}, not {new:g}")
+    if extend_deadline_seconds is not None and extend_deadline_seconds <= 0:
+        raise ValueError("extend_deadline_seconds must be positive")
+    if max_operations is not None:
+        saga.max_operations = max_operations
+    if spend_budget is not None:
+        saga.spend_budget = spend_budget
+    if max_side_effects is not None:
+        saga.max_side_effects = max_side_effects
+    if extend_deadline_seconds is not None and saga.deadline_at is not None:
+        saga.deadline_at = max(saga.deadline_at, now) + timedelta(seconds=extend_deadline_seconds)
+    planner.events.append(
+        Event("ceilings_raised", detail={"actor": actor, "before": before, "after": ceilings()})
+    )
+    if saga.status == SagaStatus.NEEDS_REVIEW:
+        _resume(planner, now)
+
+
+def approve_confirmation(
+    planner: Planner, step: str, request_hash: str, *, actor: str, now: datetime
+) -> None:
+    """A verified approval of the pending request of `step`: the saga may go on."""
+    planner.now = now
+    if planner.saga.status != SagaStatus.AWAITING_CONFIRMATION:
+        raise StepStateError(
+            f"saga {planner.saga.id} is {planner.saga.status}, not awaiting_confirmation"
+        )
+    pending = [c for c in planner.confirmations if c.step == step and c.approved_at is None]
+    match = next((c for c in pending if c.request_hash == request_hash), None)
+    if match is None:
+        hashes = ", ".join(c.request_hash for c in pending) or "none"
+        raise StepStateError(
+            f"request hash {request_hash} does not match the pending request of step "
+            f"{step!r} (pending: {hashes}); approve the request previewed now"
+        )
+    if match.expires_at <= now:
+        raise StepStateError(
+            f"the confirmation of step {step!r} expired at {match.expires_at}; run the saga "
+            "again to prepare a new preview"
+        )
+    match.approved_by, match.approved_at, match.dirty = actor, now, True
+    _resume(planner, now)
+    planner.events.append(
+        Event(
+            "confirmation_approved",
+            step=step,
+            kind="action",
+            detail={"actor": actor, "request_hash": request_hash},
+        )
+    )
+
+
+def reopen_expired_confirmation(planner: Planner, *, now: datetime) -> bool:
+    """Make a saga whose pending confirmation expired runnable, to preview again."""
+    planner.now = now
+    pending = pending_confirmation(planner)
+    if planner.saga.status != SagaStatus.AWAITING_CONFIRMATION or pending is None:
+        return False
+    if pending.expires_at > now:
+        return False
+    _resume(planner, now)
+    planner.events.append(
+        Event(
+            "confirmation_expired",
+            step=pending.step,
+            kind="action",
+            detail={"request_hash": pending.request_hash},
+        )
+    )
+    return True
+
+
+def compensation_plan(
+    planner: Planner, *, include_unknown: bool
+) -> tuple[list[tuple[str, str]], str | None]:
+    """What compensating would run, changing nothing: (step, idempotency key) of each
+    compensation in order, and why it would stop early (None when it would finish)."""
+    runs: list[tuple[str, str]] = []
+    for act in reversed(planner.actions):
+        comp_def = planner.compensation_of(act)
+        comp = planner.find(act.step, "compensation")
+        unknown = act.status in (OperationStatus.UNKNOWN, OperationStatus.RUNNING)
+        gets_comp = comp is not None or (include_unknown and comp_def is not None)
+        if act.status == OperationStatus.SUCCEEDED or (unknown and gets_comp):
+            if comp_def is None or (comp and comp.status == OperationStatus.SUCCEEDED):
+                continue
+            stop = None if comp is None else _plan_stop(planner, comp)
+            if stop is not None:
+                return runs, stop
+            key = comp.idempotency_key if comp is not None else planner.compensation_key(act.step)
+            runs.append((act.step, key))
+        elif unknown:
+            return runs, f"step {act.step!r} has an unknown outcome; " + unknown_remedy(comp_def)
+    return runs, None
+
+
+def fresh_budgets(planner: Planner) -> list[tuple[str, int, int]]:
+    """(step, ceiling now, ceiling after) of each compensation an explicit compensation
+    request would give a fresh budget, changing nothing (for dry runs)."""
+    raised: list[tuple[str, int, int]] = []
+    for op in planner.ops:
+        budget = _fresh_budget(planner, op)
+        if budget is not None:
+            raised.append((op.step, op.max_attempts, op.attempts + budget))
+    return raised
+
+
+def _fresh_budget(planner: Planner, op: OpRow) -> int | None:
+    """The attempts an explicit compensation request adds to a compensation that
+    failed at its ceiling (its policy's max_attempts); None for any other operation.
+
+    A compensation that failed below its ceiling failed permanently: a raised
+    ceiling would not change that, so it is left to `retry` or `resolve`.
+    """
+    if op.kind != "compensation" or op.status != OperationStatus.FAILED:
+        return None
+    if op.attempts < op.max_attempts:
+        return None
+    spec = planner.declared(op)
+    return None if spec is None else spec.retry.max_attempts
+
+
+def _plan_stop(planner: Planner, comp: OpRow) -> str | None:
+    """Why compensating would stop at this open compensation (as the planner decides
+    once `request_compensation` has switched to compensating), or None if it would run."""
+    what = f"compensation of step {comp.step!r}"
+    if comp.status == OperationStatus.FAILED:
+        if _fresh_budget(planner, comp) is not None:
+            return None  # the request gives it a fresh budget
+        return (
+            f"{what} failed permanently ({comp.error}); retry it "
+            "(with --extra-attempts if needed) or resolve it"
+        )
+    if comp.status in (OperationStatus.UNKNOWN, OperationStatus.RUNNING):
+        if planner.reconcile_fn(comp) is not None:
+            return None  # its reconcile hook is asked; Absent runs it again
+        if not planner.is_idempotent(comp):
+            return (
+                f"outcome of {what} attempt {comp.attempts} is unknown and it is neither "
+                "idempotent nor has a reconcile hook; resolve it"
+            )
+        if comp.attempts >= comp.max_attempts:
+            return (
+                f"outcome of {what} attempt {comp.attempts} is unknown and its ceiling of "
+                f"{comp.max_attempts} attempts is reached; resolve it"
+            )
+    return None
+
+
+def _refuse_when_final(planner: Planner, verb: str, step: str | None = None) -> None:
+    """A completed or compensated saga never changes again: say what is left."""
+    status = planner.saga.status
+    if status == SagaStatus.COMPLETED:
+        raise StepStateError(
+            f"saga {planner.saga.id} is completed: nothing runs again, so there is nothing to "
+            f"{verb}; compensate it to undo what it did"
+        )
+    if status == SagaStatus.COMPENSATED:
+        what = f"; if step {step!r} took effect after all, undo it at the provider" if step else ""
+        raise StepStateError(
+            f"saga {planner.saga.id} is compensated: it is final and nothing runs again, so "
+            f"there is nothing to {verb}{what}"
+        )
+
+
+def _refuse_success_behind_compensation(planner: Planner, op: OpRow) -> None:
+    """Compensation runs in reverse: a step it has gone past can no longer become one
+    that needs undoing."""
+    if planner.compensation_of(op) is None:
+        return  # nothing to undo either way
+    ran = [
+        c
+        for c in planner.ops
+        if c.kind == "compensation"
+        and c.position < op.position
+        and (c.attempts > 0 or c.status == OperationStatus.SUCCEEDED)
+    ]
+    if ran:
+        last = max(ran, key=lambda c: c.position)
+        raise StepStateError(
+            f"compensation has already gone past step {op.step!r} (the compensation of "
+            f"step {last.step!r} has run): recorded as succeeded it would be undone out of "
+            "order, after the steps before it; undo its effect at the provider and resolve "
+            "it as failed"
+        )
+
+
+def _resolution_target(planner: Planner, step: str, kind: Kind | None) -> OpRow:
+    if planner.definition.step_named(step) is None:
+        raise StepStateError(f"saga {planner.saga.name!r} has no step {step!r}")
+    if kind is not None:
+        op = planner.find(step, kind)
+        if op is None:
+            raise StepStateError(f"step {step!r} has no {kind} operation yet")
+        return op
+    comp = planner.find(step, "compensation")
+    if comp is not None and comp.status != OperationStatus.SUCCEEDED:
+        return comp
+    action = planner.find(step, "action")
+    assert action is not None  # every declared step has its action row
+    return action
+
+
+def _resume(planner: Planner, now: datetime) -> None:
+    back = planner.saga.direction == "backward"
+    planner.set_status(SagaStatus.COMPENSATING if back else SagaStatus.RUNNING)
+    planner.saga.error = None
+    planner.saga.run_after = now
