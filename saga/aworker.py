@@ -206,19 +206,20 @@ class AsyncWorker:
         commit each, slower than short sagas end."""
         wanted = min(self.concurrency - self.in_flight, _PARALLEL_CLAIMS)
         lookup = self.orchestrator.definition
-        results = await asyncio.gather(
-            *(runner.claim_next(kinds, lookup) for _ in range(wanted)), return_exceptions=True
-        )
-        failure: BaseException | None = None
-        for result in results:
-            if isinstance(result, BaseException):
-                failure = failure or result
-            elif result is not None:
-                self._spawn(runner, *result)
+
+        async def claim() -> bool:
+            # Each saga is driven as soon as its own claim committed, not once all are in.
+            claimed = await runner.claim_next(kinds, lookup)
+            if claimed is not None:
+                self._spawn(runner, *claimed)
+            return claimed is not None
+
+        results = await asyncio.gather(*(claim() for _ in range(wanted)), return_exceptions=True)
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
             # The sagas the other claims took are driven; the error goes to the loop.
             raise failure
-        return all(result is not None for result in results)
+        return all(result is True for result in results)
 
     async def _sleep(self, seconds: float) -> None:
         assert self._wake is not None
