@@ -14,22 +14,27 @@ from typing import Any, cast
 
 import psycopg
 from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
+from saga.agroup import GroupCommit
 from saga.errors import StepStateError
 from saga.protocol import ConfirmationRow, Event, OpRow, SagaRow, Write
 from saga.state import Confirmation, HistoryEvent, SagaState, WorkerInfo
 from saga.store import (
     Loaded,
     _confirmation_row,
+    _dumps,
     _op_row,
     _q,
     _saga_row,
     _state,
     _write,
     loaded_from_rows,
+    refusal_of,
     start_params,
     started,
+    state_of,
     translate,
 )
 
@@ -53,6 +58,9 @@ class AsyncStore:
         self.pool = pool
         # The pool's URL, for errors that say which database (never its password).
         self._conninfo = pool.conninfo if isinstance(pool.conninfo, str) else ""
+        self.group: GroupCommit[Jsonb, SagaState | None] = GroupCommit(
+            self._write_one, self._write_many
+        )
 
     @asynccontextmanager
     async def _connection(self) -> AsyncIterator[AConn]:
@@ -198,12 +206,29 @@ class AsyncStore:
     async def apply_transition(
         self, write: Write, *, owner: str, lease_seconds: float, token: str | None = None
     ) -> SagaState | None:
-        """Persist a lease holder's write in one statement and one round trip."""
+        """Persist a lease holder's write in one statement and one round trip, shared with
+        the writes other sagas of this loop have ready at the same moment (group commit,
+        `saga.agroup`): a write refused for its own saga fails that saga alone."""
+        params = _write(write, owner=owner, lease_seconds=lease_seconds, token=token)
+        return await self.group.write(params)
+
+    async def _write_one(self, params: Jsonb) -> SagaState | None:
         async with self._connection() as conn:
-            read = await self.save_txn(
-                conn, write, owner=owner, lease_seconds=lease_seconds, token=token
-            )
-            return await read()
+            cursor = await conn.execute(_q("write_saga"), {"write": params})
+            row = await cursor.fetchone()
+        return state_of(row["state"] if row else None)
+
+    async def _write_many(self, batch: Sequence[Jsonb]) -> list[SagaState | BaseException | None]:
+        writes = Jsonb([params.obj for params in batch], dumps=_dumps)
+        async with self._connection() as conn:
+            row = await (await conn.execute(_q("write_sagas"), {"writes": writes})).fetchone()
+        assert row is not None
+        return [
+            refusal_of(result["sqlstate"], result["message"], self._conninfo)
+            if "sqlstate" in result
+            else state_of(result["state"])
+            for result in row["results"]
+        ]
 
     async def write_token(self, saga_id: str) -> tuple[str | None, str | None] | None:
         """The token of the saga's last write and its lease owner."""

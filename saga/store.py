@@ -117,6 +117,22 @@ def _translated(conninfo: str) -> Iterator[None]:
         raise translate(exc, conninfo) from exc
 
 
+def refusal_of(sqlstate: str, message: str, conninfo: str) -> SagaError:
+    """The orchestrator's error for one write of a batch that saga.write_sagas_v1 reports
+    refused, by its SQLSTATE and message (`translate`, for an error raised as a value)."""
+    if sqlstate == FENCE_SQLSTATE:
+        return LeaseLost(message)
+    if sqlstate == CONFIRMATION_SQLSTATE:
+        return StepStateError(message)
+    try:
+        error_class = psycopg.errors.lookup(sqlstate)
+    except KeyError:
+        return DatabaseError(
+            f"PostgreSQL refused a write [SQLSTATE {sqlstate}]: {message}", sqlstate=sqlstate
+        )
+    return translate(error_class(message), conninfo)
+
+
 def refused(exc: psycopg.Error) -> LeaseLost | StepStateError | None:
     """The orchestrator's error for a refusal raised by its SQL functions: a failed fence
     check (SQLSTATE SG001, from saga.assert_fence and saga.write_saga) is `LeaseLost`, a
@@ -732,6 +748,11 @@ def _encode_extra(value: Any) -> Any:
     if isinstance(value, datetime):
         return value.isoformat()
     raise TypeError(f"cannot store {type(value).__name__} in a batch row")
+
+
+def state_of(written: dict[str, Any] | None) -> SagaState | None:
+    """The state saga.write_saga_v4 returned (`return_state`), or None."""
+    return None if written is None else _state(written["saga"], written["operations"])
 
 
 def _state(row: dict[str, Any], ops: Sequence[dict[str, Any]]) -> SagaState:

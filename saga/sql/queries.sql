@@ -235,6 +235,11 @@ SELECT saga.assert_fence(%(saga_id)s, %(owner)s, %(fence)s, %(lease_seconds)s)
 -- stands (see migrations 0008, 0010, 0011 and 0013).
 SELECT saga.write_saga_v4(%(write)s) AS state
 
+-- write_sagas --
+-- The writes of several sagas in one statement and one commit (group commit, migration
+-- 0014): one result per write, in order, each its state or the error that refused it.
+SELECT saga.write_sagas_v1(%(writes)s) AS results
+
 -- own_claim --
 -- The saga this owner's claim took, found by the token of the claim's first write: a worker
 -- whose claim reply was lost learns which saga it holds (none when the claim did not land,

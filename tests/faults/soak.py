@@ -47,7 +47,8 @@ from faults.proxy import LostReplyProxy
 from saga.testing import FAULT_POINTS
 
 # Every write of the protocol: transitions, claims' first moves, operator changes
-# (saga.write_saga_v4), heartbeats (renew_leases) and workers announcing themselves.
+# (saga.write_saga_v4, and saga.write_sagas_v1 for grouped ones), heartbeats
+# (renew_leases) and workers announcing themselves.
 LOST_REPLY_WRITES = ("saga.write_saga", "AS h(id, fence)", "saga.workers")
 
 
@@ -177,6 +178,8 @@ def main() -> int:
                         worker.wait(timeout=30)
                     worker.kill()
             lost_replies = len(proxy.lost_replies())
+            # Of which, statements that carried several sagas' writes (group commit).
+            grouped = len(proxy.lost_replies("write_sagas_v1"))
             quiesce(pg.url, timeout=120)
             elapsed = time.monotonic() - started_at
             print("soak: checking invariants", flush=True)
@@ -191,7 +194,7 @@ def main() -> int:
             kills=f"{kills} ({armed_kills} at a fault point)",
             restarts=pg.restarts,
             terminations=terminations,
-            lost_replies=lost_replies,
+            lost_replies=f"{lost_replies} ({grouped} of grouped writes)",
             seconds=f"{elapsed:.0f}",
         )
     )

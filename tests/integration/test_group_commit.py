@@ -1,0 +1,187 @@
+"""Group commit on the asyncio door: the transitions of sagas driven on one loop that are
+ready at the same moment are written in one statement (saga.write_sagas_v1) and one
+commit, each saga fenced on its own row, with the same rows and events as one by one."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+from async_support import SHAPES, Calls, event_rows, operation_rows
+from faults.proxy import LostReplyProxy
+from support import Order, order_saga
+
+from saga import AsyncOrchestrator, LeaseLost, Orchestrator, SagaState, StepContext, inputs
+from saga.protocol import Invoke
+
+HANG_SECONDS = 60.0
+
+
+def test_gathered_sagas_of_every_shape_write_what_they_write_one_by_one(
+    database_url: str,
+) -> None:
+    """Four copies of each saga shape the suite has (retries, compensation, unknown
+    outcomes, reconcile, a park, a timeout), gathered in one loop so that their writes
+    share statements: each ends as the same saga driven alone by the sync door, with the
+    same operations, audit trail and calls, and writes did go out together."""
+    calls = Calls()
+    sagas = {shape: factory(calls) for shape, (factory, _) in SHAPES.items()}
+    reference: dict[str, tuple[SagaState, list[Any]]] = {}
+    with Orchestrator(database_url, sagas=list(sagas.values())) as orch:
+        for shape, saga in sagas.items():
+            state = orch.execute(saga, Order(order_id=f"{shape}-alone"))
+            reference[shape] = (state, orch.history(state.id))
+
+    copies = [(shape, f"{shape}-{n}") for shape in sagas for n in range(4)]
+
+    async def main() -> tuple[list[SagaState], list[list[Any]], int, int]:
+        async with AsyncOrchestrator(database_url, sagas=list(sagas.values())) as orch:
+            states = await asyncio.wait_for(
+                asyncio.gather(
+                    *(orch.execute(sagas[shape], Order(order_id=key)) for shape, key in copies)
+                ),
+                HANG_SECONDS,
+            )
+            histories = [await orch.history(s.id) for s in states]
+            group = (await orch.store()).group
+            return states, histories, group.largest, group.batches
+
+    states, histories, largest, batches = asyncio.run(main())
+    for (shape, key), state, history in zip(copies, states, histories, strict=True):
+        alone, alone_history = reference[shape]
+        assert state.status == SHAPES[shape][1], (key, state.error)
+        assert operation_rows(state) == operation_rows(alone), key
+        assert event_rows(history, key) == event_rows(alone_history, f"{shape}-alone"), key
+        assert calls.sequence(key) == calls.sequence(f"{shape}-alone"), key
+    assert largest >= 2, "no two transitions were ever written together"
+    transitions = sum(len(h) for h in histories)
+    assert batches < transitions
+
+
+def _steal(url: str, saga_id: str) -> None:
+    """Another worker takes the saga over: a new fence and owner on its row."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE saga.sagas SET fence = fence + 1, lease_owner = 'thief' WHERE id = %s",
+            (saga_id,),
+        )
+
+
+def test_a_lost_lease_fails_its_own_write_and_not_the_others_in_the_statement(
+    database_url: str,
+) -> None:
+    """Two claimed sagas record their first step's success in one statement; one of them
+    was taken over meanwhile. Its write is refused with LeaseLost and leaves nothing; the
+    other's commits."""
+    saga = order_saga("grouped")
+
+    @saga.step
+    async def reserve(ctx: StepContext, o: Order) -> dict[str, Any]:
+        return {}
+
+    @saga.step
+    async def ship(ctx: StepContext, o: Order) -> dict[str, Any]:
+        return {}
+
+    async def main() -> tuple[list[Any], int, dict[str, str]]:
+        async with AsyncOrchestrator(database_url, sagas=[saga]) as orch:
+            ids = {}
+            for order_id in ("kept", "stolen"):
+                ids[order_id] = (await orch.start(saga, Order(order_id=order_id))).id
+            runner = await orch.runner()
+            claimed = {}
+            for _ in range(2):
+                found = await runner.claim_next(["grouped:1"], orch.definition)
+                assert found is not None
+                planner, nxt = found
+                assert isinstance(nxt, Invoke) and nxt.op.step == "reserve"
+                claimed[planner.saga.id] = planner
+            await asyncio.to_thread(_steal, database_url, ids["stolen"])
+            now = datetime.now(UTC)
+            writes = []
+            for saga_id in (ids["kept"], ids["stolen"]):
+                planner = claimed[saga_id]
+                inputs.apply(planner, inputs.Returned("reserve", "action", {}), now)
+                writes.append(planner.write(planner.advance(now), owner=orch.owner))
+            store = await orch.store()
+            results = await asyncio.gather(
+                *(
+                    store.apply_transition(
+                        w, owner=orch.owner, lease_seconds=orch.lease_seconds, token=token
+                    )
+                    for w, token in zip(writes, tokens, strict=True)
+                ),
+                return_exceptions=True,
+            )
+            return results, store.group.largest, ids
+
+    tokens = [str(uuid.uuid4()), str(uuid.uuid4())]
+    results, largest, ids = asyncio.run(main())
+    assert largest == 2
+    assert not isinstance(results[0], BaseException)
+    assert isinstance(results[1], LeaseLost)
+    with Orchestrator(database_url, sagas=[saga]) as orch:
+        kept, stolen = orch.get(ids["kept"]), orch.get(ids["stolen"])
+        assert kept.operation("reserve").status == "succeeded"
+        assert kept.operation("ship").status == "running"
+        assert stolen.operation("reserve").status == "running"
+        assert stolen.lease_owner == "thief"
+        assert "attempt_succeeded" not in [e.event for e in orch.history(ids["stolen"])]
+    with psycopg.connect(database_url) as conn:
+        written = dict(
+            conn.execute(
+                "SELECT id::text, write_token::text FROM saga.sagas WHERE id = ANY(%s::uuid[])",
+                (list(ids.values()),),
+            ).fetchall()
+        )
+    assert written[ids["kept"]] == tokens[0]
+    assert written[ids["stolen"]] != tokens[1]
+
+
+def test_a_statement_whose_reply_was_lost_is_found_landed_by_each_saga(
+    database_url: str,
+) -> None:
+    """The replies of grouped writes are lost after their commit (the connection drops):
+    every saga of the statement finds its own write landed, by its token, and goes on;
+    no step runs twice and nothing is left unknown."""
+    calls = Calls()
+    saga = order_saga("grouped_lost")
+
+    @saga.step
+    async def reserve(ctx: StepContext, o: Order) -> dict[str, Any]:
+        calls.hit(o, "reserve")
+        return {}
+
+    @saga.step
+    async def charge(ctx: StepContext, o: Order) -> dict[str, Any]:
+        calls.hit(o, "charge")
+        return {}
+
+    @saga.step
+    async def ship(ctx: StepContext, o: Order) -> dict[str, Any]:
+        calls.hit(o, "ship")
+        return {}
+
+    keys = [f"o-{n}" for n in range(8)]
+
+    async def main(url: str) -> list[SagaState]:
+        async with AsyncOrchestrator(url, sagas=[saga]) as orch:
+            return await asyncio.wait_for(
+                asyncio.gather(*(orch.execute(saga, Order(order_id=k)) for k in keys)),
+                HANG_SECONDS,
+            )
+
+    with LostReplyProxy(database_url) as proxy:
+        proxy.lose_reply("write_sagas_v1", times=3)
+        states = asyncio.run(main(proxy.url))
+        lost = proxy.lost_replies("write_sagas_v1")
+    assert lost, "no grouped write lost its reply"
+    assert [s.status for s in states] == ["completed"] * len(keys)
+    for key in keys:
+        assert calls.of(key) == {"reserve": 1, "charge": 1, "ship": 1}
+    with Orchestrator(database_url, sagas=[saga]) as orch:
+        for state in states:
+            assert not [e for e in orch.history(state.id) if "unknown" in e.event], state.id
