@@ -157,9 +157,32 @@ def test_workers_do_not_import_the_orchestrators(worker: str, orchestrators: set
     assert not named & orchestrators
 
 
+# The `saga` command and the batch jobs behind it: they see the orchestrator's errors only.
+COMMAND_MODULES = ("saga.cli", "saga.cli_format", "saga.operator")
+
+
+@pytest.mark.parametrize("module", COMMAND_MODULES)
+def test_the_command_and_batch_jobs_never_see_driver_errors(module: str) -> None:
+    """psycopg's errors are translated inside the stores: the `saga` command and the
+    batch jobs import no psycopg, so they cannot catch one (they catch `SagaError`s)."""
+    tree = ast.parse(_source(module).read_text(encoding="utf-8"))
+    named = {
+        node.module.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module is not None
+    } | {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    assert not named & {"psycopg", "psycopg_pool"}, module
+
+
 def test_the_checks_see_what_they_look_for() -> None:
     """The walkers are not blind: the flows stamp inputs with the clock, and the sync
     driver imports threading."""
     assert ("datetime", "now") in _clock_calls("saga.flow")
     assert "threading" in _runtime_imports("saga.runner")
     assert "saga.store" in _reachable(_graph(), "saga.runner")
+    assert "psycopg" in _runtime_imports("saga.store")
