@@ -275,6 +275,14 @@ class AsyncOrchestrator(Engine):
             actor=actor,
         )
 
+    async def fork(
+        self, saga_id: str, from_step: str, *, key: str | None = None, actor: str | None = None
+    ) -> SagaHandle:
+        """Continue a parked saga as a new one from `from_step`; see `Orchestrator.fork`."""
+        actor = actor_or_os_user("fork", actor)
+        runner = await self.runner()
+        return await runner.run(self._fork_flow(saga_id, from_step, key=key, actor=actor))
+
     async def cancel(
         self,
         saga_id: str,

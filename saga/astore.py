@@ -144,6 +144,26 @@ class AsyncStore:
                 _q("release_lease"), {"saga_id": saga_id, "owner": owner, "fence": fence}
             )
 
+    async def start_saga_txn(
+        self,
+        conn: AConn,
+        saga: SagaRow,
+        ops: Sequence[OpRow],
+        events: Sequence[Event],
+        *,
+        lease_seconds: float,
+        notify: bool,
+    ) -> dict[str, Any]:
+        """`start_saga` inside the caller's transaction."""
+        start = start_params(saga, ops, events, lease_seconds=lease_seconds, notify=notify)
+        row = await (await conn.execute(_q("start_saga"), {"start": start})).fetchone()
+        assert row is not None
+        return started(saga, ops, row["outcome"])
+
+    async def record_fork_txn(self, conn: AConn, source: str, fork: str) -> None:
+        """Make the fork and its source name each other."""
+        await conn.execute(_q("record_fork"), {"source": source, "fork": fork})
+
     async def lock_saga_txn(self, conn: AConn, saga_id: str) -> tuple[SagaRow, bool] | None:
         """The saga row locked for an operator change, and whether a live lease holds it."""
         try:

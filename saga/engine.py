@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from saga import approvals, faults, inputs
+from saga import approvals, faults, inputs, interventions
 from saga.database import describe_url, resolve_database_url
 from saga.definition import Saga
 from saga.effects import Begin, Commit, Fetch, Flow, Pause, Stopping, db
@@ -35,7 +35,7 @@ from saga.keys import request_hash as hash_business_fields
 from saga.logs import get_logger
 from saga.operator import check_actor
 from saga.protocol import Event, Next, Planner, SagaRow, new_action_rows
-from saga.state import SagaHandle, SagaState, SagaStatus
+from saga.state import HistoryEvent, SagaHandle, SagaState, SagaStatus
 from saga.store import new_token, parse_id
 
 _log = get_logger("saga")
@@ -438,6 +438,137 @@ class Engine:
         log_events(planner, events)
         assert state is not None  # the row is locked in this transaction
         return state  # type: ignore[no-any-return]
+
+
+    def _fork_flow(
+        self, saga_id: str, from_step: str, *, key: str | None, actor: str | None
+    ) -> Flow[SagaHandle]:
+        """Fork a parked saga from one of its steps, in one transaction: the new saga
+        (pending, workers told) inherits the results of the steps before `from_step`,
+        and the source becomes `forked` (see `interventions.fork`). Asking again for the
+        fork a saga already has returns it (`created=False`)."""
+        if parse_id(saga_id) is None:
+            raise SagaNotFound(saga_id)
+        fork_id = str(uuid.uuid4())
+        # One token for the change, however often it is tried: a retry after a lost reply
+        # that finds it on the source knows the fork landed.
+        token = new_token()
+        tried = [False]
+
+        def once() -> Flow[SagaHandle]:
+            if tried[0]:
+                written = yield db("write_token", saga_id)
+                if written is not None and written[0] == token:
+                    return (yield from self._existing_fork(fork_id, created=True))
+            tried[0] = True
+            return (yield from self._fork_txn(saga_id, from_step, fork_id, key, actor, token))
+
+        return (yield from retried("fork_saga", once))
+
+    def _existing_fork(self, fork_id: str, *, created: bool) -> Flow[SagaHandle]:
+        state: SagaState | None = yield db("get_state", fork_id)
+        if state is None:
+            raise StepStateError(
+                f"the fork {fork_id} was purged after the retention period; there is nothing "
+                "left to fork again"
+            )
+        return SagaHandle(
+            id=state.id,
+            saga=state.saga,
+            version=state.version,
+            tenant_id=state.tenant_id,
+            key=state.key,
+            created=created,
+        )
+
+    def _fork_txn(
+        self,
+        saga_id: str,
+        from_step: str,
+        fork_id: str,
+        key: str | None,
+        actor: str | None,
+        token: str,
+    ) -> Flow[SagaHandle]:
+        yield Begin(pipelined=False)
+        locked = yield db("lock_saga_txn", saga_id)
+        if locked is None:
+            raise SagaNotFound(saga_id)
+        row, live = locked
+        fork_key = key if key is not None else f"{row.key}:fork:{from_step}"
+        if row.status == SagaStatus.FORKED and row.forked_to is not None:
+            yield Commit()
+            existing = yield from self._existing_fork(row.forked_to, created=False)
+            history: list[HistoryEvent] = yield db("history", saga_id)
+            step = next(
+                (e.detail.get("from_step") for e in reversed(history) if e.event == "saga_forked"),
+                None,
+            )
+            if existing.key != fork_key or step != from_step:
+                raise StepStateError(
+                    f"saga {saga_id} was already forked to {existing.id} from step {step!r} "
+                    f"(key {existing.key!r}); fork that saga instead"
+                )
+            return existing
+        definition = self._registry.get((row.name, row.version))
+        if definition is None:
+            raise NotRegistered(row.name, row.version)
+        if live:
+            raise StepStateError(
+                f"saga {saga_id} is leased by {row.lease_owner} until {row.lease_expires_at}; "
+                "wait for it to stop or for the lease to expire"
+            )
+        now = datetime.now().astimezone()
+        planner = Planner(
+            definition,
+            row,
+            (yield db("operations_txn", saga_id)),
+            (yield db("confirmations_txn", saga_id)),
+            now=now,
+        )
+        deadline = definition.ceilings.deadline_seconds
+        plan = interventions.fork(
+            planner,
+            from_step,
+            fork_id=fork_id,
+            key=fork_key,
+            actor=actor,
+            deadline_at=None if deadline is None else now + timedelta(seconds=deadline),
+            now=now,
+        )
+        outcome = yield db(
+            "start_saga_txn",
+            plan.saga,
+            plan.ops,
+            plan.events,
+            lease_seconds=self.lease_seconds,
+            notify=True,
+        )
+        if not outcome["created"]:
+            raise StepStateError(
+                f"key {fork_key!r} is taken by saga {outcome['id']} of {row.name!r}: pass "
+                "another key for the fork"
+            )
+        write = planner.write(None, owner=None)  # an operator's change, under the row lock
+        yield db("save_txn", write, owner=None, token=token)
+        yield db("record_fork_txn", saga_id, fork_id)
+        yield Commit()
+        log_events(planner, write.events)
+        _log.info(
+            "saga_forked",
+            saga_id=saga_id,
+            fork_id=fork_id,
+            from_step=from_step,
+            inherited=list(plan.inherited),
+        )
+        return SagaHandle(
+            id=fork_id,
+            saga=row.name,
+            version=row.version,
+            tenant_id=row.tenant_id,
+            key=fork_key,
+            created=True,
+        )
 
 
 def _check_duplicate(saga: Saga[Any], row: SagaRow, found: dict[str, Any]) -> str:

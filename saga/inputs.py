@@ -206,6 +206,17 @@ Request = (
     | ReopenExpired
 )
 
+# The verb of each request, as refusals name it.
+_VERBS: dict[type, str] = {
+    RequestCompensation: "compensate",
+    Resolve: "resolve",
+    RequestRetry: "retry",
+    RequestCancel: "cancel",
+    RaiseCeilings: "raise the ceilings of",
+    Approve: "approve",
+    ReopenExpired: "run",
+}
+
 # What happened to one operation.
 OpOutcome = (
     Returned
@@ -280,6 +291,7 @@ def _apply_to(planner: Planner, op: OpRow, outcome: OpOutcome) -> None:
 def request(planner: Planner, req: Request, now: datetime) -> bool:
     """Apply an operator's request, made at `now`, to `planner`'s snapshot; False when it
     found the saga already where it asks for, and changed nothing."""
+    interventions.refuse_when_forked(planner, _VERBS.get(type(req), "change"))
     if isinstance(req, RequestCompensation):
         return interventions.request_compensation(
             planner, include_unknown=req.include_unknown, actor=req.actor, now=now

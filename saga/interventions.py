@@ -11,13 +11,15 @@ request is made at the `now` it is given.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from saga.confirmations import pending_confirmation
 from saga.errors import StepStateError
-from saga.protocol import Planner, unknown_remedy
-from saga.rows import Event, Kind, OpRow, describe
+from saga.protocol import Planner, new_action_rows, unknown_remedy
+from saga.rows import Event, Kind, OpRow, SagaRow, describe
 from saga.state import OperationStatus, SagaStatus
 
 
@@ -448,3 +450,156 @@ def _resume(planner: Planner, now: datetime) -> None:
     planner.set_status(SagaStatus.COMPENSATING if back else SagaStatus.RUNNING)
     planner.saga.error = None
     planner.saga.run_after = now
+
+
+# What a fork's source may be: going forward and not waiting for an answer (the lease is
+# checked by the caller, under the row lock).
+_FORKABLE = (
+    SagaStatus.NEEDS_REVIEW,
+    SagaStatus.PENDING,
+    SagaStatus.RUNNING,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ForkPlan:
+    """The saga a fork creates: its row, its operations (the inherited ones succeeded,
+    with their results) and its first events."""
+
+    saga: SagaRow
+    ops: list[OpRow]
+    events: list[Event]
+    inherited: tuple[str, ...]
+
+
+def fork(
+    planner: Planner,
+    from_step: str,
+    *,
+    fork_id: str,
+    key: str,
+    actor: str | None,
+    deadline_at: datetime | None,
+    now: datetime,
+) -> ForkPlan:
+    """Continue a saga as a new one that runs from `from_step` on, inheriting the stored
+    results of the steps before it without calling them again.
+
+    The saga must be going forward and held by no worker (the caller checks the lease
+    under the row lock): parked, or runnable after an operator's resolve. Every step
+    before `from_step` must have succeeded (an unknown outcome is reconciled or resolved
+    first), and no step from `from_step` on may have taken effect (succeeded, running or
+    unknown), so that no effect is ever left to nobody or made twice. The source becomes
+    `forked`: final, its inherited effects now the fork's to compensate. Refusals raise
+    `StepStateError` and change nothing.
+    """
+    planner.now = now
+    saga = planner.saga
+    definition = planner.definition
+    target = definition.step_named(from_step)
+    if target is None:
+        names = ", ".join(step.name for step in definition.steps)
+        raise StepStateError(f"saga {saga.name!r} has no step {from_step!r}; its steps: {names}")
+    if saga.status not in _FORKABLE:
+        raise StepStateError(
+            f"saga {saga.id} is {saga.status.value}: only a saga going forward that no "
+            "worker holds (parked, or pending or running between two owners) is forked; a "
+            "finished one is final, and one that awaits a confirmation is answered first"
+        )
+    if saga.direction != "forward" or any(
+        c.kind == "compensation" and (c.attempts > 0 or c.status == OperationStatus.SUCCEEDED)
+        for c in planner.ops
+    ):
+        raise StepStateError(
+            f"saga {saga.id} was compensating when it parked: what it undid cannot be "
+            "inherited; finish its compensation instead (compensate or resolve)"
+        )
+    inherited: list[OpRow] = []
+    for act in planner.actions:
+        settled = act.status == OperationStatus.SUCCEEDED
+        unsure = act.status in (OperationStatus.UNKNOWN, OperationStatus.RUNNING)
+        if act.position < target.index:
+            if unsure:
+                raise StepStateError(
+                    f"step {act.step!r} before {from_step!r} has an unknown outcome: reconcile "
+                    "or resolve it first, so that the fork inherits what really happened"
+                )
+            if not settled:
+                raise StepStateError(
+                    f"step {act.step!r} before {from_step!r} has not succeeded "
+                    f"({act.status.value}): fork from {act.step!r} instead"
+                )
+            inherited.append(act)
+        elif settled:
+            raise StepStateError(
+                f"step {act.step!r} succeeded: a fork from {from_step!r} would run it again "
+                "under a new key; fork from a later step"
+            )
+        elif unsure:
+            raise StepStateError(
+                f"step {act.step!r} has an unknown outcome: its effect may be in place, and a "
+                f"fork from {from_step!r} would run it again under a new key; resolve it first"
+            )
+    ops = new_action_rows(definition, saga.tenant_id, key, planner.business_input())
+    by_step = {act.step: act for act in inherited}
+    for op in ops:
+        source = by_step.get(op.step)
+        if source is None:
+            continue
+        op.status = OperationStatus.SUCCEEDED
+        op.attempts = source.attempts
+        op.max_attempts = source.max_attempts
+        op.result = source.result
+        op.provider_reference = source.provider_reference
+        op.started_at, op.finished_at = source.started_at, source.finished_at
+        op.request, op.request_hash = source.request, source.request_hash
+        op.spent, op.peak_spend = source.spent, source.peak_spend
+    steps = tuple(act.step for act in inherited)
+    row = dataclasses.replace(
+        saga,
+        id=fork_id,
+        key=key,
+        status=SagaStatus.PENDING,
+        error=None,
+        direction="forward",
+        fence=0,
+        run_after=None,
+        lease_owner=None,
+        lease_expires_at=None,
+        created_at=None,
+        updated_at=None,
+        deadline_at=deadline_at,
+        forked_from=saga.id,
+        forked_to=None,
+    )
+    events = [
+        Event("saga_started", detail={"input_hash": saga.input_hash}),
+        Event(
+            "saga_forked_from",
+            detail={"saga_id": saga.id, "from_step": from_step, "actor": actor, "inherited": steps},
+        ),
+    ]
+    saga.status = SagaStatus.FORKED
+    saga.forked_to = fork_id
+    saga.error = (
+        f"forked to {fork_id} from step {from_step!r}: the fork runs from there, and what "
+        "this saga did is the fork's to compensate"
+    )
+    saga.run_after = None
+    planner.events.append(
+        Event(
+            "saga_forked",
+            detail={"to": fork_id, "from_step": from_step, "actor": actor, "inherited": steps},
+        )
+    )
+    return ForkPlan(saga=row, ops=ops, events=events, inherited=steps)
+
+
+def refuse_when_forked(planner: Planner, verb: str) -> None:
+    """A forked saga never changes again: its effects belong to the fork."""
+    saga = planner.saga
+    if saga.status == SagaStatus.FORKED:
+        raise StepStateError(
+            f"saga {saga.id} was forked to {saga.forked_to}: it is final and what it did "
+            f"belongs to the fork; {verb} saga {saga.forked_to} instead"
+        )

@@ -287,7 +287,7 @@ class Orchestrator(Engine):
 
     @sync_only()
     def purge(self, *, older_than_days: float | None = None, batch_size: int = 1000) -> int:
-        """Delete completed and compensated sagas that ended longer ago than the retention
+        """Delete completed, compensated and forked sagas that ended longer ago than the retention
         (or `older_than_days`, which may only be longer), in batches; returns how many.
 
         Sagas that are pending, running, compensating, parked or awaiting confirmation
@@ -397,6 +397,24 @@ class Orchestrator(Engine):
             force=force,
             actor=actor,
         )
+
+    @sync_only()
+    def fork(
+        self, saga_id: str, from_step: str, *, key: str | None = None, actor: str | None = None
+    ) -> SagaHandle:
+        """Continue a parked saga as a new one that runs from `from_step` on.
+
+        The fork inherits the stored results of every step before `from_step` without
+        calling them, and runs the rest under keys of its own; it is created `pending`
+        (call `run`, or leave it to a worker) and records `forked_from`. The source
+        becomes `forked`: final, its effects the fork's to compensate. Refused
+        (`StepStateError`, nothing changed) unless the source is parked going forward,
+        every step before `from_step` succeeded (an unknown one is reconciled or resolved
+        first) and none from `from_step` on took effect. `key` defaults to
+        `"<source key>:fork:<from_step>"`; asking again returns the same fork.
+        """
+        actor = actor_or_os_user("fork", actor)
+        return self._runner().run(self._fork_flow(saga_id, from_step, key=key, actor=actor))
 
     @sync_only()
     def cancel(

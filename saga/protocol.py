@@ -409,7 +409,8 @@ class Planner:
         op.error = f"{reason}; last error: {op.error}" if op.error else reason
         self.event("deadline_passed", op, deadline_at=str(op.deadline_at))
 
-    def _business_input(self) -> dict[str, Any]:
+    def business_input(self) -> dict[str, Any]:
+        """The saga input's business fields: what request hashes are computed from."""
         return {k: v for k, v in self.saga.input.items() if k not in self.definition.volatile}
 
     def _settle_unknown(self, op: OpRow) -> Next | None:
@@ -736,7 +737,7 @@ class Planner:
             kind="compensation",
             position=act.position,
             idempotency_key=self.compensation_key(act.step),
-            request_hash=compensation_request_hash(act.step, self._business_input(), act.result),
+            request_hash=compensation_request_hash(act.step, self.business_input(), act.result),
             status=OperationStatus.PENDING,
             attempts=0,
             max_attempts=comp_def.retry.max_attempts,

@@ -77,6 +77,9 @@ class SagaRow:
     spent: float = 0.0
     max_side_effects: int | None = None
     side_effects: int = 0
+    # The saga this one was forked from, and the saga it was forked to (`Orchestrator.fork`).
+    forked_from: str | None = None
+    forked_to: str | None = None
 
 
 @dataclass(slots=True)

@@ -19,11 +19,13 @@ class SagaStatus(StrEnum):
     COMPENSATED = "compensated"
     NEEDS_REVIEW = "needs_review"
     AWAITING_CONFIRMATION = "awaiting_confirmation"
+    FORKED = "forked"
 
     @property
     def is_terminal(self) -> bool:
-        """Completed or compensated: nothing will ever run again."""
-        return self in (SagaStatus.COMPLETED, SagaStatus.COMPENSATED)
+        """Completed, compensated or forked (continued by another saga): nothing will ever
+        run again."""
+        return self in (SagaStatus.COMPLETED, SagaStatus.COMPENSATED, SagaStatus.FORKED)
 
     @property
     def is_runnable(self) -> bool:
@@ -96,6 +98,8 @@ class SagaState(BaseModel):
     max_side_effects: int | None = None
     side_effects: int = 0
     finished_at: datetime | None = None
+    forked_from: str | None = None
+    forked_to: str | None = None
     operations: list[OperationState] = []
 
     def operation(self, step: str, kind: OperationKind = "action") -> OperationState:

@@ -266,6 +266,26 @@ class Store:
         with self._connection() as conn:
             conn.execute(_q("release_lease"), {"saga_id": saga_id, "owner": owner, "fence": fence})
 
+    def start_saga_txn(
+        self,
+        conn: Conn,
+        saga: SagaRow,
+        ops: Sequence[OpRow],
+        events: Sequence[Event],
+        *,
+        lease_seconds: float,
+        notify: bool,
+    ) -> dict[str, Any]:
+        """`start_saga` inside the caller's transaction."""
+        start = start_params(saga, ops, events, lease_seconds=lease_seconds, notify=notify)
+        row = conn.execute(_q("start_saga"), {"start": start}).fetchone()
+        assert row is not None
+        return started(saga, ops, row["outcome"])
+
+    def record_fork_txn(self, conn: Conn, source: str, fork: str) -> None:
+        """Make the fork and its source name each other."""
+        conn.execute(_q("record_fork"), {"source": source, "fork": fork})
+
     def lock_saga_txn(self, conn: Conn, saga_id: str) -> tuple[SagaRow, bool] | None:
         """The saga row locked for an operator change, and whether a live lease holds it.
         `StepStateError` when another transaction holds the row past the lock timeout (a
@@ -581,6 +601,9 @@ def _columns(cls: type[Any], row: dict[str, Any]) -> dict[str, Any]:
 def _saga_row(row: dict[str, Any]) -> SagaRow:
     fields = _columns(SagaRow, row)
     fields["id"], fields["status"] = str(row["id"]), SagaStatus(row["status"])
+    for name in ("forked_from", "forked_to"):
+        if name in fields:
+            fields[name] = _text(fields[name])
     return SagaRow(**fields)
 
 
@@ -750,6 +773,10 @@ def _encode_extra(value: Any) -> Any:
     raise TypeError(f"cannot store {type(value).__name__} in a batch row")
 
 
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
 def state_of(written: dict[str, Any] | None) -> SagaState | None:
     """The state saga.write_saga_v4 returned (`return_state`), or None."""
     return None if written is None else _state(written["saga"], written["operations"])
@@ -761,6 +788,8 @@ def _state(row: dict[str, Any], ops: Sequence[dict[str, Any]]) -> SagaState:
             **row,
             "id": str(row["id"]),
             "saga": row["name"],
+            "forked_from": _text(row.get("forked_from")),
+            "forked_to": _text(row.get("forked_to")),
             "operations": [OperationState.model_validate(op) for op in ops],
         }
     )

@@ -195,14 +195,14 @@ WHERE saga_id = NULLIF(current_setting('saga.claimed', true), '')::uuid
 ORDER BY requested_at
 
 -- purge_finished_sagas --
--- Delete a batch of completed or compensated sagas that ended before the cutoff, with
+-- Delete a batch of completed, compensated or forked sagas that ended before the cutoff, with
 -- their operations, events and confirmations; sagas still running or parked are never
 -- touched. SKIP LOCKED lets a purge run beside workers. Events have no foreign key
 -- (migration 0007), so they are deleted here with their sagas. Returns how many.
 WITH doomed AS (
     SELECT id
     FROM saga.sagas
-    WHERE status IN ('completed', 'compensated')
+    WHERE status IN ('completed', 'compensated', 'forked')
       AND finished_at < now() - make_interval(secs => %(retention_seconds)s::float8)
     ORDER BY finished_at
     LIMIT %(batch_size)s
@@ -219,7 +219,7 @@ SELECT count(*) AS purged FROM gone
 -- there are in all: a dry run, which neither locks nor deletes anything.
 SELECT id::text AS id, name, version, status, finished_at, count(*) OVER () AS total
 FROM saga.sagas
-WHERE status IN ('completed', 'compensated')
+WHERE status IN ('completed', 'compensated', 'forked')
   AND finished_at < now() - make_interval(secs => %(retention_seconds)s::float8)
 ORDER BY finished_at
 LIMIT %(limit)s
@@ -283,3 +283,13 @@ WHERE o.saga_id = holder.id
   AND o.attempts = %(attempt)s
   AND o.status = 'running'
 RETURNING o.attempt_spend
+
+-- record_fork --
+-- Each side of a fork names the other: the fork its source, the source its fork (in the
+-- transaction that created the fork and made the source `forked`); the source, final, is
+-- purged after the retention period like a completed saga.
+UPDATE saga.sagas
+SET forked_from = CASE WHEN id = %(fork)s THEN %(source)s::uuid ELSE forked_from END,
+    forked_to = CASE WHEN id = %(source)s THEN %(fork)s::uuid ELSE forked_to END,
+    finished_at = CASE WHEN id = %(source)s THEN now() ELSE finished_at END
+WHERE id IN (%(source)s, %(fork)s)

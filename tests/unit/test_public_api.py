@@ -130,6 +130,7 @@ def test_statuses_are_lowercase_str_enums() -> None:
         "compensated",
         "needs_review",
         "awaiting_confirmation",
+        "forked",
     ]
     assert [s.value for s in saga.OperationStatus] == [
         "pending",
