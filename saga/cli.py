@@ -53,10 +53,11 @@ _EPILOG = """exit codes:
 
 The database comes from --database-url, else SAGA_DATABASE_URL, else an embedded
 PostgreSQL in a local data directory (SAGA_EMBEDDED_DIR). Commands that run your
-code (worker, compensate, resolve, retry, cancel, reconcile) load it with
---app MODULE[:ATTR] or SAGA_APP: MODULE is imported (from the current directory or
-PYTHONPATH) and ATTR names its Orchestrator or AsyncOrchestrator (found by itself when
-there is only one; an AsyncOrchestrator's worker is an AsyncWorker on an event loop).
+code or need its saga definitions (worker, compensate, resolve, retry, cancel, fork,
+reconcile) load it with --app MODULE[:ATTR] or SAGA_APP: MODULE is imported (from the
+current directory or PYTHONPATH) and ATTR names its Orchestrator or AsyncOrchestrator
+(found by itself when there is only one; an AsyncOrchestrator's worker is an
+AsyncWorker on an event loop).
 Mutating commands are recorded in each saga's audit trail with --actor (default:
 your OS user). Errors are one line on stderr; SAGA_TRACEBACK=1 adds the traceback.
 
@@ -135,10 +136,11 @@ def _parser() -> argparse.ArgumentParser:
         help="module registering your sagas, and the name of its Orchestrator or "
         "AsyncOrchestrator (or SAGA_APP)",
     )
-    acting = _Parser(add_help=False)
-    acting.add_argument(
+    actor = _Parser(add_help=False)
+    actor.add_argument(
         "--actor", metavar="NAME", help="who runs this, for the audit trail (default: OS user)"
     )
+    acting = _Parser(add_help=False, parents=[actor])
     acting.add_argument(
         "--force",
         action="store_true",
@@ -285,7 +287,7 @@ def _parser() -> argparse.ArgumentParser:
 
     purge = add(
         "purge",
-        "delete completed and compensated sagas older than the retention, in batches; "
+        "delete completed, compensated and forked sagas older than the retention, in batches; "
         "sagas still running or parked are never touched. With --app the retention is "
         "the retention_days of the app's Orchestrator",
         app,
@@ -329,6 +331,32 @@ def _parser() -> argparse.ArgumentParser:
         "--include-unknown",
         action="store_true",
         help="also compensate steps whose outcome is unknown",
+    )
+
+    fork = add(
+        "fork",
+        "continue a parked saga as a new saga that runs from STEP on, keeping the results "
+        "of the steps before it; the old saga becomes forked and never runs again",
+        app,
+        actor,
+    )
+    fork.add_argument("saga_id", metavar="ID")
+    fork.add_argument(
+        "--from",
+        dest="from_step",
+        metavar="STEP",
+        required=True,
+        help="the first step the new saga runs (the steps before it must have succeeded)",
+    )
+    fork.add_argument(
+        "--key",
+        metavar="KEY",
+        help="idempotency key of the new saga (default: '<saga key>:fork:<STEP>')",
+    )
+    fork.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object: id, key, created, forked_from, from_step",
     )
 
     rec = add(
@@ -856,6 +884,42 @@ def _cancel(args: argparse.Namespace) -> int:
         return _after_request(orch, state, args.run, _given(args))
 
 
+def _fork(args: argparse.Namespace) -> int:
+    orch = _operator(args)
+    actor = _actor(args)
+    with orch:
+        source = _full_id(orch, args)
+        # The same fork asked for again (same step and key) is returned, not made twice.
+        handle = orch.fork(source, args.from_step, key=args.key, actor=actor)
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "id": handle.id,
+                        "key": handle.key,
+                        "created": handle.created,
+                        "forked_from": source,
+                        "from_step": args.from_step,
+                    },
+                    separators=(",", ":"),
+                )
+            )
+            return EXIT_OK
+        print(handle.id)
+        if handle.created:
+            print(
+                f"saga {handle.id} was forked from {source} at step {args.from_step!r}, by "
+                f"{actor}: it is pending, a worker will drive it"
+            )
+        else:
+            status = orch.get(handle.id).status
+            print(
+                f"saga {source} was already forked to {handle.id} at step "
+                f"{args.from_step!r} (key {handle.key}); nothing changed, the fork is {status}"
+            )
+        return EXIT_OK
+
+
 def _cancel_parks(orch: Orchestrator, state: SagaState, *, include_unknown: bool) -> str | None:
     """What a cancel of `state` will undo before its compensation stops and the saga
     parks, and why; None when it would not park (or the cancel does not compensate)."""
@@ -1025,6 +1089,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "resolve": _resolve,
     "retry": _retry,
     "cancel": _cancel,
+    "fork": _fork,
     "reconcile": _reconcile,
     "preview": _preview,
     "confirm": _confirm,

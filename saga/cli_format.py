@@ -166,6 +166,10 @@ def show(state: SagaState, history: Sequence[HistoryEvent]) -> str:
         ["input", one_line(json.dumps(state.input, separators=(",", ":")), 100)],
         ["status", str(state.status)],
     ]
+    if state.forked_from:
+        head.append(["forked from", state.forked_from])
+    if state.forked_to:
+        head.append(["forked to", state.forked_to])
     if state.error:
         head.append(["reason", cli_wording(state.error)])
     if state.spend_budget is not None or state.spent:
