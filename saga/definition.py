@@ -21,7 +21,9 @@ Fn = TypeVar("Fn", bound=Callable[..., Any])
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
 
 
-def _check_name(what: str, name: str) -> str:
+def check_name(what: str, name: str) -> str:
+    """`name`, unless it is not 1 to 100 letters, digits, '_', '-' or '.': then a
+    `SagaDefinitionError` naming `what` (saga, step, durable step...)."""
     if not isinstance(name, str) or not name or not set(name) <= _NAME_CHARS or len(name) > 100:
         raise SagaDefinitionError(
             f"{what} name {name!r} is invalid: use 1 to 100 letters, digits, '_', '-' or '.'"
@@ -316,7 +318,7 @@ class Saga(Generic[InputT]):
         volatile: Sequence[str] = (),
         ceilings: Ceilings | None = None,
     ) -> None:
-        self.name = _check_name("saga", name)
+        self.name = check_name("saga", name)
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise SagaDefinitionError(f"saga {name!r}: version must be a positive int")
         if not (isinstance(input, type) and issubclass(input, BaseModel)):
@@ -335,8 +337,17 @@ class Saga(Generic[InputT]):
         self.ceilings = ceilings or Ceilings()
         self.steps: list[Step] = []
 
+    # A session (saga.session) is a saga whose steps are added as its code calls them.
+    is_session = False
+    # The step a session's code is calling now (None between calls).
+    focus: str | None = None
+
     def __repr__(self) -> str:
         return f"Saga({self.name!r}, version={self.version})"
+
+    def adopt(self, ops: Sequence[Any]) -> None:
+        """Learn the operations a snapshot of one of its instances holds: a session's
+        definition adds a step per call its rows record; a declared saga knows its steps."""
 
     @overload
     def step(self, fn: Callable[..., Any], /) -> Step: ...
@@ -428,7 +439,7 @@ class Saga(Generic[InputT]):
 
         def register(func: Callable[..., Any]) -> Step:
             _check_callable(func, "step")
-            step_name = _check_name("step", name or func.__name__)
+            step_name = check_name("step", name or func.__name__)
             if self.step_named(step_name) is not None:
                 raise SagaDefinitionError(
                     f"saga {self.name!r} already has a step named {step_name!r}"
