@@ -5,6 +5,7 @@ from saga.approvals import ApprovalRejected
 from saga.aworker import AsyncWorker
 from saga.context import StepContext
 from saga.definition import Ceilings, Compensation, Saga, Step
+from saga.durable import DurableStep, current_context, durable_step
 from saga.errors import (
     DatabaseError,
     DatabaseInterrupted,
@@ -19,6 +20,8 @@ from saga.errors import (
     SagaNotFound,
     SchemaMissing,
     SchemaTooNew,
+    SessionBusy,
+    SessionParked,
     StepStateError,
     SyncCallInEventLoop,
     TransientError,
@@ -26,6 +29,7 @@ from saga.errors import (
 from saga.orchestrator import Orchestrator
 from saga.outcomes import Absent, Found, Inconclusive
 from saga.retry import RetryPolicy
+from saga.session import AsyncSession, Session
 from saga.state import (
     Confirmation,
     HistoryEvent,
@@ -56,6 +60,7 @@ __all__ = [
     "Absent",
     "ApprovalRejected",
     "AsyncOrchestrator",
+    "AsyncSession",
     "AsyncWorker",
     "Ceilings",
     "Compensation",
@@ -64,6 +69,7 @@ __all__ = [
     "DatabaseInterrupted",
     "DatabaseRefused",
     "DatabaseUnavailable",
+    "DurableStep",
     "Found",
     "HistoryEvent",
     "IdempotencyConflict",
@@ -84,6 +90,9 @@ __all__ = [
     "SagaStatus",
     "SchemaMissing",
     "SchemaTooNew",
+    "Session",
+    "SessionBusy",
+    "SessionParked",
     "Step",
     "StepContext",
     "StepStateError",
@@ -91,4 +100,6 @@ __all__ = [
     "TransientError",
     "Worker",
     "WorkerInfo",
+    "current_context",
+    "durable_step",
 ]

@@ -21,6 +21,7 @@ from saga.logs import get_logger
 from saga.migrate import migrate_database
 from saga.operator import actor_or_os_user, check_actor
 from saga.orchestrator import session_options
+from saga.session import AsyncSession
 from saga.state import Confirmation, HistoryEvent, SagaHandle, SagaState, SagaStatus, WorkerInfo
 
 if TYPE_CHECKING:
@@ -274,6 +275,13 @@ class AsyncOrchestrator(Engine):
             force=force,
             actor=actor,
         )
+
+    def session(
+        self, run_id: str, *, tenant: str = "", name: str = "session", wait_seconds: float = 0.0
+    ) -> AsyncSession:
+        """A session of durable steps: `async with aorch.session(run_id) as run:`; see
+        `Orchestrator.session`. Each durable step call inside is awaited."""
+        return AsyncSession(self, run_id, tenant=tenant, name=name, wait_seconds=wait_seconds)
 
     async def fork(
         self, saga_id: str, from_step: str, *, key: str | None = None, actor: str | None = None

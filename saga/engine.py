@@ -35,6 +35,7 @@ from saga.keys import request_hash as hash_business_fields
 from saga.logs import get_logger
 from saga.operator import check_actor
 from saga.protocol import Event, Next, Planner, SagaRow, new_action_rows
+from saga.session import SESSION_PREFIX, SessionSaga
 from saga.state import HistoryEvent, SagaHandle, SagaState, SagaStatus
 from saga.store import new_token, parse_id
 
@@ -155,11 +156,18 @@ class Engine:
         return list(self._registry.values())
 
     def definition(self, name: str, version: int) -> Saga[Any]:
-        """The registered saga (name, version); `NotRegistered` otherwise."""
-        saga = self._registry.get((name, version))
+        """The registered saga (name, version), or a session's definition (its calls'
+        steps are those of the durable steps registered in this process); `NotRegistered`
+        otherwise."""
+        saga = self._definition_or_none(name, version)
         if saga is None:
             raise NotRegistered(name, version)
         return saga
+
+    def _definition_or_none(self, name: str, version: int) -> Saga[Any] | None:
+        if name.startswith(SESSION_PREFIX):
+            return SessionSaga(name.removeprefix(SESSION_PREFIX))
+        return self._registry.get((name, version))
 
     def runner_options(self, *, max_inline_sleep: float = math.inf) -> RunnerOptions:
         """Lease settings of this orchestrator, for runners."""
@@ -202,7 +210,9 @@ class Engine:
     ) -> inputs.Resolve:
         """The request of `resolve` for `state`: `result` validated like the step's (or
         its compensation's) return value; `StepStateError` when the saga has no `step`."""
-        target = self.definition(state.saga, state.version).step_named(step)
+        definition = self.definition(state.saga, state.version)
+        definition.adopt(state.operations)  # a session's calls are its steps
+        target = definition.step_named(step)
         if target is None:
             raise StepStateError(f"saga {state.saga!r} has no step {step!r}")
         stored = None
@@ -393,7 +403,7 @@ class Engine:
         if locked is None:
             raise SagaNotFound(saga_id)
         row, live = locked
-        definition = self._registry.get((row.name, row.version))
+        definition = self._definition_or_none(row.name, row.version)
         if definition is None:
             if registered:
                 raise NotRegistered(row.name, row.version)
@@ -510,7 +520,11 @@ class Engine:
                     f"(key {existing.key!r}); fork that saga instead"
                 )
             return existing
-        definition = self._registry.get((row.name, row.version))
+        if row.name.startswith(SESSION_PREFIX):
+            raise StepStateError(
+                f"saga {saga_id} is a session: forking a session is not supported yet"
+            )
+        definition = self._definition_or_none(row.name, row.version)
         if definition is None:
             raise NotRegistered(row.name, row.version)
         if live:

@@ -91,6 +91,17 @@ class SchemaTooNew(SagaError):
         self.package_version = package_version
 
 
+class SessionBusy(SagaError):
+    """Another live process or task holds the session (its lease), and it did not let go
+    within the wait asked for; nothing was called."""
+
+
+class SessionParked(SagaError):
+    """The session cannot go on safely without a human (a call's outcome is unknown and
+    neither a reconcile hook nor a same-key retry may settle it, a result that is not
+    JSON, a ceiling); the message names the call and the remedy (`saga resolve`...)."""
+
+
 class SyncCallInEventLoop(SagaError, RuntimeError):
     """A blocking call of the sync API was made from a running event loop, and refused
     before it did anything: use `AsyncOrchestrator`, or call it in a thread

@@ -46,6 +46,7 @@ from saga.protocol import (
     AskReconcile,
     ConfirmationRow,
     Event,
+    Hold,
     Invoke,
     Next,
     OpRow,
@@ -134,7 +135,15 @@ class Flows:
 
     def claim_and_drive(self, definition: Saga[Any], saga_id: str) -> Flow[SagaState | None]:
         """Claim one saga and drive it until it stops; None when it could not be claimed
-        (or was lost to another owner on the way).
+        (or was lost to another owner on the way)."""
+        claimed = yield from self.claim(definition, saga_id)
+        if claimed is None:
+            return None
+        return (yield from self.drive(*claimed))
+
+    def claim(self, definition: Saga[Any], saga_id: str) -> Flow[tuple[Planner, Next] | None]:
+        """Claim one saga and plan (and record) its first move; None when it is not
+        runnable or another owner's lease is live.
 
         A claim whose reply was lost is recognised by the token of its first write: the
         retry then carries on with the saga it holds instead of finding it leased (to
@@ -149,10 +158,14 @@ class Flows:
                 claimed = yield from self._claim_by_id(definition, saga_id, token)
             return claimed
 
-        claimed = yield from retried("claim_saga", once)
-        if claimed is None:
-            return None
-        return (yield from self.drive(*claimed))
+        return (yield from retried("claim_saga", once))
+
+    def transact(
+        self, planner: Planner, outcome: inputs.Outcome | None
+    ) -> Flow[tuple[Planner, Next]]:
+        """Record `outcome` (None: only the moves that need no call) and plan the next
+        move, in one fenced write; see `_transact`."""
+        return (yield from self._transact(planner, outcome))
 
     def _claim_by_id(
         self, definition: Saga[Any], saga_id: str, token: str
@@ -266,20 +279,13 @@ class Flows:
         """
         saga = planner.saga
         try:
-            while not isinstance(nxt, Stop | Yield):
-                if isinstance(nxt, Sleep):
-                    if planner.final_state is not None:
-                        # The transaction that planned this backoff persisted it as
-                        # run_after and released the lease (Planner.write decided).
-                        return planner.final_state
-                    yield from self._wait_until(planner, nxt.until)
-                    planner, nxt = yield from self._transact(planner, None)
-                elif isinstance(nxt, Invoke):
-                    planner, nxt = yield from self._invoke(planner, nxt.op)
-                elif isinstance(nxt, AskReconcile):
-                    planner, nxt = yield from self._reconcile(planner, nxt.op)
-                elif isinstance(nxt, Prepare):
-                    planner, nxt = yield from self._prepare(planner, nxt.op)
+            planner, nxt = yield from self.carry_on(planner, nxt)
+            if isinstance(nxt, Hold):
+                # A session driven outside its block (an operator's run): what it does
+                # next is its code's to say; give the lease back to the next entry.
+                yield from self.release_after_error(planner.saga)
+                state: SagaState | None = yield db("get_state", saga.id)
+                return state
         except LeaseLost as exc:
             _log.warning("lease_lost", saga_id=saga.id, fence=saga.fence, error=str(exc))
             return None
@@ -293,6 +299,27 @@ class Flows:
             yield from self.release_after_error(saga)
             raise
         return planner.final_state
+
+    def carry_on(self, planner: Planner, nxt: Next) -> Flow[tuple[Planner, Next]]:
+        """Carry out `nxt` and the moves after it until the saga stops, is handed back
+        (a backoff whose write released the lease, a shutdown) or holds (a session's
+        call is settled); returns the planner as the last write left it, and that move.
+        Errors are the caller's (`drive` parks a broken saga; a session raises)."""
+        while not isinstance(nxt, Stop | Yield | Hold):
+            if isinstance(nxt, Sleep):
+                if planner.final_state is not None:
+                    # The transaction that planned this backoff persisted it as run_after
+                    # and released the lease (Planner.write decided).
+                    break
+                yield from self._wait_until(planner, nxt.until)
+                planner, nxt = yield from self._transact(planner, None)
+            elif isinstance(nxt, Invoke):
+                planner, nxt = yield from self._invoke(planner, nxt.op)
+            elif isinstance(nxt, AskReconcile):
+                planner, nxt = yield from self._reconcile(planner, nxt.op)
+            elif isinstance(nxt, Prepare):
+                planner, nxt = yield from self._prepare(planner, nxt.op)
+        return planner, nxt
 
     def release_after_error(self, saga: SagaRow) -> Flow[None]:
         """Leave the saga to the next owner right away rather than after lease expiry."""

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from saga import ceilings, interventions
 from saga.protocol import OpRow, Planner
+from saga.state import OperationStatus, SagaStatus
 
 Verdict = Literal["retry", "failed", "unknown"]
 
@@ -229,7 +230,31 @@ OpOutcome = (
     | Prepared
     | PrepareRaised
 )
-Outcome = OpOutcome | Parked | Spent
+
+
+@dataclass(frozen=True, slots=True)
+class CallAsked:
+    """A session's code calls a durable step under a key it has not called before: the
+    call's operation is added, pending (nothing when a write that landed added it)."""
+
+    step: str
+    position: int
+    idempotency_key: str
+    request_hash: str
+    arguments: Any
+    max_attempts: int
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class SessionClosed:
+    """A session's block ended: with `failure`, its succeeded calls are compensated in
+    reverse; else it completes, unless a call's outcome is still unknown (it parks)."""
+
+    failure: str | None = None
+
+
+Outcome = OpOutcome | Parked | Spent | CallAsked | SessionClosed
 
 
 def apply(planner: Planner, outcome: Outcome, now: datetime) -> None:
@@ -238,6 +263,12 @@ def apply(planner: Planner, outcome: Outcome, now: datetime) -> None:
     planner.now = now
     if isinstance(outcome, Parked):
         planner.park(outcome.reason)
+        return
+    if isinstance(outcome, CallAsked):
+        _ask(planner, outcome)
+        return
+    if isinstance(outcome, SessionClosed):
+        _close(planner, outcome)
         return
     if isinstance(outcome, Spent):
         inner = outcome.outcome
@@ -248,6 +279,45 @@ def apply(planner: Planner, outcome: Outcome, now: datetime) -> None:
             ceilings.refuse_spend(planner, op, outcome.refused)
         return
     _apply_to(planner, planner.op(outcome.step, outcome.kind), outcome)
+
+
+def _ask(planner: Planner, call: CallAsked) -> None:
+    if planner.find(call.step, "action") is not None:
+        return  # added by a write that landed although its reply was lost
+    op = OpRow(
+        step=call.step,
+        kind="action",
+        position=call.position,
+        idempotency_key=call.idempotency_key,
+        request_hash=call.request_hash,
+        status=OperationStatus.PENDING,
+        attempts=0,
+        max_attempts=call.max_attempts,
+        request=call.arguments,
+        new=True,
+    )
+    planner.ops.append(op)
+    planner.event("call_asked", op, key=call.key)
+
+
+def _close(planner: Planner, closed: SessionClosed) -> None:
+    if not planner.saga.status.is_runnable:
+        return
+    if closed.failure is not None:
+        planner.begin_compensation(closed.failure)
+        return
+    unsettled = [
+        op.step
+        for op in planner.actions
+        if op.status in (OperationStatus.UNKNOWN, OperationStatus.RUNNING)
+    ]
+    if unsettled:
+        planner.park(
+            f"the session ended with the outcome of {', '.join(map(repr, unsettled))} unknown "
+            "(a call its code did not make again): resolve it"
+        )
+        return
+    planner.finish(SagaStatus.COMPLETED)
 
 
 def _apply_to(planner: Planner, op: OpRow, outcome: OpOutcome) -> None:

@@ -24,6 +24,7 @@ from saga.loopguard import sync_only
 from saga.migrate import migrate_database
 from saga.operator import actor_or_os_user, check_actor
 from saga.runner import Runner
+from saga.session import Session
 from saga.state import (
     Confirmation,
     HistoryEvent,
@@ -397,6 +398,21 @@ class Orchestrator(Engine):
             force=force,
             actor=actor,
         )
+
+    def session(
+        self, run_id: str, *, tenant: str = "", name: str = "session", wait_seconds: float = 0.0
+    ) -> Session:
+        """A session of durable steps: `with orch.session("ticket-4821") as run:`.
+
+        Inside the block, each call of a `@durable_step` function is an operation of the
+        session: the first call under a key runs (`running` committed before, the outcome
+        after), every later one, here or in any later process, returns the stored result.
+        The session is leased while the block runs: another process entering it waits up
+        to `wait_seconds`, then raises `SessionBusy`. A `PermanentError` leaving the
+        block (or `run.fail(reason)`) compensates the succeeded calls in reverse; any
+        other exception leaves the session open for the next entry to resume.
+        """
+        return Session(self, run_id, tenant=tenant, name=name, wait_seconds=wait_seconds)
 
     @sync_only()
     def fork(

@@ -96,7 +96,13 @@ class Yield:
     """Calls are not allowed now (the worker is shutting down): give the lease back."""
 
 
-Next = Invoke | AskReconcile | Prepare | Sleep | Stop | Yield
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """A session's call is settled, or none is asked for: its code goes on, and the
+    session keeps its lease (see `saga.session`)."""
+
+
+Next = Invoke | AskReconcile | Prepare | Sleep | Stop | Yield | Hold
 
 
 def action_request_hash(step: str, business: dict[str, Any]) -> str:
@@ -143,6 +149,7 @@ class Planner:
         *,
         now: datetime,
     ) -> None:
+        definition.adopt(ops)
         self.definition = definition
         self.saga = saga
         self.ops = ops
@@ -302,6 +309,8 @@ class Planner:
                 return nxt
 
     def _forward(self) -> Next | None:
+        if self.definition.is_session:
+            return self._session_forward()
         for op in self.actions:
             if op.status == OperationStatus.SUCCEEDED:
                 continue
@@ -320,6 +329,18 @@ class Planner:
             return self._start_or_wait(op)
         self.finish(SagaStatus.COMPLETED)
         return None
+
+    def _session_forward(self) -> Next | None:
+        """A session runs the one call its code asks for (`definition.focus`), and
+        nothing else: a call that failed is the code's to handle, and the session ends
+        when its block does, not when its calls run out."""
+        focus = self.definition.focus
+        op = None if focus is None else self.find(focus, "action")
+        if op is None or op.status in (OperationStatus.SUCCEEDED, OperationStatus.FAILED):
+            return Hold()
+        if op.status == OperationStatus.UNKNOWN:
+            return self._settle_unknown(op)
+        return self._start_or_wait(op)
 
     def _backward(self) -> Next | None:
         for act in reversed(self.actions):

@@ -11,6 +11,7 @@ EXPECTED_ALL = [
     "Absent",
     "ApprovalRejected",
     "AsyncOrchestrator",
+    "AsyncSession",
     "AsyncWorker",
     "Ceilings",
     "Compensation",
@@ -19,6 +20,7 @@ EXPECTED_ALL = [
     "DatabaseInterrupted",
     "DatabaseRefused",
     "DatabaseUnavailable",
+    "DurableStep",
     "Found",
     "HistoryEvent",
     "IdempotencyConflict",
@@ -39,6 +41,9 @@ EXPECTED_ALL = [
     "SagaStatus",
     "SchemaMissing",
     "SchemaTooNew",
+    "Session",
+    "SessionBusy",
+    "SessionParked",
     "Step",
     "StepContext",
     "StepStateError",
@@ -46,6 +51,8 @@ EXPECTED_ALL = [
     "TransientError",
     "Worker",
     "WorkerInfo",
+    "current_context",
+    "durable_step",
 ]
 
 # Names the v0 API contract promises to users of `from saga import ...`.

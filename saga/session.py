@@ -1,0 +1,691 @@
+"""Sessions: durable steps called as code decides, on the same ledger as declared sagas.
+
+A session is a saga row (named `session/<name>`, a name no declared saga can have, so no
+worker ever claims it) whose operations are added as its code calls durable steps. The
+process inside the `with` block holds the session's lease (kept alive by the heartbeat)
+and drives each call through the same flows as a declared saga's step: `running`
+committed before the call, the outcome after, retries, timeouts, unknown outcomes settled
+by a reconcile hook or a same-key retry, or a park. The flows are shared by the two
+doors; `Session` and `AsyncSession` only carry them out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict
+
+from saga import inputs
+from saga.definition import Guards, Saga, Step
+from saga.durable import DurableStep, context_scope, registered_step, session_scope
+from saga.effects import Flow, Pause, db
+from saga.errors import (
+    IdempotencyConflict,
+    PermanentError,
+    SagaDefinitionError,
+    SessionBusy,
+    SessionParked,
+    StepStateError,
+)
+from saga.flow import Flows, retried
+from saga.keys import operation_key
+from saga.keys import request_hash as hash_fields
+from saga.protocol import Planner, SagaRow
+from saga.retry import RetryPolicy
+from saga.rows import Event, OpRow
+from saga.signatures import is_async
+from saga.state import HistoryEvent, OperationStatus, SagaState, SagaStatus
+
+if TYPE_CHECKING:
+    from saga.adriver import AsyncRunner
+    from saga.aorchestrator import AsyncOrchestrator
+    from saga.orchestrator import Orchestrator
+    from saga.runner import Runner
+
+
+# Sessions' saga rows are named so: a declared saga's name never has a '/'.
+SESSION_PREFIX = "session/"
+# How often a session entry that found a live holder looks again (seconds).
+_BUSY_POLL = 0.1
+
+
+class _NoInput(BaseModel):
+    """A session has no input of its own: its calls carry their arguments."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def _no_key(_: _NoInput) -> str:
+    return ""
+
+
+class SessionSaga(Saga[_NoInput]):
+    """The definition of one session: a step per call, added as the calls happen."""
+
+    is_session = True
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name, version=1, input=_NoInput, key=_no_key)  # checks the name
+        self.name = SESSION_PREFIX + name
+        # The exception a call raised in this process, by operation: re-raised to the
+        # session's code as it was, rather than as the text the ledger keeps.
+        self.raised: dict[str, BaseException] = {}
+
+    def adopt(self, ops: Sequence[Any]) -> None:
+        """Install a step for each call the rows record that this definition does not
+        know yet (made by an earlier process): its durable step as registered here, and
+        its arguments as stored, for the compensations and reconciles that run without
+        the code calling it again."""
+        known = {step.name for step in self.steps}
+        actions = [op for op in ops if op.kind == "action"]
+        for index, op in enumerate(actions):
+            if op.step in known:
+                continue
+            durable = registered_step(op.step.rsplit(".", 1)[0])
+            args = None
+            if durable is not None and op.request is not None:
+                try:
+                    args = durable.arguments_of(op.request)
+                except TypeError:
+                    args = None  # the step's signature changed: its hooks say so if run
+            self.install(op.step, getattr(op, "position", index), durable, args)
+
+    def install(
+        self, name: str, position: int, durable: DurableStep[Any, Any] | None, args: Any
+    ) -> Step:
+        """The step that runs call `name`: `durable`'s function bound to the call's
+        arguments (`args` as `(positional, keywords)`, or None when they are not known
+        here)."""
+        self.steps = [s for s in self.steps if s.name != name]
+        if durable is None:
+            step = Step(
+                self,
+                _not_here(name),
+                name=name,
+                index=position,
+                retry=_ONE_ATTEMPT,
+                idempotent=False,
+                pivot=False,
+                guards=Guards(),
+            )
+            self.steps.append(step)
+            return step
+        step = Step(
+            self,
+            _action(durable, args, self.raised, name),
+            name=name,
+            index=position,
+            retry=durable.retry,
+            idempotent=durable.idempotent,
+            pivot=False,
+            guards=Guards(timeout_seconds=durable.timeout_seconds),
+        )
+        step.codec = durable.codec
+        if durable.compensation_fn is not None:
+            step.compensation(
+                retry=durable.compensation_retry, idempotent=durable.compensation_idempotent
+            )(_compensation(durable, args, name))
+        if durable.reconcile_fn is not None:
+            step.reconcile(
+                window_seconds=durable.reconcile_window_seconds, retry=durable.reconcile_retry
+            )(_reconcile(durable, args, name))
+        self.steps.append(step)
+        return step
+
+
+_ONE_ATTEMPT = RetryPolicy(max_attempts=1)
+
+
+def _not_here(name: str) -> Callable[..., Any]:
+    def call(ctx: Any, _input: Any) -> Any:
+        raise PermanentError(
+            f"call {name!r} was made by an earlier process and its durable step is not "
+            "imported here"
+        )
+
+    return call
+
+
+def _arguments(args: Any, name: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if args is None:
+        raise PermanentError(
+            f"the arguments of call {name!r} were not JSON, so they were not stored: only "
+            "the process that made the call could run this; settle it by hand and resolve it"
+        )
+    return args  # type: ignore[no-any-return]
+
+
+def _action(
+    durable: DurableStep[Any, Any], args: Any, raised: dict[str, BaseException], name: str
+) -> Callable[..., Any]:
+    if durable.is_async:
+
+        async def acall(ctx: Any, _input: Any) -> Any:
+            positional, keywords = _arguments(args, name)
+            with context_scope(ctx):
+                try:
+                    return await durable.fn(*positional, **keywords)
+                except BaseException as exc:
+                    raised[name] = exc
+                    raise
+
+        return acall
+
+    def call(ctx: Any, _input: Any) -> Any:
+        positional, keywords = _arguments(args, name)
+        with context_scope(ctx):
+            try:
+                return durable.fn(*positional, **keywords)
+            except BaseException as exc:
+                raised[name] = exc
+                raise
+
+    return call
+
+
+def _compensation(durable: DurableStep[Any, Any], args: Any, name: str) -> Callable[..., Any]:
+    fn = durable.compensation_fn
+    assert fn is not None
+    if is_async(fn):
+
+        async def acall(ctx: Any, _input: Any, result: Any) -> Any:
+            positional, keywords = _arguments(args, name)
+            with context_scope(ctx):
+                return await fn(ctx, result, *positional, **keywords)
+
+        return acall
+
+    def call(ctx: Any, _input: Any, result: Any) -> Any:
+        positional, keywords = _arguments(args, name)
+        with context_scope(ctx):
+            return fn(ctx, result, *positional, **keywords)
+
+    return call
+
+
+def _reconcile(durable: DurableStep[Any, Any], args: Any, name: str) -> Callable[..., Any]:
+    fn = durable.reconcile_fn
+    assert fn is not None
+    if is_async(fn):
+
+        async def acall(ctx: Any, _input: Any) -> Any:
+            positional, keywords = _arguments(args, name)
+            with context_scope(ctx):
+                return await fn(ctx, *positional, **keywords)
+
+        return acall
+
+    def call(ctx: Any, _input: Any) -> Any:
+        positional, keywords = _arguments(args, name)
+        with context_scope(ctx):
+            return fn(ctx, *positional, **keywords)
+
+    return call
+
+
+def call_step_name(durable: DurableStep[Any, Any], key: str) -> str:
+    """The operation name of a call: its step's name and a digest of its key (so that a
+    step called under several keys has an operation per key)."""
+    return f"{durable.name}.{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+class SessionFlows:
+    """Opening, calling and closing one session, as flows both doors carry out."""
+
+    def __init__(
+        self,
+        flows: Flows,
+        definition: SessionSaga,
+        *,
+        run_id: str,
+        tenant: str,
+        lease_seconds: float,
+    ) -> None:
+        self.flows = flows
+        self.definition = definition
+        self.run_id = run_id
+        self.tenant = tenant
+        self.lease_seconds = lease_seconds
+
+    def open(self, wait_seconds: float) -> Flow[tuple[Planner | None, SagaState | None]]:
+        """Create the session's row if it is new, and take its lease, waiting up to
+        `wait_seconds` for a live holder to let go (`SessionBusy` after). A session that
+        is no longer runnable (finished, parked) is returned as its state, unleased."""
+        row = SagaRow(
+            id=str(uuid.uuid4()),
+            name=self.definition.name,
+            version=1,
+            tenant_id=self.tenant,
+            key=self.run_id,
+            input={},
+            input_hash=hash_fields({}),
+            status=SagaStatus.PENDING,
+            error=None,
+            direction="forward",
+            fence=0,
+            run_after=None,
+        )
+
+        def start() -> Flow[dict[str, Any]]:
+            outcome: dict[str, Any] = yield db(
+                "start_saga",
+                row,
+                [],
+                [Event("session_started")],
+                lease_seconds=self.lease_seconds,
+                notify=False,
+            )
+            return outcome
+
+        outcome = yield from retried("start_session", start)
+        saga_id = row.id if outcome["created"] else str(outcome["id"])
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            claimed = yield from self.flows.claim(self.definition, saga_id)
+            if claimed is not None:
+                return claimed[0], None
+            state: SagaState | None = yield db("get_state", saga_id)
+            if state is None:
+                raise StepStateError(f"session {self.run_id!r} was deleted while it was opened")
+            if not state.status.is_runnable:
+                return None, state
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SessionBusy(
+                    f"session {self.run_id!r} ({saga_id}) is held by {state.lease_owner} "
+                    f"until {state.lease_expires_at}; nothing was called (wait longer with "
+                    "wait_seconds=, or let the other holder finish)"
+                )
+            yield Pause(min(_BUSY_POLL, left))
+
+    def call(self, planner: Planner, asked: inputs.CallAsked | None, step: str) -> Flow[Planner]:
+        """Record the call `step` (new when `asked`), run it to a settled outcome (or a
+        park), and return the planner as the last write left it."""
+        self.definition.focus = step
+        try:
+            planner, nxt = yield from self.flows.transact(planner, asked)
+            planner, _ = yield from self.flows.carry_on(planner, nxt)
+        finally:
+            self.definition.focus = None
+        return planner
+
+    def close(self, planner: Planner, failure: str | None) -> Flow[Planner]:
+        """End the session: completed, or (with `failure`) its succeeded calls
+        compensated in reverse; the lease is given back with the last write."""
+        planner, nxt = yield from self.flows.transact(planner, inputs.SessionClosed(failure))
+        planner, _ = yield from self.flows.carry_on(planner, nxt)
+        return planner
+
+    def release(self, planner: Planner) -> Flow[None]:
+        """Give the lease back after the session's code raised: the session stays open,
+        and the next entry resumes it (its settled calls replay)."""
+        yield from self.flows.release_after_error(planner.saga)
+
+
+class _Ledger:
+    """What a session knows of its calls, and what both doors decide alike."""
+
+    def __init__(self, definition: SessionSaga) -> None:
+        self.definition = definition
+        self.planner: Planner | None = None
+        self.finished: SagaState | None = None
+        self.failure: str | None = None
+        self.executed = 0
+        self.replayed = 0
+
+    def adopt(self, planner: Planner) -> None:
+        """Take the claimed snapshot (its definition has learned the calls on record)."""
+        self.planner = planner
+
+    def before(
+        self, durable: DurableStep[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[str, inputs.CallAsked | None, Any]:
+        """Decide a call: `(name, asked, replay)`; `replay` is the stored result to
+        return (`_NOT_STORED` when the call must run)."""
+        if durable.prepare_fn is not None:
+            raise SagaDefinitionError(
+                f"durable step {durable.name!r} has a prepare hook: prepared requests are "
+                "not supported in sessions yet; compute the request in the step itself"
+            )
+        call = durable.call_of(args, kwargs)
+        name = call_step_name(durable, call.key)
+        stored = self._stored(name)
+        if stored is not None:
+            status, request_hash, result, error = stored
+            if request_hash != call.request_hash:
+                raise IdempotencyConflict(
+                    f"durable step {durable.name!r} was called in session {self._id()} under "
+                    f"key {call.key!r} with other arguments; use another key for another call",
+                    saga=self.definition.name,
+                    key=call.key,
+                )
+            if status == OperationStatus.SUCCEEDED:
+                self.replayed += 1
+                return name, None, durable.codec.decode(result)
+            if status == OperationStatus.FAILED:
+                raise self._raised(name, error)
+        if self.planner is None:
+            assert self.finished is not None
+            raise StepStateError(
+                f"session {self._id()} is {self.finished.status.value}: a call it did not "
+                f"make ({durable.name!r} under key {call.key!r}) cannot run in it now"
+            )
+        if self.failure is not None:
+            raise StepStateError(
+                f"session {self._id()} was failed ({self.failure}): no call runs after that"
+            )
+        planner = self.planner
+        op = planner.find(name, "action")
+        asked = None
+        if op is None:
+            position = len(planner.actions)
+            asked = inputs.CallAsked(
+                step=name,
+                position=position,
+                idempotency_key=operation_key(
+                    planner.saga.name,
+                    planner.saga.version,
+                    planner.saga.tenant_id,
+                    planner.saga.key,
+                    name,
+                    "action",
+                ),
+                request_hash=call.request_hash,
+                arguments=call.arguments,
+                max_attempts=durable.retry.max_attempts,
+                key=call.key,
+            )
+            op = OpRow(
+                step=name,
+                kind="action",
+                position=position,
+                idempotency_key=asked.idempotency_key,
+                request_hash=call.request_hash,
+                status=OperationStatus.PENDING,
+                attempts=0,
+                max_attempts=durable.retry.max_attempts,
+            )
+        self.definition.install(op.step, op.position, durable, (args, kwargs))
+        return name, asked, _NOT_STORED
+
+    def after(self, durable: DurableStep[Any, Any], name: str, planner: Planner) -> Any:
+        """What the call returns once its flow is done: its result, or its error."""
+        self.planner = planner
+        saga = planner.saga
+        if saga.status == SagaStatus.NEEDS_REVIEW:
+            raise SessionParked(f"session {self._id()} needs a human: {saga.error}")
+        op = planner.find(name, "action")
+        assert op is not None
+        if op.status == OperationStatus.SUCCEEDED:
+            self.executed += 1
+            return durable.codec.decode(op.result)
+        if op.status == OperationStatus.FAILED:
+            raise self._raised(name, op.error)
+        raise SessionParked(  # pragma: no cover - the flow settles or parks every call
+            f"call {name!r} of session {self._id()} ended {op.status.value}: {op.error}"
+        )
+
+    def _stored(self, name: str) -> tuple[OperationStatus, str, Any, str | None] | None:
+        if self.planner is not None:
+            op = self.planner.find(name, "action")
+            return None if op is None else (op.status, op.request_hash, op.result, op.error)
+        assert self.finished is not None
+        for state in self.finished.operations:
+            if state.step == name and state.kind == "action":
+                return state.status, state.request_hash, state.result, state.error
+        return None
+
+    def _raised(self, name: str, error: str | None) -> BaseException:
+        exc = self.definition.raised.pop(name, None)
+        return exc if exc is not None else PermanentError(f"call {name!r} failed: {error}")
+
+    def _id(self) -> str:
+        if self.planner is not None:
+            return self.planner.saga.id
+        assert self.finished is not None
+        return self.finished.id
+
+    def closing(self, exc: BaseException | None) -> tuple[bool, str | None]:
+        """Whether the exit closes the session, and why it fails (None: it completes)."""
+        if isinstance(exc, PermanentError):
+            return True, f"the session's code raised {type(exc).__name__}: {exc}"
+        if exc is not None:
+            return False, None
+        return True, self.failure
+
+
+_NOT_STORED: Any = object()
+
+
+class Session:
+    """A session of durable steps under one lease: `with orch.session(run_id) as run:`.
+
+    Attributes:
+        id: The session's saga id.
+        executed: Calls run in this block.
+        replayed: Calls answered from the ledger without running.
+    """
+
+    def __init__(
+        self,
+        orch: Orchestrator,
+        run_id: str,
+        *,
+        tenant: str = "",
+        name: str = "session",
+        wait_seconds: float = 0.0,
+    ) -> None:
+        _check_run_id(run_id)
+        self._orch = orch
+        self._run_id = run_id
+        self._tenant = tenant
+        self._wait = wait_seconds
+        self._ledger = _Ledger(SessionSaga(name))
+        self._exits: list[Any] = []
+        # Calls of one session run one at a time (threads given its context included).
+        self._lock = threading.Lock()
+
+    @property
+    def id(self) -> str:
+        return self._ledger._id()
+
+    @property
+    def executed(self) -> int:
+        return self._ledger.executed
+
+    @property
+    def replayed(self) -> int:
+        return self._ledger.replayed
+
+    def fail(self, reason: str) -> None:
+        """End the session as failed when its block exits: its succeeded calls are
+        compensated in reverse. No call runs after this."""
+        self._ledger.failure = reason
+
+    def history(self) -> list[HistoryEvent]:
+        """The session's audit trail: each call's attempts, outcomes and compensations."""
+        return self._orch.history(self.id)
+
+    def __enter__(self) -> Session:
+        runner = self._orch._runner()
+        self._runner: Runner = runner
+        self._flows = SessionFlows(
+            runner.flows,
+            self._ledger.definition,
+            run_id=self._run_id,
+            tenant=self._tenant,
+            lease_seconds=self._orch.lease_seconds,
+        )
+        planner, state = runner.run(self._flows.open(self._wait))
+        if planner is None:
+            assert state is not None
+            if state.status == SagaStatus.NEEDS_REVIEW:
+                raise SessionParked(f"session {state.id} needs a human: {state.error}")
+            self._ledger.finished = state
+        else:
+            self._ledger.adopt(planner)
+            holding = self._orch.lease_keeper.holding(planner.saga.id, planner.saga.fence)
+            holding.__enter__()
+            self._exits.append(holding)
+        scope = session_scope(self)
+        scope.__enter__()
+        self._exits.append(scope)
+        return self
+
+    def call(
+        self, durable: DurableStep[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Run `durable` once under its key in this session, or replay its stored result."""
+        with self._lock:
+            name, asked, replay = self._ledger.before(durable, args, kwargs)
+            if replay is not _NOT_STORED:
+                return replay
+            planner = self._ledger.planner
+            assert planner is not None
+            planner = self._runner.run(self._flows.call(planner, asked, name))
+            return self._ledger.after(durable, name, planner)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            planner = self._ledger.planner
+            if planner is None:
+                return
+            closes, failure = self._ledger.closing(exc)
+            if closes:
+                planner = self._runner.run(self._flows.close(planner, failure))
+                self._ledger.planner = None
+                self._ledger.finished = self._orch.get(planner.saga.id)
+            else:
+                self._runner.run(self._flows.release(planner))
+        finally:
+            while self._exits:
+                self._exits.pop().__exit__(None, None, None)
+        finished = self._ledger.finished
+        if exc is None and finished is not None and finished.status == SagaStatus.NEEDS_REVIEW:
+            raise SessionParked(f"session {self.id} needs a human: {finished.error}")
+
+
+def _check_run_id(run_id: object) -> None:
+    if not isinstance(run_id, str) or not run_id.strip():
+        raise ValueError(f"a session's run id must be a non-empty string, got {run_id!r}")
+
+
+class AsyncSession:
+    """The asyncio twin of `Session`: `async with aorch.session(run_id) as run:`; each
+    durable step call inside is awaited (a sync step's function runs in a thread), and
+    the calls of one session run one at a time, whichever task makes them."""
+
+    def __init__(
+        self,
+        orch: AsyncOrchestrator,
+        run_id: str,
+        *,
+        tenant: str = "",
+        name: str = "session",
+        wait_seconds: float = 0.0,
+    ) -> None:
+        _check_run_id(run_id)
+        self._orch = orch
+        self._run_id = run_id
+        self._tenant = tenant
+        self._wait = wait_seconds
+        self._ledger = _Ledger(SessionSaga(name))
+        self._exits: list[Any] = []
+        self._lock = asyncio.Lock()
+
+    @property
+    def id(self) -> str:
+        return self._ledger._id()
+
+    @property
+    def executed(self) -> int:
+        return self._ledger.executed
+
+    @property
+    def replayed(self) -> int:
+        return self._ledger.replayed
+
+    def fail(self, reason: str) -> None:
+        """End the session as failed when its block exits (see `Session.fail`)."""
+        self._ledger.failure = reason
+
+    async def history(self) -> list[HistoryEvent]:
+        """The session's audit trail."""
+        history: list[HistoryEvent] = await self._orch.history(self.id)
+        return history
+
+    async def __aenter__(self) -> AsyncSession:
+        runner = await self._orch.runner()
+        self._runner: AsyncRunner = runner
+        self._flows = SessionFlows(
+            runner.flows,
+            self._ledger.definition,
+            run_id=self._run_id,
+            tenant=self._tenant,
+            lease_seconds=self._orch.lease_seconds,
+        )
+        planner, state = await runner.run(self._flows.open(self._wait))
+        if planner is None:
+            assert state is not None
+            if state.status == SagaStatus.NEEDS_REVIEW:
+                raise SessionParked(f"session {state.id} needs a human: {state.error}")
+            self._ledger.finished = state
+        else:
+            self._ledger.adopt(planner)
+            keeper = await self._orch.lease_keeper()
+            holding = keeper.holding(planner.saga.id, planner.saga.fence)
+            holding.__enter__()
+            self._exits.append(holding)
+        scope = session_scope(self)
+        scope.__enter__()
+        self._exits.append(scope)
+        return self
+
+    async def call(
+        self, durable: DurableStep[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Run `durable` once under its key in this session, or replay its stored result."""
+        async with self._lock:
+            name, asked, replay = self._ledger.before(durable, args, kwargs)
+            if replay is not _NOT_STORED:
+                return replay
+            planner = self._ledger.planner
+            assert planner is not None
+            planner = await self._runner.run(self._flows.call(planner, asked, name))
+            return self._ledger.after(durable, name, planner)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            planner = self._ledger.planner
+            if planner is None:
+                return
+            closes, failure = self._ledger.closing(exc)
+            if closes:
+                planner = await self._runner.run(self._flows.close(planner, failure))
+                self._ledger.planner = None
+                self._ledger.finished = await self._orch.get(planner.saga.id)
+            else:
+                await self._runner.run(self._flows.release(planner))
+        finally:
+            while self._exits:
+                self._exits.pop().__exit__(None, None, None)
+        finished = self._ledger.finished
+        if exc is None and finished is not None and finished.status == SagaStatus.NEEDS_REVIEW:
+            raise SessionParked(f"session {self.id} needs a human: {finished.error}")
