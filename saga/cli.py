@@ -22,6 +22,7 @@ from saga import __version__, operator
 from saga import cli_format as fmt
 from saga.aorchestrator import AsyncOrchestrator
 from saga.database import ENV_URL, check_connection, describe_url, resolve_database_url
+from saga.durable import registered_step_names
 from saga.errors import (
     DatabaseUnavailable,
     SagaError,
@@ -487,8 +488,11 @@ def load_app(spec: str | None, database_url: str | None) -> App:
             f"--app {spec!r}: its Orchestrator names its own database "
             f"({describe_url(own_url)}), not --database-url ({describe_url(database_url)})"
         )
-    if not orch.registered():
-        raise UsageError(f"--app {spec!r}: its Orchestrator has no registered saga")
+    if not orch.registered() and not registered_step_names():
+        raise UsageError(
+            f"--app {spec!r}: its Orchestrator has no registered saga, and the module "
+            "defines no durable step"
+        )
     return orch
 
 

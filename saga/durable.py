@@ -554,6 +554,12 @@ def _register(step: DurableStep[Any, Any]) -> None:
         _REGISTRY[step.name] = step
 
 
+def registered_step_names() -> list[str]:
+    """The names of the durable steps registered in this process, sorted."""
+    with _REGISTRY_LOCK:
+        return sorted(_REGISTRY)
+
+
 def registered_step(name: str) -> DurableStep[Any, Any] | None:
     """The durable step registered under `name` in this process, or None.
 

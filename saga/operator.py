@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Literal
 
 from saga import interventions
-from saga.errors import DatabaseUnavailable, SagaError, SagaNotFound
+from saga.errors import DatabaseUnavailable, NotRegistered, SagaError, SagaNotFound
 from saga.protocol import Planner
 from saga.state import OperationStatus, SagaState, SagaStatus
 from saga.store import Store, parse_id
@@ -126,7 +126,9 @@ def succeeded_pivot(orch: Orchestrator, state: SagaState) -> str | None:
 
 def refusal(orch: Orchestrator, state: SagaState, *, force: bool, batch: bool) -> str | None:
     """Why a compensation of this saga must not start here, or None when it may."""
-    if (state.saga, state.version) not in {(s.name, s.version) for s in orch.registered()}:
+    try:
+        orch.definition(state.saga, state.version)  # registered, or a session
+    except NotRegistered:
         return f"saga {describe(state)} is not registered by this app"
     if live_lease(state) and not force:
         return (

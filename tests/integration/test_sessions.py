@@ -457,3 +457,59 @@ def test_a_step_with_a_prepare_hook_is_refused_in_a_session_before_anything_runs
             pay("o-1")
         assert orch.get(run.id).operations == []
     assert ran == []
+
+
+TRIP_APP = '''
+from saga import Orchestrator, StepContext, durable_step
+
+@durable_step(name="book_room")
+def book(room: str) -> dict:
+    return {"room": room}
+
+@book.compensation
+def unbook(ctx: StepContext, result: dict, room: str) -> None:
+    print("unbooked", result["room"], flush=True)
+
+orch = Orchestrator()
+'''
+
+
+def test_the_saga_command_shows_and_compensates_a_session(url: str, tmp_path: Path) -> None:
+    """`saga show` lists a session's calls in order; `saga compensate --app` with a module
+    that defines the durable steps (and registers no saga) undoes them."""
+    (tmp_path / "trip_app.py").write_text(TRIP_APP, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "SAGA_DATABASE_URL": url}
+    script = (
+        "import trip_app\n"
+        "with trip_app.orch.session('trip-cli') as run:\n"
+        "    trip_app.book('r-1')\n"
+        "    trip_app.book('r-2')\n"
+        "print(run.id)\n"
+    )
+    made = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert made.returncode == 0, made.stderr
+    session_id = made.stdout.strip()
+
+    def saga(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "saga", *args],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    shown = saga("show", session_id)
+    assert shown.returncode == 0, shown.stderr
+    calls = [line.split()[0] for line in shown.stdout.splitlines() if line.startswith("book_room.")]
+    assert len(calls) == 2 and calls[0] != calls[1]
+    undone = saga("compensate", "--app", "trip_app", session_id)
+    assert undone.returncode == 0, undone.stderr
+    assert [line for line in undone.stdout.splitlines() if line.startswith("unbooked")] == [
+        "unbooked r-2",
+        "unbooked r-1",
+    ]
+    assert "status   compensated" in saga("show", session_id).stdout
