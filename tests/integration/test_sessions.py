@@ -459,7 +459,7 @@ def test_a_step_with_a_prepare_hook_is_refused_in_a_session_before_anything_runs
     assert ran == []
 
 
-TRIP_APP = '''
+TRIP_APP = """
 from saga import Orchestrator, StepContext, durable_step
 
 @durable_step(name="book_room")
@@ -471,7 +471,7 @@ def unbook(ctx: StepContext, result: dict, room: str) -> None:
     print("unbooked", result["room"], flush=True)
 
 orch = Orchestrator()
-'''
+"""
 
 
 def test_the_saga_command_shows_and_compensates_a_session(url: str, tmp_path: Path) -> None:
@@ -513,3 +513,48 @@ def test_the_saga_command_shows_and_compensates_a_session(url: str, tmp_path: Pa
         "unbooked r-1",
     ]
     assert "status   compensated" in saga("show", session_id).stdout
+
+
+# ----- SIGKILL at each fault point of a durable step ----------------------------------------
+
+# What resuming a session killed at each point of a non-idempotent call without a reconcile
+# hook ends as: run (never recorded), parked (recorded running: it may have happened, though
+# it did not yet), parked (it happened; its outcome was not recorded), replayed.
+CHARGE_AFTER_KILL = {
+    "before_record": ("completed", 1),
+    "before_call": ("parked", 0),
+    "after_call": ("parked", 1),
+    "after_record": ("completed", 1),
+}
+
+
+@pytest.mark.parametrize("point", list(CHARGE_AFTER_KILL))
+@pytest.mark.parametrize(
+    ("mode", "kind"), [("email", "email"), ("ship", "ship"), ("charge", "charge")]
+)
+def test_a_session_killed_at_each_fault_point_resumes_without_a_second_effect(
+    url: str, point: str, mode: str, kind: str
+) -> None:
+    run_id = f"fault-{uuid.uuid4()}"
+    child = Child(url, mode, run_id, SAGA_FAULT=f"{point}:action")
+    child.expect("READY")
+    assert child.proc.wait(timeout=60) == -signal.SIGKILL, "".join(child.output)
+    child._close()
+    outcome = "completed"
+    with _orch(url) as orch:
+        try:
+            with orch.session(run_id, wait_seconds=10):
+                if mode == "email":
+                    session_app.send_email("ops@acme.com", "Refund approved")
+                    session_app.send_email("ops@acme.com", "Refund approved")
+                elif mode == "ship":
+                    session_app.ship("o-1")
+                else:
+                    session_app.charge("o-1", 100)
+        except SessionParked:
+            outcome = "parked"
+    if mode == "charge":
+        assert (outcome, _effects(url, kind)) == CHARGE_AFTER_KILL[point]
+    else:
+        # An idempotent call is retried under its key, a reconciled one asked: once.
+        assert (outcome, _effects(url, kind)) == ("completed", 1)
