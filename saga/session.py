@@ -361,8 +361,9 @@ class _Ledger:
             status, request_hash, result, error = stored
             if request_hash != call.request_hash:
                 raise IdempotencyConflict(
-                    f"durable step {durable.name!r} was called in session {self._id()} under "
-                    f"key {call.key!r} with other arguments; use another key for another call",
+                    f"durable step {durable.name!r} was called in session {self.session_id()} "
+                    f"under key {call.key!r} with other arguments; use another key for another "
+                    "call",
                     saga=self.definition.name,
                     key=call.key,
                 )
@@ -374,12 +375,12 @@ class _Ledger:
         if self.planner is None:
             assert self.finished is not None
             raise StepStateError(
-                f"session {self._id()} is {self.finished.status.value}: a call it did not "
+                f"session {self.session_id()} is {self.finished.status.value}: a call it did not "
                 f"make ({durable.name!r} under key {call.key!r}) cannot run in it now"
             )
         if self.failure is not None:
             raise StepStateError(
-                f"session {self._id()} was failed ({self.failure}): no call runs after that"
+                f"session {self.session_id()} was failed ({self.failure}): no call runs after that"
             )
         planner = self.planner
         op = planner.find(name, "action")
@@ -420,7 +421,7 @@ class _Ledger:
         self.planner = planner
         saga = planner.saga
         if saga.status == SagaStatus.NEEDS_REVIEW:
-            raise SessionParked(f"session {self._id()} needs a human: {saga.error}")
+            raise SessionParked(f"session {self.session_id()} needs a human: {saga.error}")
         op = planner.find(name, "action")
         assert op is not None
         if op.status == OperationStatus.SUCCEEDED:
@@ -429,7 +430,7 @@ class _Ledger:
         if op.status == OperationStatus.FAILED:
             raise self._raised(name, op.error)
         raise SessionParked(  # pragma: no cover - the flow settles or parks every call
-            f"call {name!r} of session {self._id()} ended {op.status.value}: {op.error}"
+            f"call {name!r} of session {self.session_id()} ended {op.status.value}: {op.error}"
         )
 
     def _stored(self, name: str) -> tuple[OperationStatus, str, Any, str | None] | None:
@@ -446,7 +447,8 @@ class _Ledger:
         exc = self.definition.raised.pop(name, None)
         return exc if exc is not None else PermanentError(f"call {name!r} failed: {error}")
 
-    def _id(self) -> str:
+    def session_id(self) -> str:
+        """The session's saga id."""
         if self.planner is not None:
             return self.planner.saga.id
         assert self.finished is not None
@@ -494,14 +496,17 @@ class Session:
 
     @property
     def id(self) -> str:
-        return self._ledger._id()
+        """The session's saga id (its row in `saga list`)."""
+        return self._ledger.session_id()
 
     @property
     def executed(self) -> int:
+        """Calls run in this block."""
         return self._ledger.executed
 
     @property
     def replayed(self) -> int:
+        """Calls answered from the ledger without running."""
         return self._ledger.replayed
 
     def fail(self, reason: str) -> None:
@@ -607,14 +612,17 @@ class AsyncSession:
 
     @property
     def id(self) -> str:
-        return self._ledger._id()
+        """The session's saga id (its row in `saga list`)."""
+        return self._ledger.session_id()
 
     @property
     def executed(self) -> int:
+        """Calls run in this block."""
         return self._ledger.executed
 
     @property
     def replayed(self) -> int:
+        """Calls answered from the ledger without running."""
         return self._ledger.replayed
 
     def fail(self, reason: str) -> None:
