@@ -466,33 +466,18 @@ class _Ledger:
 _NOT_STORED: Any = object()
 
 
-class Session:
-    """A session of durable steps under one lease: `with orch.session(run_id) as run:`.
-
-    Attributes:
-        id: The session's saga id.
-        executed: Calls run in this block.
-        replayed: Calls answered from the ledger without running.
-    """
+class _SessionBase:
+    """What both doors' sessions share: their run, ledger and counts."""
 
     def __init__(
-        self,
-        orch: Orchestrator,
-        run_id: str,
-        *,
-        tenant: str = "",
-        name: str = "session",
-        wait_seconds: float = 0.0,
+        self, run_id: str, *, tenant: str = "", name: str = "session", wait_seconds: float = 0.0
     ) -> None:
         _check_run_id(run_id)
-        self._orch = orch
         self._run_id = run_id
         self._tenant = tenant
         self._wait = wait_seconds
         self._ledger = _Ledger(SessionSaga(name))
         self._exits: list[Any] = []
-        # Calls of one session run one at a time (threads given its context included).
-        self._lock = threading.Lock()
 
     @property
     def id(self) -> str:
@@ -514,21 +499,16 @@ class Session:
         compensated in reverse. No call runs after this."""
         self._ledger.failure = reason
 
-    def history(self) -> list[HistoryEvent]:
-        """The session's audit trail: each call's attempts, outcomes and compensations."""
-        return self._orch.history(self.id)
-
-    def __enter__(self) -> Session:
-        runner = self._orch._runner()
-        self._runner: Runner = runner
-        self._flows = SessionFlows(
-            runner.flows,
+    def _flows_of(self, flows: Flows, lease_seconds: float) -> SessionFlows:
+        return SessionFlows(
+            flows,
             self._ledger.definition,
             run_id=self._run_id,
             tenant=self._tenant,
-            lease_seconds=self._orch.lease_seconds,
+            lease_seconds=lease_seconds,
         )
-        planner, state = runner.run(self._flows.open(self._wait))
+
+    def _opened(self, planner: Planner | None, state: SagaState | None) -> None:
         if planner is None:
             assert state is not None
             if state.status == SagaStatus.NEEDS_REVIEW:
@@ -536,6 +516,49 @@ class Session:
             self._ledger.finished = state
         else:
             self._ledger.adopt(planner)
+
+    def _unwind(self, exc: BaseException | None) -> None:
+        while self._exits:
+            self._exits.pop().__exit__(None, None, None)
+        finished = self._ledger.finished
+        if exc is None and finished is not None and finished.status == SagaStatus.NEEDS_REVIEW:
+            raise SessionParked(f"session {self.id} needs a human: {finished.error}")
+
+
+class Session(_SessionBase):
+    """A session of durable steps under one lease: `with orch.session(run_id) as run:`.
+
+    Attributes:
+        id: The session's saga id.
+        executed: Calls run in this block.
+        replayed: Calls answered from the ledger without running.
+    """
+
+    def __init__(
+        self,
+        orch: Orchestrator,
+        run_id: str,
+        *,
+        tenant: str = "",
+        name: str = "session",
+        wait_seconds: float = 0.0,
+    ) -> None:
+        super().__init__(run_id, tenant=tenant, name=name, wait_seconds=wait_seconds)
+        self._orch = orch
+        # Calls of one session run one at a time (threads given its context included).
+        self._lock = threading.Lock()
+
+    def history(self) -> list[HistoryEvent]:
+        """The session's audit trail: each call's attempts, outcomes and compensations."""
+        return self._orch.history(self.id)
+
+    def __enter__(self) -> Session:
+        runner = self._orch._runner()
+        self._runner: Runner = runner
+        self._flows = self._flows_of(runner.flows, self._orch.lease_seconds)
+        planner, state = runner.run(self._flows.open(self._wait))
+        self._opened(planner, state)
+        if planner is not None:
             holding = self._orch.lease_keeper.holding(planner.saga.id, planner.saga.fence)
             holding.__enter__()
             self._exits.append(holding)
@@ -575,11 +598,7 @@ class Session:
             else:
                 self._runner.run(self._flows.release(planner))
         finally:
-            while self._exits:
-                self._exits.pop().__exit__(None, None, None)
-        finished = self._ledger.finished
-        if exc is None and finished is not None and finished.status == SagaStatus.NEEDS_REVIEW:
-            raise SessionParked(f"session {self.id} needs a human: {finished.error}")
+            self._unwind(exc)
 
 
 def _check_run_id(run_id: object) -> None:
@@ -587,7 +606,7 @@ def _check_run_id(run_id: object) -> None:
         raise ValueError(f"a session's run id must be a non-empty string, got {run_id!r}")
 
 
-class AsyncSession:
+class AsyncSession(_SessionBase):
     """The asyncio twin of `Session`: `async with aorch.session(run_id) as run:`; each
     durable step call inside is awaited (a sync step's function runs in a thread), and
     the calls of one session run one at a time, whichever task makes them."""
@@ -601,33 +620,9 @@ class AsyncSession:
         name: str = "session",
         wait_seconds: float = 0.0,
     ) -> None:
-        _check_run_id(run_id)
+        super().__init__(run_id, tenant=tenant, name=name, wait_seconds=wait_seconds)
         self._orch = orch
-        self._run_id = run_id
-        self._tenant = tenant
-        self._wait = wait_seconds
-        self._ledger = _Ledger(SessionSaga(name))
-        self._exits: list[Any] = []
         self._lock = asyncio.Lock()
-
-    @property
-    def id(self) -> str:
-        """The session's saga id (its row in `saga list`)."""
-        return self._ledger.session_id()
-
-    @property
-    def executed(self) -> int:
-        """Calls run in this block."""
-        return self._ledger.executed
-
-    @property
-    def replayed(self) -> int:
-        """Calls answered from the ledger without running."""
-        return self._ledger.replayed
-
-    def fail(self, reason: str) -> None:
-        """End the session as failed when its block exits (see `Session.fail`)."""
-        self._ledger.failure = reason
 
     async def history(self) -> list[HistoryEvent]:
         """The session's audit trail."""
@@ -637,21 +632,10 @@ class AsyncSession:
     async def __aenter__(self) -> AsyncSession:
         runner = await self._orch.runner()
         self._runner: AsyncRunner = runner
-        self._flows = SessionFlows(
-            runner.flows,
-            self._ledger.definition,
-            run_id=self._run_id,
-            tenant=self._tenant,
-            lease_seconds=self._orch.lease_seconds,
-        )
+        self._flows = self._flows_of(runner.flows, self._orch.lease_seconds)
         planner, state = await runner.run(self._flows.open(self._wait))
-        if planner is None:
-            assert state is not None
-            if state.status == SagaStatus.NEEDS_REVIEW:
-                raise SessionParked(f"session {state.id} needs a human: {state.error}")
-            self._ledger.finished = state
-        else:
-            self._ledger.adopt(planner)
+        self._opened(planner, state)
+        if planner is not None:
             keeper = await self._orch.lease_keeper()
             holding = keeper.holding(planner.saga.id, planner.saga.fence)
             holding.__enter__()
@@ -692,8 +676,4 @@ class AsyncSession:
             else:
                 await self._runner.run(self._flows.release(planner))
         finally:
-            while self._exits:
-                self._exits.pop().__exit__(None, None, None)
-        finished = self._ledger.finished
-        if exc is None and finished is not None and finished.status == SagaStatus.NEEDS_REVIEW:
-            raise SessionParked(f"session {self.id} needs a human: {finished.error}")
+            self._unwind(exc)
