@@ -22,7 +22,7 @@ from saga import __version__, operator
 from saga import cli_format as fmt
 from saga.aorchestrator import AsyncOrchestrator
 from saga.database import ENV_URL, check_connection, describe_url, resolve_database_url
-from saga.durable import registered_step_names
+from saga.durable import registered_step, registered_step_names
 from saga.errors import (
     DatabaseUnavailable,
     SagaError,
@@ -438,6 +438,7 @@ def load_app(spec: str | None, database_url: str | None) -> App:
         os.environ[ENV_URL] = database_url
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    steps_before = set(registered_step_names())
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -488,12 +489,25 @@ def load_app(spec: str | None, database_url: str | None) -> App:
             f"--app {spec!r}: its Orchestrator names its own database "
             f"({describe_url(own_url)}), not --database-url ({describe_url(database_url)})"
         )
-    if not orch.registered() and not registered_step_names():
+    if not orch.registered() and not _defines_durable_steps(module, steps_before):
         raise UsageError(
             f"--app {spec!r}: its Orchestrator has no registered saga, and the module "
             "defines no durable step"
         )
     return orch
+
+
+def _defines_durable_steps(module: Any, before: set[str]) -> bool:
+    """Whether importing the app registered durable steps, or its module defines some (a
+    session's definition comes from the durable steps its app imports)."""
+    names = registered_step_names()
+    if set(names) - before:
+        return True
+    for name in names:
+        step = registered_step(name)
+        if step is not None and getattr(step.fn, "__module__", None) == module.__name__:
+            return True
+    return False
 
 
 class AsyncApp:

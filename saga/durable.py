@@ -554,6 +554,22 @@ def _register(step: DurableStep[Any, Any]) -> None:
         _REGISTRY[step.name] = step
 
 
+@contextmanager
+def isolated_steps() -> Iterator[None]:
+    """A registry of its own for the block: it starts empty, and the steps registered
+    before it are back after it (those registered inside are forgotten). For test suites
+    whose tests define steps under names that other tests, or the application, use."""
+    with _REGISTRY_LOCK:
+        saved = dict(_REGISTRY)
+        _REGISTRY.clear()
+    try:
+        yield
+    finally:
+        with _REGISTRY_LOCK:
+            _REGISTRY.clear()
+            _REGISTRY.update(saved)
+
+
 def registered_step_names() -> list[str]:
     """The names of the durable steps registered in this process, sorted."""
     with _REGISTRY_LOCK:

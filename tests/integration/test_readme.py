@@ -30,6 +30,7 @@ import pytest
 import structlog
 
 from saga import Orchestrator
+from saga.durable import isolated_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -101,7 +102,9 @@ def isolated_process_state() -> Iterator[None]:
     handlers, level = list(root.handlers), root.level
     environ = dict(os.environ)
     try:
-        yield
+        # A reader's process: the README's durable steps, not those of other tests.
+        with isolated_steps():
+            yield
     finally:
         structlog.configure(**config)
         root.handlers[:] = handlers

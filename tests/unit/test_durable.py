@@ -941,3 +941,23 @@ def test_a_refused_declaration_registers_nothing() -> None:
     with pytest.raises(SagaDefinitionError):
         durable_step(name=name, timeout_seconds=-1)(durable_plain_sync)
     assert registered_step(name) is None
+
+
+def test_isolated_steps_gives_a_block_a_registry_of_its_own() -> None:
+    """Inside the block a name used outside is free; after it, the outer step is back and
+    the inner one forgotten."""
+    from saga.durable import isolated_steps, registered_step
+
+    @durable_step(name="isolation_probe")
+    def outer(x: int) -> int:
+        return x
+
+    with isolated_steps():
+        assert registered_step("isolation_probe") is None
+
+        @durable_step(name="isolation_probe")
+        def inner(x: int) -> int:
+            return -x
+
+        assert registered_step("isolation_probe") is inner
+    assert registered_step("isolation_probe") is outer
