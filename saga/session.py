@@ -39,7 +39,7 @@ from saga.keys import operation_key
 from saga.keys import request_hash as hash_fields
 from saga.protocol import Planner, SagaRow
 from saga.retry import RetryPolicy
-from saga.rows import Event, OpRow
+from saga.rows import Event
 from saga.signatures import is_async
 from saga.state import HistoryEvent, OperationStatus, SagaState, SagaStatus
 
@@ -323,10 +323,18 @@ class SessionFlows:
         planner, _ = yield from self.flows.carry_on(planner, nxt)
         return planner
 
-    def release(self, planner: Planner) -> Flow[None]:
-        """Give the lease back after the session's code raised: the session stays open,
-        and the next entry resumes it (its settled calls replay)."""
-        yield from self.flows.release_after_error(planner.saga)
+    def leave(
+        self, planner: Planner, *, closes: bool, failure: str | None
+    ) -> Flow[SagaState | None]:
+        """End the block: close the session (`close`) and return its final state, or,
+        when it does not close, give the lease back and return None: the session stays
+        open, and the next entry resumes it (its settled calls replay)."""
+        if not closes:
+            yield from self.flows.release_after_error(planner.saga)
+            return None
+        planner = yield from self.close(planner, failure)
+        state: SagaState | None = yield db("get_state", planner.saga.id)
+        return state
 
 
 class _Ledger:
@@ -339,10 +347,6 @@ class _Ledger:
         self.failure: str | None = None
         self.executed = 0
         self.replayed = 0
-
-    def adopt(self, planner: Planner) -> None:
-        """Take the claimed snapshot (its definition has learned the calls on record)."""
-        self.planner = planner
 
     def before(
         self, durable: DurableStep[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -385,8 +389,8 @@ class _Ledger:
         planner = self.planner
         op = planner.find(name, "action")
         asked = None
+        position = len(planner.actions) if op is None else op.position
         if op is None:
-            position = len(planner.actions)
             asked = inputs.CallAsked(
                 step=name,
                 position=position,
@@ -403,17 +407,7 @@ class _Ledger:
                 max_attempts=durable.retry.max_attempts,
                 key=call.key,
             )
-            op = OpRow(
-                step=name,
-                kind="action",
-                position=position,
-                idempotency_key=asked.idempotency_key,
-                request_hash=call.request_hash,
-                status=OperationStatus.PENDING,
-                attempts=0,
-                max_attempts=durable.retry.max_attempts,
-            )
-        self.definition.install(op.step, op.position, durable, (args, kwargs))
+        self.definition.install(name, position, durable, (args, kwargs))
         return name, asked, _NOT_STORED
 
     def after(self, durable: DurableStep[Any, Any], name: str, planner: Planner) -> Any:
@@ -469,6 +463,9 @@ _NOT_STORED: Any = object()
 class _SessionBase:
     """What both doors' sessions share: their run, ledger and counts."""
 
+    # The session's flows, set as the block is entered.
+    _flows: SessionFlows
+
     def __init__(
         self, run_id: str, *, tenant: str = "", name: str = "session", wait_seconds: float = 0.0
     ) -> None:
@@ -515,7 +512,20 @@ class _SessionBase:
                 raise SessionParked(f"session {state.id} needs a human: {state.error}")
             self._ledger.finished = state
         else:
-            self._ledger.adopt(planner)
+            self._ledger.planner = planner  # its definition has learned the calls on record
+
+    def _leaving(self, exc: BaseException | None) -> Flow[SagaState | None] | None:
+        """The flow that ends the block for `exc`, or None when nothing is held."""
+        planner = self._ledger.planner
+        if planner is None:
+            return None
+        closes, failure = self._ledger.closing(exc)
+        return self._flows.leave(planner, closes=closes, failure=failure)
+
+    def _left(self, finished: SagaState | None) -> None:
+        if finished is not None:
+            self._ledger.planner = None
+            self._ledger.finished = finished
 
     def _unwind(self, exc: BaseException | None) -> None:
         while self._exits:
@@ -587,16 +597,9 @@ class Session(_SessionBase):
         tb: TracebackType | None,
     ) -> None:
         try:
-            planner = self._ledger.planner
-            if planner is None:
-                return
-            closes, failure = self._ledger.closing(exc)
-            if closes:
-                planner = self._runner.run(self._flows.close(planner, failure))
-                self._ledger.planner = None
-                self._ledger.finished = self._orch.get(planner.saga.id)
-            else:
-                self._runner.run(self._flows.release(planner))
+            leaving = self._leaving(exc)
+            if leaving is not None:
+                self._left(self._runner.run(leaving))
         finally:
             self._unwind(exc)
 
@@ -665,15 +668,8 @@ class AsyncSession(_SessionBase):
         tb: TracebackType | None,
     ) -> None:
         try:
-            planner = self._ledger.planner
-            if planner is None:
-                return
-            closes, failure = self._ledger.closing(exc)
-            if closes:
-                planner = await self._runner.run(self._flows.close(planner, failure))
-                self._ledger.planner = None
-                self._ledger.finished = await self._orch.get(planner.saga.id)
-            else:
-                await self._runner.run(self._flows.release(planner))
+            leaving = self._leaving(exc)
+            if leaving is not None:
+                self._left(await self._runner.run(leaving))
         finally:
             self._unwind(exc)
