@@ -217,11 +217,10 @@ class AsyncStore:
         notify: bool,
     ) -> dict[str, Any]:
         """Create a saga, its operations and first events in one statement."""
-        start = start_params(saga, ops, events, lease_seconds=lease_seconds, notify=notify)
         async with self._connection() as conn:
-            row = await (await conn.execute(_q("start_saga"), {"start": start})).fetchone()
-        assert row is not None
-        return started(saga, ops, row["outcome"])
+            return await self.start_saga_txn(
+                conn, saga, ops, events, lease_seconds=lease_seconds, notify=notify
+            )
 
     async def apply_transition(
         self, write: Write, *, owner: str, lease_seconds: float, token: str | None = None

@@ -349,11 +349,10 @@ class Store:
         """Create a saga, its operations (in their planned state) and first events in one
         statement. Returns `{"created": True, ...}`, or, when (tenant, name, key) exists,
         `{"created": False, "id", "version", "input_hash"}` of the existing saga."""
-        start = start_params(saga, ops, events, lease_seconds=lease_seconds, notify=notify)
         with self._connection() as conn:
-            row = conn.execute(_q("start_saga"), {"start": start}).fetchone()
-        assert row is not None
-        return started(saga, ops, row["outcome"])
+            return self.start_saga_txn(
+                conn, saga, ops, events, lease_seconds=lease_seconds, notify=notify
+            )
 
     def apply_transition(
         self, write: Write, *, owner: str, lease_seconds: float, token: str | None = None
