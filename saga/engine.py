@@ -35,7 +35,7 @@ from saga.keys import request_hash as hash_business_fields
 from saga.logs import get_logger
 from saga.operator import check_actor
 from saga.protocol import Event, Next, Planner, SagaRow, new_action_rows
-from saga.session import SESSION_PREFIX, SessionSaga
+from saga.session import LEDGER_PREFIX, SESSION_PREFIX, code_first_definition
 from saga.state import HistoryEvent, SagaHandle, SagaState, SagaStatus
 from saga.store import new_token, parse_id
 
@@ -165,8 +165,9 @@ class Engine:
         return saga
 
     def _definition_or_none(self, name: str, version: int) -> Saga[Any] | None:
-        if name.startswith(SESSION_PREFIX):
-            return SessionSaga(name.removeprefix(SESSION_PREFIX))
+        code_first = code_first_definition(name)
+        if code_first is not None:
+            return code_first
         return self._registry.get((name, version))
 
     def runner_options(self, *, max_inline_sleep: float = math.inf) -> RunnerOptions:
@@ -520,6 +521,11 @@ class Engine:
                     f"(key {existing.key!r}); fork that saga instead"
                 )
             return existing
+        if row.name.startswith(LEDGER_PREFIX):
+            raise StepStateError(
+                f"saga {saga_id} is a ledger channel: its calls are claimed by their callers, "
+                "so there is nothing to fork"
+            )
         if row.name.startswith(SESSION_PREFIX):
             raise StepStateError(
                 f"saga {saga_id} is a session: forking a session is not supported yet"

@@ -52,6 +52,9 @@ if TYPE_CHECKING:
 
 # Sessions' saga rows are named so: a declared saga's name never has a '/'.
 SESSION_PREFIX = "session/"
+# A ledger channel's saga row (saga.ledger) is named so: its calls are claimed one by one
+# by callers that own their control flow, never driven under the saga's lease.
+LEDGER_PREFIX = "ledger/"
 # How often a session entry that found a live holder looks again (seconds).
 _BUSY_POLL = 0.1
 
@@ -71,9 +74,9 @@ class SessionSaga(Saga[_NoInput]):
 
     is_session = True
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, prefix: str = SESSION_PREFIX) -> None:
         super().__init__(name, version=1, input=_NoInput, key=_no_key)  # checks the name
-        self.name = SESSION_PREFIX + name
+        self.name = prefix + name
         # The exception a call raised in this process, by operation: re-raised to the
         # session's code as it was, rather than as the text the ledger keeps.
         self.raised: dict[str, BaseException] = {}
@@ -141,6 +144,16 @@ class SessionSaga(Saga[_NoInput]):
 
 
 _ONE_ATTEMPT = RetryPolicy(max_attempts=1)
+
+
+def code_first_definition(name: str) -> SessionSaga | None:
+    """The definition of a session's or a ledger channel's saga row named `name` (their
+    calls' steps are those of the durable steps registered in this process), or None when
+    `name` is a declared saga's."""
+    for prefix in (SESSION_PREFIX, LEDGER_PREFIX):
+        if name.startswith(prefix):
+            return SessionSaga(name.removeprefix(prefix), prefix=prefix)
+    return None
 
 
 def _not_here(name: str) -> Callable[..., Any]:
