@@ -26,6 +26,7 @@ from saga.errors import (
     SyncCallInEventLoop,
     TransientError,
 )
+from saga.ledger import AsyncLedger, Claim, Ledger
 from saga.orchestrator import Orchestrator
 from saga.outcomes import Absent, Found, Inconclusive
 from saga.retry import RetryPolicy
@@ -59,10 +60,12 @@ __version__ = _installed_version()
 __all__ = [
     "Absent",
     "ApprovalRejected",
+    "AsyncLedger",
     "AsyncOrchestrator",
     "AsyncSession",
     "AsyncWorker",
     "Ceilings",
+    "Claim",
     "Compensation",
     "Confirmation",
     "DatabaseError",
@@ -75,6 +78,7 @@ __all__ = [
     "IdempotencyConflict",
     "Inconclusive",
     "LeaseLost",
+    "Ledger",
     "NotRegistered",
     "OperationState",
     "OperationStatus",

@@ -17,6 +17,7 @@ from saga.astore import AsyncStore
 from saga.database import check_connection, unavailable
 from saga.definition import Saga
 from saga.engine import Engine, list_filters, resolve_arguments
+from saga.ledger import AsyncLedger
 from saga.logs import get_logger
 from saga.migrate import migrate_database
 from saga.operator import actor_or_os_user, check_actor
@@ -46,6 +47,7 @@ class AsyncOrchestrator(Engine):
         self._connecting: asyncio.Lock | None = None
         self._pool: AsyncConnectionPool[Any] | None = None
         self._store: AsyncStore | None = None
+        self._ledger: AsyncLedger | None = None
         self._keeper: AsyncLeaseKeeper | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -282,6 +284,14 @@ class AsyncOrchestrator(Engine):
         """A session of durable steps: `async with aorch.session(run_id) as run:`; see
         `Orchestrator.session`. Each durable step call inside is awaited."""
         return AsyncSession(self, run_id, tenant=tenant, name=name, wait_seconds=wait_seconds)
+
+    @property
+    def ledger(self) -> AsyncLedger:
+        """The ledger of calls claimed one by one: `claim`, `heartbeat`, `complete`,
+        `fail`, `unknown` (see `saga.AsyncLedger`)."""
+        if self._ledger is None:
+            self._ledger = AsyncLedger(self)
+        return self._ledger
 
     async def fork(
         self, saga_id: str, from_step: str, *, key: str | None = None, actor: str | None = None

@@ -30,6 +30,7 @@ from saga.store import (
     _saga_row,
     _state,
     _write,
+    ledger_params,
     loaded_from_rows,
     refusal_of,
     start_params,
@@ -287,6 +288,24 @@ class AsyncStore:
             cur = await conn.execute(_q("own_claim"), {"owner": owner, "token": token})
             row = await cur.fetchone()
         return None if row is None else (row["id"], row["name"], int(row["version"]))
+
+    # ----- the ledger ------------------------------------------------------------------
+
+    async def ledger_claim(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Claim one call of a ledger channel (see `Store.ledger_claim`)."""
+        async with self._connection() as conn:
+            cur = await conn.execute(_q("ledger_claim"), ledger_params(params))
+            row = await cur.fetchone()
+        assert row is not None
+        return row
+
+    async def ledger_settle(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Record a ledger call's outcome, or extend its claim (see `Store.ledger_settle`)."""
+        async with self._connection() as conn:
+            cur = await conn.execute(_q("ledger_settle"), ledger_params(params))
+            row = await cur.fetchone()
+        assert row is not None
+        return row
 
     # ----- reading ---------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import Any, TextIO
 
 from saga.operator import IN_FLIGHT, Outcome, PlannedSaga, PurgeCandidate, Report, VersionInFlight
+from saga.session import LEDGER_PREFIX, SESSION_PREFIX
 from saga.state import HistoryEvent, OperationState, SagaState
 
 _OUTCOME_EVENTS = {
@@ -105,12 +106,35 @@ def seconds(start: datetime | None, end: datetime | None) -> str:
 
 
 def waiting_for_worker(state: SagaState, known_kinds: Collection[str]) -> bool:
-    """A runnable saga that no live worker runs the kind of: it waits for one."""
+    """A runnable saga that no live worker runs the kind of: it waits for one (sessions
+    and ledger channels never do: their own callers drive them)."""
     return (
         state.status.is_runnable
         and state.lease_owner is None
+        and code_first(state.saga) is None
         and f"{state.saga}:{state.version}" not in known_kinds
     )
+
+
+def code_first(saga: str) -> str | None:
+    """What drives a runnable session or ledger channel named `saga` (no worker does);
+    None for a declared saga."""
+    if saga.startswith(SESSION_PREFIX):
+        return "an open session: its next entry resumes it"
+    if saga.startswith(LEDGER_PREFIX):
+        return "an open ledger channel: its callers claim its calls"
+    return None
+
+
+def _list_reason(state: SagaState, known_kinds: Collection[str]) -> str:
+    if waiting_for_worker(state, known_kinds):
+        return f"waiting for a worker: no live worker runs {state.saga} v{state.version}"
+    if state.error:
+        return one_line(cli_wording(state.error), 60)
+    driver = code_first(state.saga)
+    if driver is not None and state.status.is_runnable and state.lease_owner is None:
+        return driver
+    return "-"
 
 
 def saga_list(states: Sequence[SagaState], known_kinds: Collection[str]) -> str:
@@ -123,9 +147,7 @@ def saga_list(states: Sequence[SagaState], known_kinds: Collection[str]) -> str:
             s.key,
             str(s.status),
             age(s.updated_at),
-            f"waiting for a worker: no live worker runs {s.saga} v{s.version}"
-            if waiting_for_worker(s, known_kinds)
-            else one_line(cli_wording(s.error) if s.error else None, 60),
+            _list_reason(s, known_kinds),
         ]
         for s in states
     ]

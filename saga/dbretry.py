@@ -78,3 +78,20 @@ def retrying(
         before_sleep=log,
         reraise=True,
     )
+
+
+def aretrying(what: str, *, seconds: float = DEFAULT_RETRY_SECONDS) -> tenacity.AsyncRetrying:
+    """The asyncio twin of `retrying`: transient database errors retried for at most
+    `seconds`, the waits awaited."""
+
+    def log(state: tenacity.RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        log_retry(what, exc, attempt=state.attempt_number, retry_in=state.upcoming_sleep)
+
+    return tenacity.AsyncRetrying(
+        retry=tenacity.retry_if_exception(is_transient),
+        wait=tenacity.wait_exponential(multiplier=0.05, max=2.0) + tenacity.wait_random(0, 0.05),
+        stop=tenacity.stop_after_delay(seconds),
+        before_sleep=log,
+        reraise=True,
+    )

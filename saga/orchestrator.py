@@ -19,6 +19,7 @@ from saga.database import check_connection, unavailable
 from saga.definition import Saga
 from saga.engine import ENV_CONFIRMATION_KEY, Engine, list_filters, resolve_arguments
 from saga.leases import LeaseKeeper
+from saga.ledger import Ledger
 from saga.logs import get_logger
 from saga.loopguard import sync_only
 from saga.migrate import migrate_database
@@ -74,6 +75,7 @@ class Orchestrator(Engine):
         self._pool: ConnectionPool[Any] | None = None
         self._keeper: LeaseKeeper | None = None
         self._store: Store | None = None
+        self._ledger: Ledger | None = None
 
     # ----- set-up ------------------------------------------------------------------------
 
@@ -413,6 +415,14 @@ class Orchestrator(Engine):
         other exception leaves the session open for the next entry to resume.
         """
         return Session(self, run_id, tenant=tenant, name=name, wait_seconds=wait_seconds)
+
+    @property
+    def ledger(self) -> Ledger:
+        """The ledger of calls claimed one by one: `claim`, `heartbeat`, `complete`,
+        `fail`, `unknown` (see `saga.Ledger`)."""
+        if self._ledger is None:
+            self._ledger = Ledger(self)
+        return self._ledger
 
     @sync_only()
     def fork(

@@ -408,6 +408,24 @@ class Store:
             row = conn.execute(_q("own_claim"), {"owner": owner, "token": token}).fetchone()
         return None if row is None else (row["id"], row["name"], int(row["version"]))
 
+    # ----- the ledger ------------------------------------------------------------------
+
+    def ledger_claim(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Claim one call of a ledger channel (saga.ledger_claim, one statement): the
+        verdict row."""
+        with self._connection() as conn:
+            row = conn.execute(_q("ledger_claim"), ledger_params(params)).fetchone()
+        assert row is not None
+        return row
+
+    def ledger_settle(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Record a ledger call's outcome, or extend its claim (saga.ledger_settle);
+        `LeaseLost` when the claim is no longer the caller's."""
+        with self._connection() as conn:
+            row = conn.execute(_q("ledger_settle"), ledger_params(params)).fetchone()
+        assert row is not None
+        return row
+
     # ----- reading ---------------------------------------------------------------------
 
     def load_txn(self, conn: Conn, saga_id: str) -> Loaded | None:
@@ -581,6 +599,15 @@ class Store:
 
 
 _FIELD_NAMES: dict[type[Any], tuple[str, ...]] = {}
+
+
+def ledger_params(params: dict[str, Any]) -> dict[str, Any]:
+    """The parameters of a ledger statement, its JSON values (`request`, `result`) as
+    jsonb."""
+    return {
+        name: Jsonb(value) if name in ("request", "result") and value is not None else value
+        for name, value in params.items()
+    }
 
 
 def _columns(cls: type[Any], row: dict[str, Any]) -> dict[str, Any]:

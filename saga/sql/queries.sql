@@ -293,3 +293,19 @@ SET forked_from = CASE WHEN id = %(fork)s THEN %(source)s::uuid ELSE forked_from
     forked_to = CASE WHEN id = %(source)s THEN %(fork)s::uuid ELSE forked_to END,
     finished_at = CASE WHEN id = %(source)s THEN now() ELSE finished_at END
 WHERE id IN (%(source)s, %(fork)s)
+
+-- ledger_claim --
+-- Claim one call of a ledger channel (the channel created when new); see migration 0016
+-- for the verdicts.
+SELECT *
+FROM saga.ledger_claim(%(tenant)s, %(name)s, %(channel)s, %(new_id)s, %(input_hash)s,
+                       %(step)s, %(idempotency_key)s, %(request_hash)s, %(request)s::jsonb,
+                       %(owner)s, %(lease_seconds)s::float8, %(max_attempts)s::integer)
+
+-- ledger_settle --
+-- The holder of a ledger claim records its call's outcome, or extends its lease; SG001
+-- when the claim is no longer the holder's.
+SELECT *
+FROM saga.ledger_settle(%(saga_id)s::uuid, %(step)s, %(owner)s, %(fence)s::bigint,
+                        %(outcome)s, %(result)s::jsonb, %(provider_reference)s, %(error)s,
+                        %(lease_seconds)s::float8)
