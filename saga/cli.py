@@ -25,12 +25,14 @@ from saga.database import ENV_URL, check_connection, describe_url, resolve_datab
 from saga.durable import registered_step, registered_step_names
 from saga.errors import (
     DatabaseUnavailable,
+    NotRegistered,
     SagaError,
     StepStateError,
 )
 from saga.migrate import migrate_database
 from saga.orchestrator import ENV_CONFIRMATION_KEY, Orchestrator
 from saga.redact import scrub
+from saga.session import SESSION_PREFIX
 from saga.state import SagaState, SagaStatus
 from saga.store import Store
 
@@ -604,9 +606,13 @@ def _reader(database_url: str | None) -> Orchestrator:
     return Orchestrator(database_url or None, auto_migrate=False)
 
 
-def _operator(args: argparse.Namespace) -> Orchestrator:
+def _operator(args: argparse.Namespace, *, runs_code: bool = True) -> Orchestrator:
     actor = _actor(args)  # a blank --actor is refused before the app is even loaded
-    orch = blocking(load_app(args.app, args.database_url))
+    if args.app or runs_code:
+        orch = blocking(load_app(args.app, args.database_url))
+    else:
+        # A change that runs no code of the app (settling a ledger call, say) needs none.
+        orch = Orchestrator(args.database_url or None, auto_migrate=False)
     # Leases this command takes are named after who ran it, in the audit trail too.
     orch.owner = f"saga-cli:{actor}@{socket.gethostname()}:{os.getpid()}"
     return orch
@@ -797,7 +803,7 @@ def _resolve(args: argparse.Namespace) -> int:
             result = json.loads(args.result)
         except json.JSONDecodeError as exc:
             raise UsageError(f"--result is not valid JSON: {exc}") from None
-    orch = _operator(args)
+    orch = _operator(args, runs_code=args.run)
     actor = _actor(args)
     outcome: Literal["succeeded", "failed"] = "succeeded" if args.succeeded else "failed"
     with orch:
@@ -815,6 +821,13 @@ def _resolve(args: argparse.Namespace) -> int:
             )
         except pydantic.ValidationError as exc:
             raise UsageError(f"--result does not fit step {args.step!r}: {_errors(exc)}") from None
+        except NotRegistered as exc:
+            if args.app:
+                raise
+            raise UsageError(
+                f"{exc}: its steps' results are checked by your code: pass --app MODULE[:ATTR] "
+                f"or set {ENV_APP}"
+            ) from None
         print(f"resolved {args.step!r} of saga {state.id} as {outcome}, by {actor}")
         if args.succeeded and args.result is None:
             _warn_null_result(orch, state, args.step, args.kind)
@@ -924,7 +937,13 @@ def _fork(args: argparse.Namespace) -> int:
             )
             return EXIT_OK
         print(handle.id)
-        if handle.created:
+        if handle.created and handle.saga.startswith(SESSION_PREFIX):
+            print(
+                f"session {handle.id} was forked from {source} at call {args.from_step!r}, by "
+                f"{actor}: it is pending; run the session's code with run id {handle.key!r} "
+                "to continue it"
+            )
+        elif handle.created:
             print(
                 f"saga {handle.id} was forked from {source} at step {args.from_step!r}, by "
                 f"{actor}: it is pending, a worker will drive it"
@@ -1058,7 +1077,8 @@ def _after_request(
         return EXIT_PARTIAL
     if state.status.is_runnable:
         holder = f"; {state.lease_owner} is driving it" if state.lease_owner else ""
-        print(f"saga {state.id} is {state.status}: a worker will drive it{holder}")
+        drive = fmt.code_first(state.saga) or "a worker will drive it"
+        print(f"saga {state.id} is {state.status}: {drive}{holder}")
     else:
         print(f"saga {state.id} is {state.status}")
     return EXIT_OK
@@ -1158,6 +1178,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"{args.command}: {exc}", EXIT_USAGE, urls)
     except KeyboardInterrupt:
         return _fail("interrupted", EXIT_PARTIAL, urls)
+    except BrokenPipeError:
+        # The reader of the output went away (`saga list | head`): nothing more to say.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
     except Exception as exc:
         return _fail(
             f"unexpected error: {_one_line(exc)} (SAGA_TRACEBACK=1 shows where)", EXIT_PARTIAL, urls

@@ -35,6 +35,7 @@ from saga.keys import request_hash as hash_business_fields
 from saga.logs import get_logger
 from saga.operator import check_actor
 from saga.protocol import Event, Next, Planner, SagaRow, new_action_rows
+from saga.rows import OpRow
 from saga.session import LEDGER_PREFIX, SESSION_PREFIX, code_first_definition
 from saga.state import HistoryEvent, SagaHandle, SagaState, SagaStatus
 from saga.store import new_token, parse_id
@@ -450,7 +451,6 @@ class Engine:
         assert state is not None  # the row is locked in this transaction
         return state  # type: ignore[no-any-return]
 
-
     def _fork_flow(
         self, saga_id: str, from_step: str, *, key: str | None, actor: str | None
     ) -> Flow[SagaHandle]:
@@ -506,6 +506,15 @@ class Engine:
         if locked is None:
             raise SagaNotFound(saga_id)
         row, live = locked
+        if row.name.startswith(LEDGER_PREFIX):
+            raise StepStateError(
+                f"saga {saga_id} is a ledger channel: its calls are claimed by their callers, "
+                "so there is nothing to fork"
+            )
+        session = row.name.startswith(SESSION_PREFIX)
+        ops: list[OpRow] = yield db("operations_txn", saga_id)
+        if session:
+            from_step = _session_fork_point(row, ops, from_step)
         fork_key = key if key is not None else f"{row.key}:fork:{from_step}"
         if row.status == SagaStatus.FORKED and row.forked_to is not None:
             yield Commit()
@@ -521,31 +530,22 @@ class Engine:
                     f"(key {existing.key!r}); fork that saga instead"
                 )
             return existing
-        if row.name.startswith(LEDGER_PREFIX):
-            raise StepStateError(
-                f"saga {saga_id} is a ledger channel: its calls are claimed by their callers, "
-                "so there is nothing to fork"
-            )
-        if row.name.startswith(SESSION_PREFIX):
-            raise StepStateError(
-                f"saga {saga_id} is a session: forking a session is not supported yet"
-            )
         definition = self._definition_or_none(row.name, row.version)
         if definition is None:
             raise NotRegistered(row.name, row.version)
+        if live and session:
+            raise StepStateError(
+                f"session {saga_id} is held by {row.lease_owner} until {row.lease_expires_at}: "
+                "a process is inside its block; wait for the block to end (or, if that process "
+                "died, for its lease to expire)"
+            )
         if live:
             raise StepStateError(
                 f"saga {saga_id} is leased by {row.lease_owner} until {row.lease_expires_at}; "
                 "wait for it to stop or for the lease to expire"
             )
         now = datetime.now().astimezone()
-        planner = Planner(
-            definition,
-            row,
-            (yield db("operations_txn", saga_id)),
-            (yield db("confirmations_txn", saga_id)),
-            now=now,
-        )
+        planner = Planner(definition, row, ops, (yield db("confirmations_txn", saga_id)), now=now)
         deadline = definition.ceilings.deadline_seconds
         plan = interventions.fork(
             planner,
@@ -562,7 +562,7 @@ class Engine:
             plan.ops,
             plan.events,
             lease_seconds=self.lease_seconds,
-            notify=True,
+            notify=not session,  # no worker runs a session: its code does, when it enters
         )
         if not outcome["created"]:
             raise StepStateError(
@@ -578,7 +578,7 @@ class Engine:
             "saga_forked",
             saga_id=saga_id,
             fork_id=fork_id,
-            from_step=from_step,
+            from_step=plan.from_step,
             inherited=list(plan.inherited),
         )
         return SagaHandle(
@@ -602,6 +602,18 @@ def _check_duplicate(saga: Saga[Any], row: SagaRow, found: dict[str, Any]) -> st
             key=row.key,
         )
     return str(found["id"])
+
+
+def _session_fork_point(row: SagaRow, ops: list[OpRow], from_step: str) -> str:
+    """The call of session `row` that `from_step` names (`interventions.session_call`);
+    for a session forked already, `from_step` as given when it names no single call (the
+    fork it has is then not that one)."""
+    try:
+        return interventions.session_call(row.id, ops, from_step)
+    except StepStateError:
+        if row.status == SagaStatus.FORKED:
+            return from_step
+        raise
 
 
 def _lease_pause(state: SagaState, deadline: float) -> float | None:

@@ -12,12 +12,14 @@ request is made at the `now` it is given.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from saga.confirmations import pending_confirmation
 from saga.errors import StepStateError
+from saga.keys import operation_key
 from saga.protocol import Planner, new_action_rows, unknown_remedy
 from saga.rows import Event, Kind, OpRow, SagaRow, describe
 from saga.state import OperationStatus, SagaStatus
@@ -463,13 +465,35 @@ _FORKABLE = (
 
 @dataclass(frozen=True, slots=True)
 class ForkPlan:
-    """The saga a fork creates: its row, its operations (the inherited ones succeeded,
-    with their results) and its first events."""
+    """The saga a fork creates: its row, its operations (the inherited ones settled,
+    with their results) and its first events; `from_step` is the step (or the call of a
+    session, by its operation name) the fork runs from."""
 
     saga: SagaRow
     ops: list[OpRow]
     events: list[Event]
     inherited: tuple[str, ...]
+    from_step: str
+
+
+def session_call(session_id: str, ops: Sequence[OpRow], from_step: str) -> str:
+    """The operation name of the call of a session that `from_step` names: that name
+    itself (`charge.1a2b3c4d5e6f`, as `saga show` lists the calls), or a durable step's
+    plain name when the session called that step exactly once. `StepStateError` naming
+    the calls otherwise."""
+    calls = [op.step for op in sorted(ops, key=lambda o: o.position) if op.kind == "action"]
+    if from_step in calls:
+        return from_step
+    matching = [call for call in calls if call.rsplit(".", 1)[0] == from_step]
+    if len(matching) == 1:
+        return matching[0]
+    if matching:
+        raise StepStateError(
+            f"session {session_id} called durable step {from_step!r} {len(matching)} times "
+            f"({', '.join(matching)}): fork from one of these calls, by its name"
+        )
+    listed = ", ".join(calls) if calls else "none yet"
+    raise StepStateError(f"session {session_id} has no call {from_step!r}; its calls: {listed}")
 
 
 def fork(
@@ -492,68 +516,34 @@ def fork(
     unknown), so that no effect is ever left to nobody or made twice. The source becomes
     `forked`: final, its inherited effects now the fork's to compensate. Refusals raise
     `StepStateError` and change nothing.
+
+    A session is forked from one of its calls (`session_call` names it): the fork is a
+    session of the same name and tenant whose key is `key`, holding the calls made before
+    that one, settled as they were (a call that failed, which the session's code went on
+    from, is inherited as failed and replays its failure); the calls from there on are
+    made afresh when the fork's code makes them again.
     """
     planner.now = now
     saga = planner.saga
-    definition = planner.definition
-    target = definition.step_named(from_step)
+    session = planner.definition.is_session
+    what = "call" if session else "step"
+    if session:
+        from_step = session_call(saga.id, planner.ops, from_step)
+    target = planner.definition.step_named(from_step)
     if target is None:
-        names = ", ".join(step.name for step in definition.steps)
+        names = ", ".join(step.name for step in planner.definition.steps)
         raise StepStateError(f"saga {saga.name!r} has no step {from_step!r}; its steps: {names}")
-    if saga.status not in _FORKABLE:
-        raise StepStateError(
-            f"saga {saga.id} is {saga.status.value}: only a saga going forward that no "
-            "worker holds (parked, or pending or running between two owners) is forked; a "
-            "finished one is final, and one that awaits a confirmation is answered first"
-        )
-    if saga.direction != "forward" or any(
-        c.kind == "compensation" and (c.attempts > 0 or c.status == OperationStatus.SUCCEEDED)
-        for c in planner.ops
-    ):
-        raise StepStateError(
-            f"saga {saga.id} was compensating when it parked: what it undid cannot be "
-            "inherited; finish its compensation instead (compensate or resolve)"
-        )
-    inherited: list[OpRow] = []
-    for act in planner.actions:
-        settled = act.status == OperationStatus.SUCCEEDED
-        unsure = act.status in (OperationStatus.UNKNOWN, OperationStatus.RUNNING)
-        if act.position < target.index:
-            if unsure:
-                raise StepStateError(
-                    f"step {act.step!r} before {from_step!r} has an unknown outcome: reconcile "
-                    "or resolve it first, so that the fork inherits what really happened"
-                )
-            if not settled:
-                raise StepStateError(
-                    f"step {act.step!r} before {from_step!r} has not succeeded "
-                    f"({act.status.value}): fork from {act.step!r} instead"
-                )
-            inherited.append(act)
-        elif settled:
-            raise StepStateError(
-                f"step {act.step!r} succeeded: a fork from {from_step!r} would run it again "
-                "under a new key; fork from a later step"
-            )
-        elif unsure:
-            raise StepStateError(
-                f"step {act.step!r} has an unknown outcome: its effect may be in place, and a "
-                f"fork from {from_step!r} would run it again under a new key; resolve it first"
-            )
-    ops = new_action_rows(definition, saga.tenant_id, key, planner.business_input())
-    by_step = {act.step: act for act in inherited}
-    for op in ops:
-        source = by_step.get(op.step)
-        if source is None:
-            continue
-        op.status = OperationStatus.SUCCEEDED
-        op.attempts = source.attempts
-        op.max_attempts = source.max_attempts
-        op.result = source.result
-        op.provider_reference = source.provider_reference
-        op.started_at, op.finished_at = source.started_at, source.finished_at
-        op.request, op.request_hash = source.request, source.request_hash
-        op.spent, op.peak_spend = source.spent, source.peak_spend
+    _refuse_unforkable(planner, session)
+    inherited = _inherited(planner, target.index, from_step, what=what, keep_failed=session)
+    if session:
+        ops = [_inherited_call(saga, key, act) for act in inherited]
+    else:
+        ops = new_action_rows(planner.definition, saga.tenant_id, key, planner.business_input())
+        by_step = {act.step: act for act in inherited}
+        for op in ops:
+            source = by_step.get(op.step)
+            if source is not None:
+                _inherit(op, source)
     steps = tuple(act.step for act in inherited)
     row = dataclasses.replace(
         saga,
@@ -572,8 +562,13 @@ def fork(
         forked_from=saga.id,
         forked_to=None,
     )
+    started = (
+        Event("session_started")
+        if session
+        else Event("saga_started", detail={"input_hash": saga.input_hash})
+    )
     events = [
-        Event("saga_started", detail={"input_hash": saga.input_hash}),
+        started,
         Event(
             "saga_forked_from",
             detail={"saga_id": saga.id, "from_step": from_step, "actor": actor, "inherited": steps},
@@ -581,9 +576,10 @@ def fork(
     ]
     saga.status = SagaStatus.FORKED
     saga.forked_to = fork_id
+    runs = "the fork's session runs" if session else "the fork runs"
     saga.error = (
-        f"forked to {fork_id} from step {from_step!r}: the fork runs from there, and what "
-        "this saga did is the fork's to compensate"
+        f"forked to {fork_id} from {what} {from_step!r}: {runs} from there, and what "
+        f"this {'session' if session else 'saga'} did is the fork's to compensate"
     )
     saga.run_after = None
     planner.events.append(
@@ -592,7 +588,102 @@ def fork(
             detail={"to": fork_id, "from_step": from_step, "actor": actor, "inherited": steps},
         )
     )
-    return ForkPlan(saga=row, ops=ops, events=events, inherited=steps)
+    return ForkPlan(saga=row, ops=ops, events=events, inherited=steps, from_step=from_step)
+
+
+def _refuse_unforkable(planner: Planner, session: bool) -> None:
+    """A fork's source goes forward, is not final, and has undone nothing."""
+    saga = planner.saga
+    if saga.status not in _FORKABLE:
+        if session:
+            raise StepStateError(
+                f"session {saga.id} is {saga.status.value}: only a session going forward that "
+                "no process holds (parked, or left open by its code) is forked; a closed one is "
+                "final"
+            )
+        raise StepStateError(
+            f"saga {saga.id} is {saga.status.value}: only a saga going forward that no "
+            "worker holds (parked, or pending or running between two owners) is forked; a "
+            "finished one is final, and one that awaits a confirmation is answered first"
+        )
+    if saga.direction != "forward" or any(
+        c.kind == "compensation" and (c.attempts > 0 or c.status == OperationStatus.SUCCEEDED)
+        for c in planner.ops
+    ):
+        raise StepStateError(
+            f"saga {saga.id} was compensating when it parked: what it undid cannot be "
+            "inherited; finish its compensation instead (compensate or resolve)"
+        )
+
+
+def _inherited(
+    planner: Planner, position: int, from_step: str, *, what: str, keep_failed: bool
+) -> list[OpRow]:
+    """The actions before `position`, each settled (succeeded, or with `keep_failed`
+    failed); `StepStateError` when one is not, or when an action from `position` on may
+    have taken effect."""
+    inherited: list[OpRow] = []
+    for act in planner.actions:
+        settled = act.status == OperationStatus.SUCCEEDED
+        unsure = act.status in (OperationStatus.UNKNOWN, OperationStatus.RUNNING)
+        if act.position < position:
+            if unsure:
+                raise StepStateError(
+                    f"{what} {act.step!r} before {from_step!r} has an unknown outcome: "
+                    "reconcile or resolve it first, so that the fork inherits what really "
+                    "happened"
+                )
+            if not settled and not (keep_failed and act.status == OperationStatus.FAILED):
+                raise StepStateError(
+                    f"{what} {act.step!r} before {from_step!r} has not succeeded "
+                    f"({act.status.value}): fork from {act.step!r} instead"
+                )
+            inherited.append(act)
+        elif settled:
+            raise StepStateError(
+                f"{what} {act.step!r} succeeded: a fork from {from_step!r} would run it again "
+                f"under a new key; fork from a later {what}"
+            )
+        elif unsure:
+            raise StepStateError(
+                f"{what} {act.step!r} has an unknown outcome: its effect may be in place, and a "
+                f"fork from {from_step!r} would run it again under a new key; resolve it first"
+            )
+    return inherited
+
+
+def _inherited_call(saga: SagaRow, key: str, source: OpRow) -> OpRow:
+    """The operation of a session's fork (key `key`) holding call `source` of the
+    session, settled as it is there (a failure with its error), under an idempotency key
+    of the fork's own."""
+    op = OpRow(
+        step=source.step,
+        kind="action",
+        position=source.position,
+        idempotency_key=operation_key(
+            saga.name, saga.version, saga.tenant_id, key, source.step, "action"
+        ),
+        request_hash=source.request_hash,
+        status=source.status,
+        attempts=source.attempts,
+        max_attempts=source.max_attempts,
+        error=source.error,
+        new=True,
+    )
+    _inherit(op, source)
+    return op
+
+
+def _inherit(op: OpRow, source: OpRow) -> None:
+    """Settle `op` (a fork's) as `source` (its source's) is."""
+    op.status = source.status
+    op.attempts = source.attempts
+    op.max_attempts = source.max_attempts
+    op.result = source.result
+    op.provider_reference = source.provider_reference
+    op.started_at, op.finished_at = source.started_at, source.finished_at
+    op.request, op.request_hash = source.request, source.request_hash
+    op.spent, op.peak_spend = source.spent, source.peak_spend
 
 
 def refuse_when_forked(planner: Planner, verb: str) -> None:

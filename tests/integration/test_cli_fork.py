@@ -1,20 +1,26 @@
 """`saga fork ID --from STEP`: a parked saga continued as a new saga from one of its steps,
-from the command line, with a sync and an async app."""
+from the command line, with a sync and an async app; a session, from one of its calls."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import cli_app
 import pytest
+import session_fork_app
 from cli_app import Job
 from support import OrchestratorFactory
 from test_cli import _one_line_error, _park_unknown, _rows, saga_cmd
 
-from saga import Orchestrator
+from saga import Orchestrator, SagaState, SessionParked
+
+# The order session's app: durable steps, and an Orchestrator for `--app`.
+APP = "session_fork_app"
 
 
 def _park_at_notify(orch: Orchestrator, order_id: str) -> str:
@@ -308,3 +314,127 @@ def test_fork_with_an_async_app(
 
     (app_dir / "fixed").touch()
     assert orch.run(fork_id).status == "completed"
+
+
+# ----- sessions ---------------------------------------------------------------------------
+
+
+def _parked_session(orch: Orchestrator, order: str, amounts: tuple[int, ...] = (4990,)) -> str:
+    """The id of an order session (`session_fork_app`) whose ship call lost its outcome,
+    which an operator then settled as failed: it is runnable, and nobody holds it."""
+    run_id = f"order-{order}"
+    with pytest.raises(SessionParked):
+        session_fork_app.place_order(orch, run_id, order, amounts)
+    (state,) = [s for s in orch.list() if s.key == run_id]
+    ship = next(op.step for op in state.operations if op.step.startswith("fork_ship."))
+    orch.resolve(state.id, ship, outcome="failed", actor="ops")
+    return state.id
+
+
+def _calls(state: SagaState) -> list[tuple[str, str]]:
+    return [(op.step.split(".")[0], op.status) for op in state.operations]
+
+
+@pytest.fixture
+def order_app() -> Iterator[None]:
+    """The session app's call log, empty, and its ship step losing its outcome."""
+    session_fork_app.CALLS.clear()
+    session_fork_app.PLAN["ship"] = "unknown"
+    yield
+    session_fork_app.CALLS.clear()
+
+
+def test_fork_continues_a_session_from_one_of_its_calls(
+    make_orch: OrchestratorFactory, database_url: str, order_app: None
+) -> None:
+    """A session is forked from a call named by its durable step (its id given as a
+    prefix): the command prints the fork's id and the run id to run the code under; the
+    fork holds the calls before that one, `show` links both sides, and the code run again
+    under the fork's run id replays them and makes the rest. Asked again, the same fork."""
+    orch = make_orch()
+    source = _parked_session(orch, "o-s")
+    ship = next(op.step for op in orch.get(source).operations if op.step.startswith("fork_ship."))
+    session_fork_app.CALLS.clear()
+
+    forked = saga_cmd(
+        *_fork(database_url, source[:8], "--from", "fork_ship", "--actor", "alice", app=APP)
+    )
+    assert forked.returncode == 0, forked.stdout + forked.stderr
+    first, second = forked.stdout.strip().splitlines()
+    fork_id = str(uuid.UUID(first))
+    fork_key = f"order-o-s:fork:{ship}"
+    assert second == (
+        f"session {fork_id} was forked from {source} at call 'fork_ship', by alice: it is "
+        f"pending; run the session's code with run id {fork_key!r} to continue it"
+    )
+    state = orch.get(fork_id)
+    assert (state.saga, state.tenant_id, state.key) == ("session/orders", "acme", fork_key)
+    assert (state.status, state.forked_from) == ("pending", source)
+    assert _calls(state) == [("fork_reserve", "succeeded"), ("fork_charge", "succeeded")]
+    assert (orch.get(source).status, orch.get(source).forked_to) == ("forked", fork_id)
+
+    shown = saga_cmd("show", "--database-url", database_url, source)
+    assert shown.returncode == 0, shown.stderr
+    head = _header(shown.stdout)
+    assert (head["status"], head["forked to"]) == ("forked", fork_id)
+    shown = saga_cmd("show", "--database-url", database_url, fork_id)
+    assert shown.returncode == 0, shown.stderr
+    assert _header(shown.stdout)["forked from"] == source
+
+    session_fork_app.PLAN["ship"] = "ok"
+    assert session_fork_app.place_order(orch, fork_key, "o-s") == (1, 2)
+    assert session_fork_app.CALLS == ["ship o-s"]  # reserve and charge were not called again
+    assert orch.get(fork_id).status == "completed"
+
+    before = _rows(database_url)
+    again = saga_cmd(*_fork(database_url, source, "--from", ship, "--json", app=APP))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert json.loads(again.stdout) == {
+        "id": fork_id,
+        "key": fork_key,
+        "created": False,
+        "forked_from": source,
+        "from_step": ship,
+    }
+    assert _rows(database_url) == before
+
+
+@pytest.mark.parametrize(
+    ("case", "step", "error"),  # error: a regex of the one line
+    [
+        (
+            "succeeded",
+            "fork_charge",
+            r"saga: refused: call 'fork_charge\.[0-9a-f]{12}' succeeded: a fork from "
+            r"'fork_charge\.[0-9a-f]{12}' would run it again under a new key",
+        ),
+        (
+            "ambiguous",
+            "fork_charge",
+            r"saga: refused: session \S+ called durable step 'fork_charge' 2 times "
+            r"\(fork_charge\.[0-9a-f]{12}, fork_charge\.[0-9a-f]{12}\)",
+        ),
+        (
+            "no_such_call",
+            "fork_pack",
+            r"saga: refused: session \S+ has no call 'fork_pack'; its calls: fork_reserve\.",
+        ),
+    ],
+)
+def test_a_refused_session_fork_changes_nothing(
+    make_orch: OrchestratorFactory,
+    database_url: str,
+    order_app: None,
+    case: str,
+    step: str,
+    error: str,
+) -> None:
+    """A session fork the library refuses exits 1 with one line, and writes nothing."""
+    orch = make_orch()
+    source = _parked_session(orch, "o-r", (20_000, 4990) if case == "ambiguous" else (4990,))
+    before = _rows(database_url)
+    refused = saga_cmd(*_fork(database_url, source, "--from", step, app=APP))
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert re.match(error, _one_line_error(refused)), refused.stderr
+    assert refused.stdout == ""
+    assert _rows(database_url) == before

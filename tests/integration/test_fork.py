@@ -6,10 +6,22 @@ effect twice, or leave one to nobody, is refused and changes nothing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+import session_fork_app as app
 from faults.proxy import LostReplyProxy
 from support import Order, order_saga, scalar
 
@@ -19,10 +31,14 @@ from saga import (
     PermanentError,
     Saga,
     SagaNotFound,
+    SagaState,
     SagaStatus,
+    SessionParked,
     StepContext,
     StepStateError,
 )
+
+HERE = Path(__file__).resolve().parent
 
 
 class Shop:
@@ -264,3 +280,350 @@ def test_the_asyncio_door_forks_alike(database_url: str) -> None:
     status, source_status, forked_from = asyncio.run(main())
     assert (status, source_status, forked_from) == ("completed", "forked", source_id)
     assert shop.calls == ["ship"]
+
+
+# ----- sessions ---------------------------------------------------------------------------
+#
+# A session is forked from one of its calls: the fork is a session of the same name and
+# tenant under a key of its own, holding the calls made before that one; its code, run
+# again under that key, replays them and makes the calls from there on afresh.
+
+
+@pytest.fixture
+def shop() -> Iterator[None]:
+    """The order app's call log, empty, and its ship step losing its outcome."""
+    app.CALLS.clear()
+    app.PLAN["ship"] = "unknown"
+    yield
+    app.CALLS.clear()
+
+
+def _session(orch: Orchestrator, run_id: str) -> SagaState:
+    (found,) = [s for s in orch.list() if s.key == run_id]
+    return orch.get(found.id)
+
+
+def _call(state: SagaState, step: str, nth: int = 0) -> str:
+    """The operation name of the `nth` call of durable step `step` in a session."""
+    calls = [op.step for op in state.operations if op.kind == "action"]
+    return [c for c in calls if c.startswith(f"{step}.")][nth]
+
+
+def _parked_session(
+    orch: Orchestrator, order: str, amounts: tuple[int, ...] = (4990,), *, resolve: bool = True
+) -> tuple[str, str]:
+    """(run id, session id) of an order whose ship call lost its outcome, so the session
+    parked; with `resolve`, an operator then settles that call as failed."""
+    run_id = f"order-{order}-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(SessionParked, match="fork_ship"):
+        app.place_order(orch, run_id, order, amounts)
+    state = _session(orch, run_id)
+    assert state.status == "needs_review"
+    if resolve:
+        orch.resolve(
+            state.id, _call(state, "fork_ship"), outcome="failed", actor="ops", reason="no parcel"
+        )
+    return run_id, state.id
+
+
+def test_a_session_fork_inherits_the_calls_before_its_point_without_calling_them(
+    database_url: str, shop: None
+) -> None:
+    with Orchestrator(database_url) as orch:
+        run_id, source_id = _parked_session(orch, "o-1")
+        source = orch.get(source_id)
+        reserve, charge, ship = (
+            _call(source, s) for s in ("fork_reserve", "fork_charge", "fork_ship")
+        )
+        app.CALLS.clear()
+
+        # A durable step's plain name names its one call.
+        handle = orch.fork(source_id, "fork_ship", actor="ops@acme")
+        assert app.CALLS == []  # forking calls nothing
+        assert handle.created
+        assert (handle.saga, handle.tenant_id, handle.key) == (
+            "session/orders",
+            "acme",
+            f"{run_id}:fork:{ship}",
+        )
+        fork = orch.get(handle.id)
+        assert (fork.status, fork.forked_from, fork.forked_to) == ("pending", source_id, None)
+        assert [(op.step, op.kind, op.status) for op in fork.operations] == [
+            (reserve, "action", "succeeded"),
+            (charge, "action", "succeeded"),
+        ]
+        for call in (reserve, charge):
+            inherited, original = fork.operation(call), source.operation(call)
+            assert (inherited.result, inherited.attempts, inherited.request_hash) == (
+                original.result,
+                original.attempts,
+                original.request_hash,
+            )
+            assert inherited.idempotency_key != original.idempotency_key
+
+        after = orch.get(source_id)
+        assert (after.status, after.forked_to) == (SagaStatus.FORKED, handle.id)
+        assert f"forked to {handle.id} from call {ship!r}" in (after.error or "")
+        forked = [e.detail for e in orch.history(source_id) if e.event == "saga_forked"]
+        assert forked == [
+            {
+                "to": handle.id,
+                "from_step": ship,
+                "actor": "ops@acme",
+                "inherited": [reserve, charge],
+            }
+        ]
+        assert [e.event for e in orch.history(handle.id)] == ["session_started", "saga_forked_from"]
+
+        # The same code under the fork's key replays reserve and charge and ships afresh.
+        app.PLAN["ship"] = "ok"
+        assert app.place_order(orch, handle.key, "o-1") == (1, 2)
+        assert app.CALLS == ["ship o-1"]
+        done = orch.get(handle.id)
+        assert done.status == "completed"
+        assert done.operation(ship).result == {"tracking": "t-o-1"}
+        assert done.operation(ship).idempotency_key != source.operation(ship).idempotency_key
+        assert app.place_order(orch, handle.key, "o-1") == (0, 3)  # all of it on record now
+        assert app.CALLS == ["ship o-1"]
+
+
+def test_a_session_fork_compensates_the_inherited_calls_with_their_arguments(
+    database_url: str, shop: None
+) -> None:
+    """The fork owns what it inherited: when its code fails for good, the inherited calls
+    are compensated in reverse, each with the arguments it was made with; the source,
+    final, refuses every verb and names the fork."""
+    with Orchestrator(database_url) as orch:
+        _, source_id = _parked_session(orch, "o-2")
+        fork = orch.fork(source_id, "fork_ship")
+        app.CALLS.clear()
+        app.PLAN["ship"] = "permanent"
+        with pytest.raises(PermanentError, match="no carrier"):
+            app.place_order(orch, fork.key, "o-2")
+        assert app.CALLS == ["ship o-2", "refund ch-o-2-4990 4990", "release o-2"]
+        assert orch.get(fork.id).status == "compensated"
+
+        before, history = orch.get(source_id), len(orch.history(source_id))
+        for verb in (
+            lambda: orch.compensate(source_id, actor="ops"),
+            lambda: orch.cancel(source_id, reason="no", actor="ops"),
+        ):
+            with pytest.raises(StepStateError, match=f"was forked to {fork.id}"):
+                verb()
+        assert orch.get(source_id) == before and len(orch.history(source_id)) == history
+        assert app.CALLS == ["ship o-2", "refund ch-o-2-4990 4990", "release o-2"]
+
+
+def test_a_call_that_failed_before_the_fork_point_is_inherited_and_replays_its_failure(
+    database_url: str, shop: None
+) -> None:
+    """The card declines the first amount and the code goes on with another: the fork
+    holds the declined call as failed, so its code takes the same path without calling
+    anything again."""
+    with Orchestrator(database_url) as orch:
+        _, source_id = _parked_session(orch, "o-3", (20_000, 4990))
+        source = orch.get(source_id)
+        declined, charged = _call(source, "fork_charge", 0), _call(source, "fork_charge", 1)
+        fork = orch.fork(source_id, "fork_ship")
+        state = orch.get(fork.id)
+        assert [(op.step, op.status) for op in state.operations] == [
+            (_call(source, "fork_reserve"), "succeeded"),
+            (declined, "failed"),
+            (charged, "succeeded"),
+        ]
+        assert "card declined for 20000" in (state.operation(declined).error or "")
+        app.CALLS.clear()
+        app.PLAN["ship"] = "ok"
+        assert app.place_order(orch, fork.key, "o-3", (20_000, 4990)) == (1, 2)
+        assert app.CALLS == ["ship o-3"]
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        (
+            "from_succeeded_call",
+            r"call 'fork_charge\.[0-9a-f]{12}' succeeded: a fork from 'fork_charge\.[0-9a-f]{12}' "
+            r"would run it again under a new key; fork from a later call",
+        ),
+        (
+            "from_unknown_call",
+            r"call 'fork_ship\.[0-9a-f]{12}' has an unknown outcome: its effect may be in place",
+        ),
+        (
+            "no_such_call",
+            r"has no call 'fork_pack'; its calls: fork_reserve\.[0-9a-f]{12}, "
+            r"fork_charge\.[0-9a-f]{12}, fork_ship\.[0-9a-f]{12}$",
+        ),
+        (
+            "ambiguous",
+            r"called durable step 'fork_charge' 2 times \(fork_charge\.[0-9a-f]{12}, "
+            r"fork_charge\.[0-9a-f]{12}\): fork from one of these calls, by its name",
+        ),
+        ("completed", r"is completed: only a session going forward that no process holds"),
+        ("compensated", r"is compensated: only a session going forward that no process holds"),
+        ("key_taken", r"key 'taken' is taken by saga"),
+    ],
+)
+def test_what_could_run_a_call_twice_is_refused_and_changes_nothing(
+    database_url: str, shop: None, case: str, message: str
+) -> None:
+    with Orchestrator(database_url) as orch:
+        from_step, key = "fork_ship", None
+        if case in ("completed", "compensated"):
+            app.PLAN["ship"] = "ok" if case == "completed" else "permanent"
+            run_id = f"order-{uuid.uuid4()}"
+            with contextlib.suppress(PermanentError):
+                app.place_order(orch, run_id, "o-4")
+            saga_id = _session(orch, run_id).id
+        elif case == "from_unknown_call":
+            _, saga_id = _parked_session(orch, "o-4", resolve=False)
+        else:
+            amounts = (20_000, 4990) if case == "ambiguous" else (4990,)
+            _, saga_id = _parked_session(orch, "o-4", amounts)
+            if case in ("from_succeeded_call", "ambiguous"):
+                from_step = "fork_charge"
+            elif case == "no_such_call":
+                from_step = "fork_pack"
+            elif case == "key_taken":
+                key = "taken"
+                app.PLAN["ship"] = "ok"
+                app.place_order(orch, "taken", "o-other")
+        parked = {"from_unknown_call": "needs_review", "completed": "completed"}
+        expected = {**parked, "compensated": "compensated"}.get(case, "running")
+        assert orch.get(saga_id).status == expected
+        before, history, count = orch.get(saga_id), orch.history(saga_id), _sagas(database_url)
+        with pytest.raises(StepStateError, match=message):
+            orch.fork(saga_id, from_step, key=key)
+        assert orch.get(saga_id) == before
+        assert orch.history(saga_id) == history
+        assert _sagas(database_url) == count
+
+
+def test_asking_for_a_session_fork_again_returns_it_and_another_is_refused(
+    database_url: str, shop: None
+) -> None:
+    with Orchestrator(database_url) as orch:
+        run_id, source_id = _parked_session(orch, "o-5")
+        ship = _call(orch.get(source_id), "fork_ship")
+        first = orch.fork(source_id, ship)
+        # Asked again by the call's name or its step's, with the default key or that key.
+        for step, key in ((ship, None), ("fork_ship", None), ("fork_ship", first.key)):
+            again = orch.fork(source_id, step, key=key)
+            assert (again.id, again.key, again.created) == (first.id, first.key, False)
+        already = f"already forked to {first.id} from step {ship!r}"
+        for step, key in (("fork_ship", "o-5-other"), ("fork_charge", None), ("fork_pack", None)):
+            with pytest.raises(StepStateError, match=already):
+                orch.fork(source_id, step, key=key)
+        assert _sagas(database_url) == 2
+        assert first.key == f"{run_id}:fork:{ship}"
+
+
+def test_a_session_held_by_a_live_process_is_not_forked(database_url: str, shop: None) -> None:
+    """While code is inside the session's block (its lease live), the fork is refused;
+    once the block ended the session is closed, and final."""
+    run_id = f"order-{uuid.uuid4()}"
+    inside, leave = threading.Event(), threading.Event()
+    ids: list[str] = []
+
+    def hold() -> None:
+        with (
+            Orchestrator(database_url) as holder,
+            holder.session(run_id, tenant=app.TENANT, name=app.NAME) as run,
+        ):
+            app.reserve("o-6")
+            ids.append(run.id)
+            inside.set()
+            leave.wait(30)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        with Orchestrator(database_url) as orch:
+            before = orch.get(ids[0])
+            with pytest.raises(
+                StepStateError, match=r"is held by .*: a process is inside its block"
+            ):
+                orch.fork(ids[0], "fork_reserve")
+            assert orch.get(ids[0]) == before
+    finally:
+        leave.set()
+        thread.join(30)
+    with Orchestrator(database_url) as orch:
+        with pytest.raises(StepStateError, match="is completed"):
+            orch.fork(ids[0], "fork_reserve")
+        assert _sagas(database_url) == 1
+
+
+def test_a_session_killed_inside_a_call_is_not_forked_while_that_call_is_unknown(
+    database_url: str, shop: None
+) -> None:
+    """SIGKILL inside charge, after it took effect: once the dead holder's lease ran out,
+    a fork from charge is refused (the charge may be in place: it stays `running` until
+    settled), and so is one from a later call while charge, inherited, is unknown."""
+    run_id = f"order-{uuid.uuid4()}"
+    child = subprocess.Popen(
+        [sys.executable, str(HERE / "session_fork_app.py"), run_id, "o-7"],
+        env={**os.environ, "SAGA_DATABASE_URL": database_url, "SESSION_FORK_APP_HANG": "charge"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        lines = [child.stdout.readline().strip() for _ in range(2)]
+        assert lines == ["READY", "IN_CALL"], lines
+    finally:
+        child.kill()
+        child.wait(30)
+        if child.stdout is not None:
+            child.stdout.close()
+    with Orchestrator(database_url) as orch:
+        state = _session(orch, run_id)
+        deadline = time.monotonic() + 30
+        while state.lease_expires_at is not None and state.lease_expires_at > datetime.now(UTC):
+            assert time.monotonic() < deadline, "the killed holder's lease never ran out"
+            time.sleep(0.1)
+            state = orch.get(state.id)
+        charge = _call(state, "fork_charge")
+        assert state.operation(charge).status == "running"
+        with pytest.raises(
+            StepStateError, match=re.escape(f"call {charge!r} has an unknown outcome")
+        ):
+            orch.fork(state.id, "fork_charge")
+
+        # Resumed by code that goes another way: it ships, and leaves charge unknown.
+        app.PLAN["ship"] = "ok"
+        parked = pytest.raises(SessionParked, match="unknown")
+        with parked, orch.session(run_id, tenant=app.TENANT, name=app.NAME):
+            app.ship("o-7")
+        state = orch.get(state.id)
+        assert (state.status, state.operation(charge).status) == ("needs_review", "unknown")
+        history, count = orch.history(state.id), _sagas(database_url)
+        unknown_before = re.escape(f"call {charge!r} before ") + (
+            r"'fork_ship\.[0-9a-f]{12}' has an unknown outcome: reconcile or resolve it first"
+        )
+        with pytest.raises(StepStateError, match=unknown_before):
+            orch.fork(state.id, "fork_ship")
+        assert orch.get(state.id) == state and orch.history(state.id) == history
+        assert _sagas(database_url) == count
+
+
+def test_the_asyncio_door_forks_a_session_alike(database_url: str, shop: None) -> None:
+    with Orchestrator(database_url) as orch:
+        _, source_id = _parked_session(orch, "o-8")
+    app.CALLS.clear()
+    app.PLAN["ship"] = "ok"
+
+    async def main() -> tuple[tuple[int, int], str, str, str | None]:
+        async with AsyncOrchestrator(database_url) as aorch:
+            handle = await aorch.fork(source_id, "fork_ship", actor="ops")
+            counts = await app.aplace_order(aorch, handle.key, "o-8")
+            with pytest.raises(StepStateError, match=f"was forked to {handle.id}"):
+                await aorch.compensate(source_id, actor="ops")
+            done = await aorch.get(handle.id)
+            return counts, done.status, (await aorch.get(source_id)).status, done.forked_from
+
+    assert asyncio.run(main()) == ((1, 2), "completed", "forked", source_id)
+    assert app.CALLS == ["ship o-8"]
