@@ -296,7 +296,8 @@ class AsyncOrchestrator(Engine):
     async def fork(
         self, saga_id: str, from_step: str, *, key: str | None = None, actor: str | None = None
     ) -> SagaHandle:
-        """Continue a parked saga as a new one from `from_step`; see `Orchestrator.fork`."""
+        """Continue a parked saga (or session) as a new one from `from_step`; see
+        `Orchestrator.fork`."""
         actor = actor_or_os_user("fork", actor)
         runner = await self.runner()
         return await runner.run(self._fork_flow(saga_id, from_step, key=key, actor=actor))

@@ -349,7 +349,9 @@ def _parser() -> argparse.ArgumentParser:
         dest="from_step",
         metavar="STEP",
         required=True,
-        help="the first step the new saga runs (the steps before it must have succeeded)",
+        help="the first step the new saga runs (the steps before it must have succeeded); "
+        "for a session, the first call it makes again (a call's name, or a durable step's "
+        "name called once)",
     )
     fork.add_argument(
         "--key",

@@ -438,6 +438,12 @@ class Orchestrator(Engine):
         every step before `from_step` succeeded (an unknown one is reconciled or resolved
         first) and none from `from_step` on took effect. `key` defaults to
         `"<source key>:fork:<from_step>"`; asking again returns the same fork.
+
+        A session forks from one of its calls (`from_step` is the call's name, or a
+        durable step's name the session called once): the fork is a new session keyed
+        `key` whose code, run under that run id, replays the calls before `from_step`
+        and makes the rest. A session a live process holds, or a closed one, is
+        refused; a failed call before `from_step` is inherited as failed.
         """
         actor = actor_or_os_user("fork", actor)
         return self._runner().run(self._fork_flow(saga_id, from_step, key=key, actor=actor))
