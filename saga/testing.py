@@ -20,6 +20,15 @@ fault point that run went through, in a fresh child armed to SIGKILL itself ther
 (`SAGA_FAULT=POINT:KIND:STEP`), resumes every killed saga in another child, and checks
 `check_invariants` on all of them. `check_invariants` and `replay_history` work on any
 database the orchestrator uses.
+
+A session of durable steps is crash-tested through the function that runs it:
+
+    report = crash_test("myapp:orch", session="myapp:handle_ticket",
+                        database_url=postgres_url, input=lambda run: f"ticket-{run}")
+
+Each call of the session is killed at each fault point (`POINT:KIND:CALL`), and the
+session is resumed by calling the function again with the same arguments in a fresh
+child process.
 """
 
 from __future__ import annotations
@@ -27,12 +36,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import importlib
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -40,7 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 import pytest
@@ -52,9 +64,12 @@ from saga import faults
 from saga.aorchestrator import AsyncOrchestrator
 from saga.cli import load_app
 from saga.definition import Saga
+from saga.errors import PermanentError, SessionBusy, SessionParked
 from saga.orchestrator import Orchestrator
 from saga.redact import scrub
-from saga.state import HistoryEvent, SagaState
+from saga.session import AsyncSession, Session
+from saga.signatures import is_async
+from saga.state import HistoryEvent, OperationState, SagaState
 
 __all__ = [
     "FAULT_POINTS",
@@ -490,13 +505,17 @@ class CrashReport:
 
 
 InputFactory = Callable[[str], BaseModel | Mapping[str, Any]]
+# A session function's arguments for a run, from the run's name: a mapping (keyword
+# arguments), a tuple or list (positional ones), or the one argument.
+SessionArguments = Callable[[str], Any]
 
 
 def crash_test(
     app: str,
-    saga: str | Saga[Any],
-    input: InputFactory | BaseModel | Mapping[str, Any],
+    saga: str | Saga[Any] | None = None,
+    input: InputFactory | SessionArguments | BaseModel | Mapping[str, Any] | None = None,
     *,
+    session: str | Callable[..., Any] | None = None,
     database_url: str | None = None,
     points: Sequence[str] = FAULT_POINTS,
     kinds: Sequence[str] = ("action", "compensation"),
@@ -506,7 +525,8 @@ def crash_test(
     effects: EffectCounter | None = None,
     allow_review: bool = True,
 ) -> CrashReport:
-    """Kill a saga at each fault point in turn, resume it, and check the invariants.
+    """Kill a saga, or a session of durable steps, at each fault point in turn, resume it,
+    and check the invariants.
 
     Args:
         app: `MODULE[:ATTR]` of the module that registers your sagas and the name of its
@@ -516,17 +536,27 @@ def crash_test(
             `AsyncOrchestrator` the children drive the saga through the async door
             (`await orch.run(...)` on an event loop).
         saga: The saga to run: its name (`"renewal"` or `"renewal:2"`) or the `Saga`.
-        input: A function of the run's name (`"baseline"`, `"before_call:action:charge"`,
-            ...) returning that run's input, whose key must differ from run to run; or
-            a fixed input when only one run is made.
+        input: For a saga: a function of the run's name (`"baseline"`,
+            `"before_call:action:charge"`, ...) returning that run's input, whose key must
+            differ from run to run; or a fixed input when only one run is made. For a
+            session: a function of the run's name returning the session function's
+            arguments, as JSON (a mapping: keyword arguments; a tuple or list: positional
+            ones; anything else: its one argument), which must open a session of its own
+            per run; by default the function is called with one argument, a run id made
+            for that run.
+        session: Instead of `saga`: the function that runs a session of durable steps
+            (`with orch.session(run_id): ...`, or an `async def` with
+            `async with aorch.session(run_id): ...`), as `"MODULE:FUNCTION"` or the
+            function itself, defined at the top level of an importable module (the
+            children import it). See "Sessions" below.
         database_url: The database (else `SAGA_DATABASE_URL`).
         points: The fault points to try (all of `FAULT_POINTS` by default).
         kinds: Try the points of `action`s, of `compensation`s, or both.
         lease_seconds: Lease of the child processes, so a killed run is resumed quickly.
         parallel: How many armed children run at once.
         timeout: Longest time (seconds) any child process may take.
-        effects: Your provider's count of performed effects per idempotency key; no key
-            may have more than one.
+        effects: Your provider's count of performed effects per idempotency key (a
+            request it deduplicated is no effect); no key may have more than one.
         allow_review: Accept `needs_review` as a run's outcome (an unknown outcome of a
             step with neither a reconcile hook nor idempotency must wait for a human).
 
@@ -534,10 +564,69 @@ def crash_test(
     reached (`POINT:KIND:STEP` for every operation it attempted). Every other run must
     end as the baseline did (or in `needs_review`, with `allow_review`), and every saga
     must satisfy `check_invariants`; an `InvariantViolation` says which did not.
+
+    Sessions: the function runs once without faults in a child process, then once per
+    fault point that run went through, `POINT:KIND:CALL` (CALL is the durable step's
+    name, `#2`, `#3`... added for its later calls in the session: `email#2`), in a fresh
+    child armed to SIGKILL itself there. A killed run is resumed as you would resume it:
+    the function is called again with the same arguments, in another fresh child
+    (`SessionBusy` is waited out while the killed holder's lease lasts). Each run's
+    session must end as the baseline's did, with the same calls ending alike (none lost,
+    none added) or in `needs_review` with a reason (with `allow_review`); it must satisfy
+    `check_invariants`; with `effects`, a call whose baseline counterpart had an effect
+    must have one too. The function must open one session per run, under a run id taken
+    from its arguments, and do nothing outside it that must not happen twice; a
+    `PermanentError` (or `SessionParked`) it lets out ends a run as usual. In the
+    children, the `app`'s orchestrator's lease is set to `lease_seconds`.
     """
     url = database_url or os.environ.get("SAGA_DATABASE_URL")
     if not url:
         raise ValueError("crash_test needs database_url (or SAGA_DATABASE_URL)")
+    if (saga is None) == (session is None):
+        raise TypeError(
+            "crash_test needs either saga= (a declared saga, by name or as the Saga) or "
+            "session= (the function that runs a session of durable steps), "
+            + ("not both" if saga is not None else "and got neither")
+        )
+    options = _Options(app, url, points, kinds, lease_seconds, parallel, timeout, allow_review)
+    if session is not None:
+        if input is not None and not callable(input):
+            raise ValueError(
+                "input must be a function of the run's name returning the session "
+                "function's arguments: each run needs a session of its own"
+            )
+        return _crash_test_session(options, session, input, effects)
+    assert saga is not None
+    if input is None:
+        raise TypeError(
+            "crash_test needs input= for a saga: a function of the run's name returning "
+            "that run's input"
+        )
+    return _crash_test_saga(options, saga, input, effects)
+
+
+@dataclass(frozen=True, slots=True)
+class _Options:
+    """What every run of one `crash_test` shares."""
+
+    app: str
+    url: str
+    points: Sequence[str]
+    kinds: Sequence[str]
+    lease_seconds: float
+    parallel: int
+    timeout: float
+    allow_review: bool
+
+
+def _crash_test_saga(
+    options: _Options,
+    saga: str | Saga[Any],
+    input: InputFactory | SessionArguments | BaseModel | Mapping[str, Any],
+    effects: EffectCounter | None,
+) -> CrashReport:
+    app, url, timeout = options.app, options.url, options.timeout
+    lease_seconds = options.lease_seconds
     saga_name = saga if isinstance(saga, str) else f"{saga.name}:{saga.version}"
 
     def input_of(run: str) -> Any:
@@ -567,7 +656,10 @@ def crash_test(
                 attempted.append((e.step, e.kind))  # type: ignore[arg-type]
     baseline = CrashRun(None, base_state.id, False, str(base_state.status), base_state.error)
     faults_to_try = [
-        f"{point}:{kind}:{step}" for step, kind in attempted if kind in kinds for point in points
+        f"{point}:{kind}:{step}"
+        for step, kind in attempted
+        if kind in options.kinds
+        for point in options.points
     ]
     inputs = {fault: input_of(fault) for fault in faults_to_try}
     if not callable(input) and faults_to_try:
@@ -583,7 +675,7 @@ def crash_test(
         }
         return _child({**env, faults.ENV_FAULT: fault}, request, timeout=timeout)
 
-    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, options.parallel)) as pool:
         outcomes = dict(zip(faults_to_try, pool.map(armed, faults_to_try), strict=True))
     problems: list[str] = []
     for fault, out in outcomes.items():
@@ -617,15 +709,374 @@ def crash_test(
             )
     ids = [baseline.saga_id, *(r.saga_id for r in runs)]
     invariants = check_invariants(url, ids, effects=effects, raise_on_violation=False)
+    _check_outcomes(invariants, baseline, runs, options.allow_review)
+    report = CrashReport(baseline, runs, invariants)
+    invariants.raise_if_violated()
+    return report
+
+
+def _check_outcomes(
+    invariants: InvariantReport, baseline: CrashRun, runs: Sequence[CrashRun], allow_review: bool
+) -> None:
+    """Every run must end as the baseline did (or in `needs_review`, with `allow_review`)."""
+    expected = {baseline.status, "needs_review"} if allow_review else {baseline.status}
     for r in runs:
-        expected = {baseline.status, "needs_review"} if allow_review else {baseline.status}
         if r.status not in expected:
             invariants.violations.append(
                 f"{r.fault}: ended {r.status}, the run without faults ended {baseline.status}"
             )
+
+
+# ----- killing a session at each fault point of each call -----------------------------------
+
+# How often a child entering a session that a killed run still holds tries again (seconds).
+_BUSY_RETRY_SECONDS = 0.1
+
+
+class _CallLabels:
+    """Names the calls of one session as a report shows them: the durable step's name, and
+    `#2`, `#3`... for its later calls (calls are told apart by order, so that a run whose
+    calls have other keys than the baseline's, made from its own arguments, still has the
+    same fault points). Operations are named `<step>.<digest of the call's key>`."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, list[str]] = {}
+
+    def label(self, operation: str) -> str:
+        """The label of `operation`, numbered in the order operations are first seen."""
+        step = operation.rsplit(".", 1)[0]
+        seen = self._seen.setdefault(step, [])
+        if operation not in seen:
+            seen.append(operation)
+        number = seen.index(operation) + 1
+        return step if number == 1 else f"{step}#{number}"
+
+
+class _CallFault:
+    """A fault handler that SIGKILLs this process at `POINT:KIND:CALL` of a session."""
+
+    def __init__(self, spec: str) -> None:
+        self.point, self.kind, self.call = spec.split(":", 2)
+        self.labels = _CallLabels()
+
+    def __call__(self, reached: str, context: Mapping[str, Any]) -> None:
+        step = context.get("step")
+        if not isinstance(step, str):
+            return
+        label = self.labels.label(step)  # every point: calls are numbered as first seen
+        if (reached, context.get("kind"), label) == (self.point, self.kind, self.call):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(frozen=True, slots=True)
+class _SessionChild:
+    """What one child running a session function reported."""
+
+    code: int
+    output: str
+    # Ids of the sessions it entered, in order, each once.
+    sessions: list[str]
+    # The function returned or raised (it was not killed, and did not give up waiting).
+    ended: bool
+    # What it raised ("Type: message"), if it did.
+    raised: str | None
+    # Why it gave up waiting for the session (SessionBusy until its deadline), if it did.
+    stuck: str | None
+
+    @property
+    def killed(self) -> bool:
+        """It was killed with SIGKILL (at its fault point)."""
+        return self.code == -signal.SIGKILL
+
+
+def _crash_test_session(
+    options: _Options,
+    session: str | Callable[..., Any],
+    input: SessionArguments | None,
+    effects: EffectCounter | None,
+) -> CrashReport:
+    function = _function_spec(session)
+    _check_fault_filters(options.points, options.kinds)
+    made = f"crash-{secrets.token_hex(3)}"
+
+    def arguments_of(run: str) -> dict[str, Any]:
+        return _call_arguments(input(run) if input is not None else f"{made}-{run}", run)
+
+    env = _child_env(options.url)
+
+    def child(run: str, arguments: Mapping[str, Any], fault: str | None) -> _SessionChild:
+        request = {
+            "op": "session",
+            "app": options.app,
+            "function": function,
+            **arguments,
+            "fault": fault,
+            "lease_seconds": options.lease_seconds,
+            "deadline_seconds": options.timeout / 2,
+        }
+        return _session_child(env, request, timeout=options.timeout)
+
+    base = child("baseline", arguments_of("baseline"), None)
+    base_id = _session_of("baseline", base)
+    with Orchestrator(options.url, auto_migrate=False, pool_size=2) as orch:
+        base_state = orch.get(base_id)
+        base_history = orch.history(base_id)
+    if str(base_state.status) not in SETTLED:
+        raise RuntimeError(
+            f"the run without faults left its session {base_id} {base_state.status}"
+            + (f" (the function raised {base.raised})" if base.raised else "")
+            + ": a session ends completed, compensated (a PermanentError leaving its block, "
+            "or run.fail) or parked; any other exception leaves it open. Fix the function "
+            f"before crash-testing it:\n{base.output}"
+        )
+    baseline = CrashRun(None, base_id, False, str(base_state.status), base_state.error)
+    faults_to_try = [
+        f"{point}:{kind}:{call}"
+        for call, kind in _attempted_calls(base_history)
+        if kind in options.kinds
+        for point in options.points
+    ]
+    inputs = {fault: arguments_of(fault) for fault in faults_to_try}
+
+    def armed_then_resumed(fault: str) -> tuple[_SessionChild, _SessionChild | None]:
+        armed = child(fault, inputs[fault], fault)
+        if not armed.killed or not armed.sessions:
+            return armed, None
+        return armed, child(fault, inputs[fault], None)
+
+    with ThreadPoolExecutor(max_workers=max(1, options.parallel)) as pool:
+        outcomes = dict(
+            zip(faults_to_try, pool.map(armed_then_resumed, faults_to_try), strict=True)
+        )
+    _raise_on_broken_children(outcomes)
+    runs: list[CrashRun] = []
+    raised: dict[str, str | None] = {"baseline": base.raised}
+    with Orchestrator(options.url, auto_migrate=False, pool_size=2) as orch:
+        for fault, (armed, resumed) in outcomes.items():
+            state = orch.get(armed.sessions[0])
+            runs.append(CrashRun(fault, state.id, armed.killed, str(state.status), state.error))
+            raised[fault] = (resumed or armed).raised
+    invariants = _session_invariants(options.url, baseline, runs, raised, effects)
+    _check_outcomes(invariants, baseline, runs, options.allow_review)
     report = CrashReport(baseline, runs, invariants)
     invariants.raise_if_violated()
     return report
+
+
+def _function_spec(session: str | Callable[..., Any]) -> str:
+    """`MODULE:FUNCTION` of the session function, which the children import."""
+    if isinstance(session, str):
+        module, sep, attr = session.partition(":")
+        if not (module and sep and attr):
+            raise ValueError(
+                f"session={session!r}: expected 'MODULE:FUNCTION', the function that runs "
+                "the session"
+            )
+        return session
+    if not callable(session):
+        raise TypeError(
+            f"session= must be the function that runs the session (or 'MODULE:FUNCTION'), "
+            f"got {type(session).__name__} {session!r}"
+        )
+    module_name = getattr(session, "__module__", None)
+    qualname = getattr(session, "__qualname__", None)
+    found: Any = sys.modules.get(module_name) if isinstance(module_name, str) else None
+    for part in qualname.split(".") if isinstance(qualname, str) else ["<none>"]:
+        found = getattr(found, part, None)
+    if found is not session or module_name == "__main__":
+        raise ValueError(
+            f"session={session!r}: the child processes import the session function by "
+            "name, so it must be defined at the top level of an importable module (not in "
+            "a function, a lambda or __main__); or pass 'MODULE:FUNCTION'"
+        )
+    return f"{module_name}:{qualname}"
+
+
+def _check_fault_filters(points: Sequence[str], kinds: Sequence[str]) -> None:
+    unknown = [p for p in points if p not in FAULT_POINTS]
+    if unknown:
+        raise ValueError(
+            f"unknown fault point(s) {unknown}; known points: {', '.join(FAULT_POINTS)}"
+        )
+    odd = [k for k in kinds if k not in ("action", "compensation")]
+    if odd:
+        raise ValueError(f"kinds are 'action' and 'compensation', got {odd}")
+
+
+def _call_arguments(value: Any, run: str) -> dict[str, Any]:
+    """The session function's arguments for a run, as its child receives them."""
+    if isinstance(value, Mapping):
+        arguments: dict[str, Any] = {"args": [], "kwargs": dict(value)}
+    elif isinstance(value, tuple | list):
+        arguments = {"args": list(value), "kwargs": {}}
+    else:
+        arguments = {"args": [value], "kwargs": {}}
+    try:
+        json.dumps(arguments, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"the session function's arguments for run {run!r} must be JSON (a child "
+            f"process receives them): {exc}"
+        ) from None
+    return arguments
+
+
+def _session_of(run: str, out: _SessionChild) -> str:
+    """The one session a child entered; RuntimeError when it did not enter exactly one."""
+    if len(out.sessions) == 1:
+        return out.sessions[0]
+    if not out.sessions:
+        why = f"raised {out.raised}" if out.raised else f"exited with {out.code}"
+        raise RuntimeError(
+            f"{run}: the session function entered no session ({why}); it must open "
+            f"`orch.session(...)` (or `async with aorch.session(...)`):\n{out.output}"
+        )
+    raise RuntimeError(
+        f"{run}: the session function entered {len(out.sessions)} sessions "
+        f"({', '.join(out.sessions)}); crash_test follows one session per run"
+    )
+
+
+def _attempted_calls(history: Sequence[HistoryEvent]) -> list[tuple[str, str]]:
+    """(call label, kind) of every operation a session attempted, in the order attempted."""
+    labels = _CallLabels()
+    attempted: list[tuple[str, str]] = []
+    for e in history:
+        if e.step is None or e.kind is None:
+            continue
+        call = (labels.label(e.step), str(e.kind))
+        if e.event == "attempt_started" and call not in attempted:
+            attempted.append(call)
+    return attempted
+
+
+def _raise_on_broken_children(
+    outcomes: Mapping[str, tuple[_SessionChild, _SessionChild | None]],
+) -> None:
+    problems: list[str] = []
+    for fault, (armed, resumed) in outcomes.items():
+        if armed.code not in (0, -signal.SIGKILL):
+            problems.append(f"{fault}: the child exited with {armed.code}:\n{armed.output}")
+            continue
+        try:
+            session_id = _session_of(fault, armed)
+        except RuntimeError as exc:
+            problems.append(str(exc))
+            continue
+        if resumed is None:
+            continue
+        if resumed.code != 0 or resumed.stuck:
+            why = f" ({resumed.stuck})" if resumed.stuck else ""
+            problems.append(
+                f"{fault}: running the function again failed (exit {resumed.code}){why}:\n"
+                f"{resumed.output}"
+            )
+        elif resumed.sessions and resumed.sessions != [session_id]:
+            problems.append(
+                f"{fault}: run again with the same arguments, the function entered session "
+                f"{', '.join(resumed.sessions)}, not {session_id}: take the session's run id "
+                "from the function's arguments, so that running it again resumes it"
+            )
+    if problems:
+        raise RuntimeError("\n".join(problems))
+
+
+def _calls(
+    state: SagaState, history: Sequence[HistoryEvent]
+) -> dict[tuple[str, str], OperationState]:
+    """A session's operations by (call label, kind)."""
+    labels = _CallLabels()
+    for e in history:
+        if e.step is not None and e.kind is not None:
+            labels.label(e.step)
+    return {(labels.label(op.step), str(op.kind)): op for op in state.operations}
+
+
+def _session_invariants(
+    url: str,
+    baseline: CrashRun,
+    runs: Sequence[CrashRun],
+    raised: Mapping[str, str | None],
+    effects: EffectCounter | None,
+) -> InvariantReport:
+    """`check_invariants` on every run's session, and each run's calls against the
+    baseline's; every violation is named by its run."""
+    report = InvariantReport()
+    count = None if effects is None else effects if callable(effects) else effects.get
+    with Orchestrator(url, auto_migrate=False, pool_size=2) as orch:
+        base_calls = _calls(orch.get(baseline.saga_id), orch.history(baseline.saga_id))
+        for run in [baseline, *runs]:
+            name = run.fault or "baseline"
+            state = orch.get(run.saga_id)
+            history = orch.history(state.id)
+            report.sagas += 1
+            report.statuses[str(state.status)] += 1
+            if str(state.status) == "needs_review":
+                report.parked[state.id] = state.error or ""
+            problems = _saga_problems(state, history, effects, {})
+            if str(state.status) not in SETTLED and raised.get(name):
+                problems.append(
+                    f"the session function raised {raised[name]}, which leaves a session "
+                    "open: only a PermanentError (or run.fail) leaving the block ends it"
+                )
+            if run is not baseline and str(state.status) == baseline.status:
+                problems.extend(_call_problems(base_calls, _calls(state, history), count))
+            report.violations.extend(f"{name}: session {state.id}: {p}" for p in problems)
+    return report
+
+
+def _call_problems(
+    base: Mapping[tuple[str, str], OperationState],
+    calls: Mapping[tuple[str, str], OperationState],
+    count: Callable[[str], int | None] | None,
+) -> list[str]:
+    """What a run that ended as the baseline did lost or added, call by call."""
+    problems: list[str] = []
+    for (label, kind), expected in base.items():
+        what = f"call {label!r}" if kind == "action" else f"the compensation of call {label!r}"
+        op = calls.get((label, kind))
+        if op is None:
+            problems.append(f"{what} is missing, though the run without faults made it")
+            continue
+        if op.status != expected.status:
+            problems.append(
+                f"{what} ended {op.status}, in the run without faults {expected.status}"
+            )
+        had_effect = count is not None and (count(expected.idempotency_key) or 0) > 0
+        if had_effect and str(op.status) == "succeeded":
+            assert count is not None
+            if not (count(op.idempotency_key) or 0):
+                problems.append(
+                    f"{what} succeeded, but no effect was performed under its key "
+                    f"{op.idempotency_key} (the run without faults had one): it was lost"
+                )
+    for label, kind in calls.keys() - base.keys():
+        what = f"call {label!r}" if kind == "action" else f"the compensation of call {label!r}"
+        problems.append(
+            f"{what} was not made by the run without faults: did a call's arguments change "
+            "when the function ran again (a fresh id, a timestamp), so that it ran under "
+            "another key?"
+        )
+    return problems
+
+
+def _session_child(
+    env: Mapping[str, str], request: Mapping[str, Any], *, timeout: float
+) -> _SessionChild:
+    out = _child(env, request, timeout=timeout, collect=("entered",))
+    sessions: list[str] = []
+    for session_id in out.get("entered", []):
+        if session_id not in sessions:
+            sessions.append(session_id)
+    raised = out.get("raised")
+    return _SessionChild(
+        code=out["code"],
+        output=out["output"],
+        sessions=sessions,
+        ended="returned" in out or raised is not None,
+        raised=scrub(raised, env.get("SAGA_DATABASE_URL")) if raised else None,
+        stuck=out.get("stuck"),
+    )
 
 
 def _child_env(url: str) -> dict[str, str]:
@@ -637,7 +1088,16 @@ def _child_env(url: str) -> dict[str, str]:
     return env
 
 
-def _child(env: Mapping[str, str], request: Mapping[str, Any], *, timeout: float) -> dict[str, Any]:
+def _child(
+    env: Mapping[str, str],
+    request: Mapping[str, Any],
+    *,
+    timeout: float,
+    collect: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Run `python -m saga.testing REQUEST` and gather what it said: its exit code, its
+    output, and the fields of its messages (the last value of each, or every value, in
+    order, of a field named in `collect`)."""
     proc = subprocess.run(
         [sys.executable, "-m", "saga.testing", json.dumps(request)],
         env=dict(env),
@@ -651,7 +1111,11 @@ def _child(env: Mapping[str, str], request: Mapping[str, Any], *, timeout: float
     for line in proc.stdout.splitlines():
         if line.startswith(_MARK):
             message = json.loads(line[len(_MARK) :])
-            out.update(message)
+            for name, value in message.items():
+                if name in collect:
+                    out.setdefault(name, []).append(value)
+                else:
+                    out[name] = value
     return out
 
 
@@ -673,6 +1137,8 @@ def _definition(app: Orchestrator | AsyncOrchestrator, spec: str) -> Saga[Any]:
 
 
 def _child_main(request: Mapping[str, Any]) -> int:
+    if request["op"] == "session":
+        return _session_child_main(request)
     app = load_app(request["app"], None)  # as `saga worker --app` finds it
     url = os.environ["SAGA_DATABASE_URL"]
     lease_seconds = float(request["lease_seconds"])
@@ -724,6 +1190,109 @@ async def _async_child_main(
                 await asyncio.sleep(_lease_wait(state))
         _say(resumed=len(request["ids"]))
     return 0
+
+
+def _session_child_main(request: Mapping[str, Any]) -> int:
+    """Call the session function once (armed with `request["fault"]`, if any); waits out
+    `SessionBusy` while a killed run's lease lasts. Says which sessions it entered, and
+    whether the function returned or what it raised."""
+    app = load_app(request["app"], None)
+    lease_seconds = float(request["lease_seconds"])
+    # Leases as short as those of saga runs, so that a killed run is resumed quickly.
+    app.lease_seconds, app.heartbeat_seconds = lease_seconds, lease_seconds / 3.0
+    fn = _import_function(request["function"])
+    _report_session_entries()
+    if request["fault"]:
+        faults.arm(_CallFault(request["fault"]))
+    args, kwargs = list(request["args"]), dict(request["kwargs"])
+    deadline = time.monotonic() + float(request["deadline_seconds"])
+    if is_async(fn):
+        return asyncio.run(_call_async_session(app, fn, args, kwargs, deadline))
+    try:
+        while True:
+            try:
+                fn(*args, **kwargs)
+            except SessionBusy as exc:
+                if time.monotonic() > deadline:
+                    _say(stuck=str(exc))
+                    return 1
+                time.sleep(_BUSY_RETRY_SECONDS)
+                continue
+            except Exception as exc:
+                _say_raised(exc)
+                return 0
+            _say(returned=True)
+            return 0
+    finally:
+        if isinstance(app, Orchestrator):
+            app.close()
+
+
+async def _call_async_session(
+    app: Orchestrator | AsyncOrchestrator,
+    fn: Callable[..., Any],
+    args: list[Any],
+    kwargs: dict[str, Any],
+    deadline: float,
+) -> int:
+    try:
+        while True:
+            try:
+                await fn(*args, **kwargs)
+            except SessionBusy as exc:
+                if time.monotonic() > deadline:
+                    _say(stuck=str(exc))
+                    return 1
+                await asyncio.sleep(_BUSY_RETRY_SECONDS)
+                continue
+            except Exception as exc:
+                _say_raised(exc)
+                return 0
+            _say(returned=True)
+            return 0
+    finally:
+        if isinstance(app, AsyncOrchestrator):
+            await app.close()
+
+
+def _say_raised(exc: Exception) -> None:
+    _say(raised=f"{type(exc).__name__}: {exc}")
+    if not isinstance(exc, PermanentError | SessionParked):
+        # Not how a session ends: the traceback goes with the child's output.
+        traceback.print_exception(exc, file=sys.stderr)
+
+
+def _import_function(spec: str) -> Callable[..., Any]:
+    """The function `MODULE:FUNCTION` names (its module imported from the working
+    directory or PYTHONPATH, as the app is)."""
+    module_name, _, attr = spec.partition(":")
+    found: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        if not hasattr(found, part):
+            raise LookupError(f"session {spec!r}: module {module_name!r} has no {attr!r}")
+        found = getattr(found, part)
+    if not callable(found):
+        raise TypeError(f"session {spec!r} is a {type(found).__name__}, not a function")
+    return cast("Callable[..., Any]", found)
+
+
+def _report_session_entries() -> None:
+    """Say the id of each session this process enters, as soon as it has entered it
+    (before any call: a kill loses nothing of it)."""
+    enter, aenter = Session.__enter__, AsyncSession.__aenter__
+
+    def entered(self: Session) -> Session:
+        opened = enter(self)
+        _say(entered=opened.id)
+        return opened
+
+    async def aentered(self: AsyncSession) -> AsyncSession:
+        opened = await aenter(self)
+        _say(entered=opened.id)
+        return opened
+
+    Session.__enter__ = entered  # type: ignore[method-assign]
+    AsyncSession.__aenter__ = aentered  # type: ignore[method-assign]
 
 
 def _lease_wait(state: SagaState) -> float:
