@@ -8,13 +8,15 @@ Environment:
     BENCH_SAGAS            sagas per throughput run (default 2000)
     BENCH_ROUNDS           interleaved rounds of the throughput rows (default 3)
     BENCH_ROWS             which throughput rows to run (default all): comma-separated
-                           row keys (pg1, floor, ours_seq, async_seq, dbos_seq, w2x4, w1x8,
-                           aw1x8, aw1x64, dbos_c8, pg8) or groups: all; sync (the rows
-                           before the async ones); async (the async rows and the sync rows
-                           they are compared with: ours_seq, async_seq, w2x4, w1x8, aw1x8,
-                           aw1x64); async-only. The recovery, claim-latency and profile runs
-                           and the targets come only with every sync row; a run of some rows
-                           writes results/partial.txt and .json instead of latest.*
+                           row keys (pg1, floor, ours_seq, async_seq, sess_seq, dbos_seq,
+                           w2x4, w1x8, aw1x8, aw1x64, sess_a8, dbos_c8, pg8) or groups: all;
+                           sync (the rows before the async ones); async (the async rows and
+                           the sync rows they are compared with: ours_seq, async_seq, w2x4,
+                           w1x8, aw1x8, aw1x64); async-only; sessions (the session rows and
+                           the declared-saga rows beside them: ours_seq, sess_seq, aw1x8,
+                           sess_a8). The recovery, claim-latency and profile runs and the
+                           targets come only with every sync row; a run of some rows writes
+                           results/partial.txt and .json instead of latest.*
     BENCH_PGBENCH_SECONDS  duration of each pgbench run (default 10)
     BENCH_FILL             finished sagas inserted for the claim-latency run (default 1000000)
     BENCH_RECOVERY         in-flight sagas of the recovery run (default 100)
@@ -27,8 +29,14 @@ The async rows (AsyncOrchestrator.execute() sequentially, one AsyncWorker proces
 concurrency 8 and 64) are left out of `all`, with a warning, when `from saga import
 AsyncOrchestrator` fails.
 
+The session rows (sess_seq, sess_a8) run N sessions of 3 durable-step calls instead of N
+sagas: `Orchestrator.session` one after another, and `AsyncOrchestrator.session` from 8
+tasks of one event loop; their sagas/s and commits/saga are per session.
+
 Quick try of the async rows alone:
     BENCH_ROWS=async BENCH_ROUNDS=1 BENCH_SAGAS=500 make bench
+Of the session rows:
+    BENCH_ROWS=sessions BENCH_ROUNDS=1 BENCH_SAGAS=500 make bench
 """
 
 from __future__ import annotations
@@ -302,6 +310,61 @@ def ours_workers(
     )
 
 
+SESSION_TASKS = 8  # tasks of the async session row
+
+
+def ours_sessions(server: Server, n: int, tag: str, *, tasks: int = 0) -> Row:
+    """N sessions of 3 durable-step calls: sequential (`tasks` 0) or from `tasks` asyncio
+    tasks; a row whose rate and commits are per session."""
+    url = migrated(server, f"ours_sess{tasks}_{tag}")
+    r, commits = measured(server, url, n, "ours_sessions", {"url": url, "n": n, "tasks": tasks})
+    check(r, n)
+    mode = (
+        "sessions, sequential, Orchestrator.session"
+        if tasks == 0
+        else f"sessions, {tasks} tasks, AsyncOrchestrator.session"
+    )
+    return Row(
+        "saga-orchestrator",
+        mode,
+        n / r["elapsed"],
+        commits,
+        r["p50_ms"],
+        r["p99_ms"],
+        r["rss_mb"],
+        extra={"cpu_ms_per_saga": r["cpu_s"] * 1000.0 / n, "sessions": True},
+    )
+
+
+def session_report(b: dict[str, Row]) -> list[str]:
+    """The notes of the session rows present in `b`, with the declared-saga rows they sit
+    beside."""
+    rows = [b[k] for k in ("sess_seq", "sess_a8") if k in b]
+    if not rows:
+        return []
+    figures = "; ".join(
+        f"{r.mode}: {r.per_second:,.0f} sessions/s, {fmt(r.commits_per_saga, 2)} commits per "
+        f"session, client CPU {r.extra['cpu_ms_per_saga']:.2f} ms per session"
+        for r in rows
+    )
+    notes = [
+        f"- sessions: N sessions of {STEPS} no-op durable-step calls each (`with "
+        "orch.session(run_id)`: the calls run under the session's lease, each committing "
+        "`running` before it and its outcome after; the session's opening and closing "
+        "commit once each); sagas/s and commits/saga of these rows are per session, steps/s "
+        "calls per second; latency is one session's block. " + figures
+    ]
+    pairs = [("sess_seq", "ours_seq"), ("sess_a8", "aw1x8")]
+    shown = [
+        f"{b[top].mode} / {b[bottom].mode} = {b[top].per_second / b[bottom].per_second:.2f}x"
+        for top, bottom in pairs
+        if top in b and bottom in b
+    ]
+    if shown:
+        notes.append("- sessions against declared sagas of 3 steps: " + "; ".join(shown))
+    return notes
+
+
 MEMORY_STEP_SECONDS = 2.0  # the memory probe's first step: long enough to fill the worker
 
 
@@ -477,7 +540,9 @@ def table(rows: list[Row]) -> str:
     )
     lines = [head]
     for r in rows:
-        unit = " tps" if r.system == "pgbench" else ""
+        # pgbench counts transactions, the session rows sessions (of 3 calls each).
+        unit = " tps" if r.system == "pgbench" else " sessions" if r.extra.get("sessions") else ""
+        per = " /session" if r.extra.get("sessions") else ""
         lines.append(
             (
                 r.system,
@@ -485,7 +550,7 @@ def table(rows: list[Row]) -> str:
                 fmt(r.per_second) + unit,
                 r.extra.get("range", ""),
                 fmt(r.steps_per_second),
-                fmt(r.commits_per_saga, 2),
+                fmt(r.commits_per_saga, 2) + per,
                 fmt(r.p50_ms, 2),
                 fmt(r.p99_ms, 2),
                 fmt(r.rss_mb),
@@ -517,21 +582,24 @@ ROW_ORDER = (
     "floor",
     "ours_seq",
     "async_seq",
+    "sess_seq",
     "dbos_seq",
     "w2x4",
     "w1x8",
     "aw1x8",
     "aw1x64",
+    "sess_a8",
     "dbos_c8",
     "pg8",
 )
-ASYNC_ROWS = ("async_seq", "aw1x8", "aw1x64")
+ASYNC_ROWS = ("async_seq", "aw1x8", "aw1x64", "sess_a8")
 SYNC_ROWS = tuple(k for k in ROW_ORDER if k not in ASYNC_ROWS)
 ROW_GROUPS = {
     "all": ROW_ORDER,
     "sync": SYNC_ROWS,
     "async": ("ours_seq", "async_seq", "w2x4", "w1x8", "aw1x8", "aw1x64"),
     "async-only": ASYNC_ROWS,
+    "sessions": ("ours_seq", "sess_seq", "aw1x8", "sess_a8"),
 }
 
 
@@ -642,6 +710,7 @@ def partial_report(
     b = {key: best(rows) for key, rows in runs.items()}
     rows = [b[k] for k in ROW_ORDER if k in b]
     notes, ratios = async_report(b)
+    notes += session_report(b)
     out = [
         f"N = {report['n']} sagas of {STEPS} no-op steps, best of {report['rounds']} "
         f"interleaved rounds; rows {', '.join(k for k in ROW_ORDER if k in b)}; "
@@ -714,11 +783,13 @@ def main() -> None:
             "floor": lambda: floor(server, n, tag),
             "ours_seq": lambda: ours_sequential(server, n, tag),
             "async_seq": lambda: ours_async_sequential(server, n, tag),
+            "sess_seq": lambda: ours_sessions(server, n, tag),
             "dbos_seq": lambda: dbos(server, n, 1, tag),
             "w2x4": lambda: ours_workers(server, n, 2, 4, tag),
             "w1x8": lambda: ours_workers(server, n, 1, 8, tag),
             "aw1x8": lambda: ours_workers(server, n, 1, 8, tag, kind="async"),
             "aw1x64": lambda: ours_workers(server, n, 1, 64, tag, kind="async"),
+            "sess_a8": lambda: ours_sessions(server, n, tag, tasks=SESSION_TASKS),
             "dbos_c8": lambda: dbos(server, n, 8, tag),
             "pg8": lambda: pgbench(server, 8, pgbench_seconds, tag),
         }
@@ -801,6 +872,9 @@ def main() -> None:
     rows[1:1] = [b[k] for k in ("async_seq",) if k in b]
     at = rows.index(w1x8) + 1
     rows[at:at] = [b[k] for k in ("aw1x8", "aw1x64") if k in b]
+    # The session rows after the declared sagas' rows of this project.
+    at = rows.index(dbos_seq)
+    rows[at:at] = [b[k] for k in ("sess_seq", "sess_a8") if k in b]
     async_notes, async_ratios = async_report(b)
 
     ceiling = pg1.per_second / (STEPS + 1)
@@ -855,6 +929,7 @@ def main() -> None:
     )
     out.append("- peak RSS: ru_maxrss of the measuring process (workers: the largest process)")
     out.extend(line for line in async_notes if line and not line.startswith("async ratios"))
+    out.extend(session_report(b))
     out.append("")
     out.append(
         f"ratios: sequential ours/DBOS = {ratios['sequential_vs_dbos']:.2f}x; "

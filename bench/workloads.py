@@ -7,8 +7,8 @@ peak RSS of its process. Worker processes (`worker`) also speak a small line pro
 stdin/stdout (READY, then GO) so their start-up is not part of what is measured.
 
 The async scenarios (`ours_async_sequential`, `async_worker`, `ours_workers` with
-`"worker": "async_worker"`) import `AsyncOrchestrator` only when they run, so the others
-work without it.
+`"worker": "async_worker"`, `ours_sessions` with `"tasks"` above 0) import
+`AsyncOrchestrator` only when they run, so the others work without it.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import psycopg
 import structlog
 from pydantic import BaseModel
 
-from saga import Orchestrator, Saga, StepContext
+from saga import Orchestrator, Saga, StepContext, durable_step
 
 HERE = Path(__file__).resolve().parent
 Result = dict[str, Any]
@@ -213,6 +213,108 @@ def ours_sequential(args: Result) -> Result:
     if trips is not None:
         result["round_trips_per_saga"] = trips.count / n
         result["psycopg_waits_per_saga"] = trips.waits / n
+    return result
+
+
+# ----- sessions of durable steps --------------------------------------------------------------
+
+
+# The session workload's three no-op durable steps, keyed by the session's run id (the
+# canonical JSON of their argument), sync for Orchestrator.session, async for the asyncio door.
+@durable_step(name="bench_d1")
+def _d1(run: str) -> None:
+    return None
+
+
+@durable_step(name="bench_d2")
+def _d2(run: str) -> None:
+    return None
+
+
+@durable_step(name="bench_d3")
+def _d3(run: str) -> None:
+    return None
+
+
+@durable_step(name="bench_ad1")
+async def _ad1(run: str) -> None:
+    return None
+
+
+@durable_step(name="bench_ad2")
+async def _ad2(run: str) -> None:
+    return None
+
+
+@durable_step(name="bench_ad3")
+async def _ad3(run: str) -> None:
+    return None
+
+
+def ours_sessions(args: Result) -> Result:
+    """N sessions of three durable-step calls: one after another with `Orchestrator.session`
+    (`"tasks": 0`, the default), or from `tasks` asyncio tasks of one event loop with
+    `AsyncOrchestrator.session` (async steps), each task entering one session after another
+    until N have run. Latency is one session, from entering its block to leaving it. A
+    session that does not complete raises as its block exits (`SessionParked`...), so every
+    session counted completed."""
+    tasks = int(args.get("tasks", 0))
+    if tasks > 0:
+        return _async_sessions(args, tasks)
+    n = int(args["n"])
+    latencies: list[float] = []
+    with Orchestrator(args["url"], auto_migrate=False) as orch:
+        orch.store  # connect before the clock starts  # noqa: B018
+        started, cpu0 = time.perf_counter(), time.process_time()
+        for i in range(n):
+            run_id = f"sess-{i}"
+            t0 = time.perf_counter()
+            with orch.session(run_id) as run:
+                _d1(run_id)
+                _d2(run_id)
+                _d3(run_id)
+            latencies.append(time.perf_counter() - t0)
+            if run.executed != 3:
+                raise RuntimeError(f"session {run.id} ran {run.executed} calls, not 3")
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu0
+    return {"elapsed": elapsed, "completed": n, "cpu_s": cpu, **percentiles(latencies)}
+
+
+def _async_sessions(args: Result, tasks: int) -> Result:
+    from saga import AsyncOrchestrator
+
+    n = int(args["n"])
+
+    async def main() -> Result:
+        latencies: list[float] = []
+        numbers = iter(range(n))
+        async with AsyncOrchestrator(args["url"], auto_migrate=False) as orch:
+            await _connect_async(orch)
+
+            async def sessions() -> None:
+                for i in numbers:  # shared: each number is taken by one task
+                    run_id = f"asess-{i}"
+                    t0 = time.perf_counter()
+                    async with orch.session(run_id) as run:
+                        await _ad1(run_id)
+                        await _ad2(run_id)
+                        await _ad3(run_id)
+                    latencies.append(time.perf_counter() - t0)
+                    if run.executed != 3:
+                        raise RuntimeError(f"session {run.id} ran {run.executed} calls, not 3")
+
+            started, cpu0 = time.perf_counter(), time.process_time()
+            await asyncio.gather(*(sessions() for _ in range(tasks)))
+            elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu0
+        return {
+            "elapsed": elapsed,
+            "completed": len(latencies),
+            "cpu_s": cpu,
+            **percentiles(latencies),
+        }
+
+    result = asyncio.run(main())
+    result["vm_hwm_mb"] = vm_hwm_mb()
     return result
 
 
@@ -753,6 +855,7 @@ SCENARIOS: dict[str, Callable[[Result], Result]] = {
     "ours_async_sequential": ours_async_sequential,
     "psycopg_floor": psycopg_floor,
     "ours_workers": ours_workers,
+    "ours_sessions": ours_sessions,
     "worker": worker,
     "async_worker": async_worker,
     "dbos": dbos_run,

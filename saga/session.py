@@ -17,12 +17,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
 from saga import inputs
+from saga.codec import ResultCodec
 from saga.definition import Guards, Saga, Step
 from saga.durable import DurableStep, context_scope, registered_step, session_scope
 from saga.effects import Flow, Pause, db
@@ -34,7 +36,7 @@ from saga.errors import (
     SessionParked,
     StepStateError,
 )
-from saga.flow import Flows, retried
+from saga.flow import Flows, log_events, retried
 from saga.keys import operation_key
 from saga.keys import request_hash as hash_fields
 from saga.protocol import Planner, SagaRow
@@ -80,6 +82,9 @@ class SessionSaga(Saga[_NoInput]):
         # The exception a call raised in this process, by operation: re-raised to the
         # session's code as it was, rather than as the text the ledger keeps.
         self.raised: dict[str, BaseException] = {}
+        # Why a call's result could not be stored (its codec's TypeError), by operation:
+        # the session's code gets a TypeError of its own, the session is parked.
+        self.refused: dict[str, TypeError] = {}
 
     def adopt(self, ops: Sequence[Any]) -> None:
         """Install a step for each call the rows record that this definition does not
@@ -130,7 +135,7 @@ class SessionSaga(Saga[_NoInput]):
             pivot=False,
             guards=Guards(timeout_seconds=durable.timeout_seconds),
         )
-        step.codec = durable.codec
+        step.codec = _Reported(durable.codec, self.refused, name)
         if durable.compensation_fn is not None:
             step.compensation(
                 retry=durable.compensation_retry, idempotent=durable.compensation_idempotent
@@ -144,6 +149,31 @@ class SessionSaga(Saga[_NoInput]):
 
 
 _ONE_ATTEMPT = RetryPolicy(max_attempts=1)
+
+
+class _Reported(ResultCodec):
+    """A call's result codec (`inner`, which does all the encoding and checking) that
+    also keeps the `TypeError` of a result it refuses in `refused[name]`, for the session
+    to tell the call's code why the call parked the session."""
+
+    def __init__(self, inner: ResultCodec, refused: dict[str, TypeError], name: str) -> None:
+        # Nothing of ResultCodec's own set-up: every value goes through `inner`.
+        self.where = inner.where
+        self._inner = inner
+        self._refused = refused
+        self._name = name
+
+    def encode(self, value: object) -> Any:
+        """`inner`'s JSON for `value`; its TypeError is kept, then raised."""
+        try:
+            return self._inner.encode(value)
+        except TypeError as exc:
+            self._refused[self._name] = exc
+            raise
+
+    def decode(self, stored: Any) -> Any:
+        """`inner`'s value for `stored`."""
+        return self._inner.decode(stored)
 
 
 def code_first_definition(name: str) -> SessionSaga | None:
@@ -268,9 +298,30 @@ class SessionFlows:
         self.lease_seconds = lease_seconds
 
     def open(self, wait_seconds: float) -> Flow[tuple[Planner | None, SagaState | None]]:
-        """Create the session's row if it is new, and take its lease, waiting up to
-        `wait_seconds` for a live holder to let go (`SessionBusy` after). A session that
-        is no longer runnable (finished, parked) is returned as its state, unleased."""
+        """Create the session's row if it is new, leased to us in the same statement (one
+        commit), else take the lease of the existing one, waiting up to `wait_seconds`
+        for a live holder to let go (`SessionBusy` after). A session that is no longer
+        runnable (finished, parked) is returned as its state, unleased."""
+        planner, events = self._planned_row()
+        row = planner.saga
+
+        def start() -> Flow[dict[str, Any]]:
+            outcome: dict[str, Any] = yield db(
+                "start_saga", row, [], events, lease_seconds=self.lease_seconds, notify=False
+            )
+            return outcome
+
+        # A start whose reply was lost is retried; the retry that finds this very row (by
+        # its new id) knows the first one landed, leased to us.
+        outcome = yield from retried("start_session", start)
+        if outcome["created"]:
+            log_events(planner, events[1:])
+            return planner, None
+        return (yield from self._claim(str(outcome["id"]), wait_seconds))
+
+    def _planned_row(self) -> tuple[Planner, list[Event]]:
+        """A new session row leased to us (fence 1) and planned as a claim would plan it,
+        with the events its creation records; nothing is written here."""
         row = SagaRow(
             id=str(uuid.uuid4()),
             name=self.definition.name,
@@ -282,23 +333,20 @@ class SessionFlows:
             status=SagaStatus.PENDING,
             error=None,
             direction="forward",
-            fence=0,
+            fence=1,
             run_after=None,
+            lease_owner=self.flows.owner,
         )
+        planner, _, write = self.flows.plan_new(self.definition, row, [])
+        # No call is asked for yet: the plan holds (running, leased) and writes no operation.
+        assert not write.release and not write.new_ops and not write.confirmations
+        return planner, [Event("session_started"), *write.events]
 
-        def start() -> Flow[dict[str, Any]]:
-            outcome: dict[str, Any] = yield db(
-                "start_saga",
-                row,
-                [],
-                [Event("session_started")],
-                lease_seconds=self.lease_seconds,
-                notify=False,
-            )
-            return outcome
-
-        outcome = yield from retried("start_session", start)
-        saga_id = row.id if outcome["created"] else str(outcome["id"])
+    def _claim(
+        self, saga_id: str, wait_seconds: float
+    ) -> Flow[tuple[Planner | None, SagaState | None]]:
+        """Take the lease of the existing session `saga_id`, waiting up to `wait_seconds`
+        for a live holder to let go; see `open`."""
         deadline = time.monotonic() + wait_seconds
         while True:
             claimed = yield from self.flows.claim(self.definition, saga_id)
@@ -345,9 +393,22 @@ class SessionFlows:
         if not closes:
             yield from self.flows.release_after_error(planner.saga)
             return None
+        planner.final_state = None
         planner = yield from self.close(planner, failure)
+        if planner.final_state is not None:
+            # Read by the statement of the last write, which gave the lease back.
+            return planner.final_state
         state: SagaState | None = yield db("get_state", planner.saga.id)
         return state
+
+
+class _Decided(NamedTuple):
+    """What `_Ledger.before` decided of a call."""
+
+    name: str  # the call's operation name
+    key: str  # the call's key in the session
+    asked: inputs.CallAsked | None  # the call to add, when it is new
+    replay: Any  # the stored result to return, or _NOT_STORED when the call must run
 
 
 class _Ledger:
@@ -363,9 +424,9 @@ class _Ledger:
 
     def before(
         self, durable: DurableStep[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[str, inputs.CallAsked | None, Any]:
-        """Decide a call: `(name, asked, replay)`; `replay` is the stored result to
-        return (`_NOT_STORED` when the call must run)."""
+    ) -> _Decided:
+        """Decide a call: replay its stored result, raise what it raised before, or run
+        it (`replay` is then `_NOT_STORED`)."""
         if durable.prepare_fn is not None:
             raise SagaDefinitionError(
                 f"durable step {durable.name!r} has a prepare hook: prepared requests are "
@@ -386,11 +447,13 @@ class _Ledger:
                 )
             if status == OperationStatus.SUCCEEDED:
                 self.replayed += 1
-                return name, None, durable.codec.decode(result)
+                return _Decided(name, call.key, None, durable.codec.decode(result))
             if status == OperationStatus.FAILED:
                 raise self._raised(name, error)
         if self.planner is None:
             assert self.finished is not None
+            if self.finished.status == SagaStatus.NEEDS_REVIEW:
+                raise SessionParked(_parked_message(self.finished))
             raise StepStateError(
                 f"session {self.session_id()} is {self.finished.status.value}: a call it did not "
                 f"make ({durable.name!r} under key {call.key!r}) cannot run in it now"
@@ -421,14 +484,24 @@ class _Ledger:
                 key=call.key,
             )
         self.definition.install(name, position, durable, (args, kwargs))
-        return name, asked, _NOT_STORED
+        # What an earlier run of this call left here is not this run's.
+        self.definition.raised.pop(name, None)
+        self.definition.refused.pop(name, None)
+        return _Decided(name, call.key, asked, _NOT_STORED)
 
-    def after(self, durable: DurableStep[Any, Any], name: str, planner: Planner) -> Any:
-        """What the call returns once its flow is done: its result, or its error."""
+    def after(self, durable: DurableStep[Any, Any], decided: _Decided, planner: Planner) -> Any:
+        """What the call returns once its flow is done: its result, or its error (a
+        `TypeError` when its result could not be stored, `SessionParked` when the session
+        waits for a human)."""
+        name = decided.name
+        refused = self.definition.refused.pop(name, None)
         self.planner = planner
         saga = planner.saga
         if saga.status == SagaStatus.NEEDS_REVIEW:
-            raise SessionParked(f"session {self.session_id()} needs a human: {saga.error}")
+            parked = self._parked(planner)
+            if refused is not None:
+                raise _not_stored(durable, decided, parked, refused) from refused
+            raise SessionParked(_parked_message(parked))
         op = planner.find(name, "action")
         assert op is not None
         if op.status == OperationStatus.SUCCEEDED:
@@ -439,6 +512,16 @@ class _Ledger:
         raise SessionParked(  # pragma: no cover - the flow settles or parks every call
             f"call {name!r} of session {self.session_id()} ended {op.status.value}: {op.error}"
         )
+
+    def _parked(self, planner: Planner) -> SagaState:
+        """The state of a session the call parked: its write gave the lease back, so the
+        session is finished for this block (later calls raise `SessionParked`)."""
+        state = planner.final_state
+        if state is None:  # pragma: no cover - a park's write always reads the state back
+            raise SessionParked(f"session {planner.saga.id} needs a human: {planner.saga.error}")
+        self.planner = None
+        self.finished = state
+        return state
 
     def _stored(self, name: str) -> tuple[OperationStatus, str, Any, str | None] | None:
         if self.planner is not None:
@@ -472,6 +555,52 @@ class _Ledger:
 
 _NOT_STORED: Any = object()
 
+# Longest key shown in an error message (characters).
+_SHOWN_KEY = 120
+
+
+def _unsettled_calls(state: SagaState) -> list[str]:
+    return [
+        op.step
+        for op in state.operations
+        if op.kind == "action" and op.status in (OperationStatus.UNKNOWN, OperationStatus.RUNNING)
+    ]
+
+
+def _resolve_hint(session_id: str, calls: Sequence[str]) -> str:
+    if not calls:
+        return ""
+    named = ", ".join(repr(call) for call in calls)
+    return (
+        f"; settle call {named} with `saga resolve {session_id} {calls[0]} --succeeded "
+        "--result JSON` (what its effect returned) or `--failed --reason TEXT`, then enter "
+        "the session again"
+    )
+
+
+def _parked_message(state: SagaState) -> str:
+    """`SessionParked`'s message for a parked session: its reason, and the call to settle."""
+    return (
+        f"session {state.id} needs a human: {state.error}"
+        f"{_resolve_hint(state.id, _unsettled_calls(state))}"
+    )
+
+
+def _not_stored(
+    durable: DurableStep[Any, Any], decided: _Decided, parked: SagaState, refused: TypeError
+) -> TypeError:
+    """The error of a call whose result could not be stored (`refused`): its effect
+    happened, so it is recorded as unknown and the session is parked for a human."""
+    key = decided.key
+    shown = repr(key if len(key) <= _SHOWN_KEY else key[:_SHOWN_KEY] + "...")
+    return TypeError(
+        f"{durable.where} under key {shown} in session {parked.id}: its effect happened, but "
+        f"its result cannot be stored ({refused}). The call is never run again: it is "
+        f"recorded with its outcome unknown, and the session is parked for a human"
+        f"{_resolve_hint(parked.id, [decided.name])}. Make the step return JSON (or a "
+        "pydantic model)."
+    )
+
 
 class _SessionBase:
     """What both doors' sessions share: their run, ledger and counts."""
@@ -488,6 +617,8 @@ class _SessionBase:
         self._wait = wait_seconds
         self._ledger = _Ledger(SessionSaga(name))
         self._exits: list[Any] = []
+        # The heartbeat's hold on the session's lease, while the block has it.
+        self._holding: AbstractContextManager[Any] | None = None
 
     @property
     def id(self) -> str:
@@ -522,10 +653,29 @@ class _SessionBase:
         if planner is None:
             assert state is not None
             if state.status == SagaStatus.NEEDS_REVIEW:
-                raise SessionParked(f"session {state.id} needs a human: {state.error}")
+                raise SessionParked(_parked_message(state))
             self._ledger.finished = state
         else:
             self._ledger.planner = planner  # its definition has learned the calls on record
+
+    def _hold(self, holding: AbstractContextManager[Any]) -> None:
+        """Keep the session's lease alive (the heartbeat) until the block lets it go."""
+        holding.__enter__()
+        self._holding = holding
+
+    def _let_go(self) -> None:
+        holding, self._holding = self._holding, None
+        if holding is not None:
+            holding.__exit__(None, None, None)
+
+    def _after(self, durable: DurableStep[Any, Any], decided: _Decided, planner: Planner) -> Any:
+        """The ledger's answer to a call that ran; the heartbeat stops when the call
+        parked the session (its write gave the lease back)."""
+        try:
+            return self._ledger.after(durable, decided, planner)
+        finally:
+            if self._ledger.planner is None:
+                self._let_go()
 
     def _leaving(self, exc: BaseException | None) -> Flow[SagaState | None] | None:
         """The flow that ends the block for `exc`, or None when nothing is held."""
@@ -543,9 +693,10 @@ class _SessionBase:
     def _unwind(self, exc: BaseException | None) -> None:
         while self._exits:
             self._exits.pop().__exit__(None, None, None)
+        self._let_go()
         finished = self._ledger.finished
         if exc is None and finished is not None and finished.status == SagaStatus.NEEDS_REVIEW:
-            raise SessionParked(f"session {self.id} needs a human: {finished.error}")
+            raise SessionParked(_parked_message(finished))
 
 
 class Session(_SessionBase):
@@ -582,9 +733,7 @@ class Session(_SessionBase):
         planner, state = runner.run(self._flows.open(self._wait))
         self._opened(planner, state)
         if planner is not None:
-            holding = self._orch.lease_keeper.holding(planner.saga.id, planner.saga.fence)
-            holding.__enter__()
-            self._exits.append(holding)
+            self._hold(self._orch.lease_keeper.holding(planner.saga.id, planner.saga.fence))
         scope = session_scope(self)
         scope.__enter__()
         self._exits.append(scope)
@@ -595,13 +744,13 @@ class Session(_SessionBase):
     ) -> Any:
         """Run `durable` once under its key in this session, or replay its stored result."""
         with self._lock:
-            name, asked, replay = self._ledger.before(durable, args, kwargs)
-            if replay is not _NOT_STORED:
-                return replay
+            decided = self._ledger.before(durable, args, kwargs)
+            if decided.replay is not _NOT_STORED:
+                return decided.replay
             planner = self._ledger.planner
             assert planner is not None
-            planner = self._runner.run(self._flows.call(planner, asked, name))
-            return self._ledger.after(durable, name, planner)
+            planner = self._runner.run(self._flows.call(planner, decided.asked, decided.name))
+            return self._after(durable, decided, planner)
 
     def __exit__(
         self,
@@ -653,9 +802,7 @@ class AsyncSession(_SessionBase):
         self._opened(planner, state)
         if planner is not None:
             keeper = await self._orch.lease_keeper()
-            holding = keeper.holding(planner.saga.id, planner.saga.fence)
-            holding.__enter__()
-            self._exits.append(holding)
+            self._hold(keeper.holding(planner.saga.id, planner.saga.fence))
         scope = session_scope(self)
         scope.__enter__()
         self._exits.append(scope)
@@ -666,13 +813,14 @@ class AsyncSession(_SessionBase):
     ) -> Any:
         """Run `durable` once under its key in this session, or replay its stored result."""
         async with self._lock:
-            name, asked, replay = self._ledger.before(durable, args, kwargs)
-            if replay is not _NOT_STORED:
-                return replay
+            decided = self._ledger.before(durable, args, kwargs)
+            if decided.replay is not _NOT_STORED:
+                return decided.replay
             planner = self._ledger.planner
             assert planner is not None
-            planner = await self._runner.run(self._flows.call(planner, asked, name))
-            return self._ledger.after(durable, name, planner)
+            flow = self._flows.call(planner, decided.asked, decided.name)
+            planner = await self._runner.run(flow)
+            return self._after(durable, decided, planner)
 
     async def __aexit__(
         self,

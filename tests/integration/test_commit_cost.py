@@ -12,7 +12,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from support import Order, order_saga
 
-from saga import Orchestrator, Saga, SagaState, StepContext
+from saga import Orchestrator, Saga, SagaState, StepContext, durable_step
 
 
 def _counters(server_url: str, dbname: str) -> tuple[int, int]:
@@ -154,3 +154,57 @@ def test_start_then_run_costs_one_commit_more_than_execute(
     # start, claim with the first attempt, two transitions, the completion; plus run()'s
     # initial read of the saga (get) to find its definition.
     assert more - warm == (3 + 2) + 1
+
+
+@durable_step(name="cost_reserve")
+def _reserve(order_id: str) -> dict[str, str]:
+    return {"reserved": order_id}
+
+
+@durable_step(name="cost_charge")
+def _charge(order_id: str, amount_cents: int) -> dict[str, Any]:
+    return {"charged": order_id, "amount_cents": amount_cents}
+
+
+@durable_step(name="cost_ship")
+def _ship(order_id: str) -> dict[str, str]:
+    return {"shipped": order_id}
+
+
+# A session's happy path: its opening (the row created already leased, one statement), each
+# call's `running` before its effect and its outcome after, and its closing (the last write,
+# which gives the lease back and reads the final state in the same statement).
+SESSION_COMMITS = {1: 4, 3: 8}
+
+
+@pytest.mark.parametrize("calls", sorted(SESSION_COMMITS))
+def test_a_session_costs_two_commits_per_call_plus_its_opening_and_closing(
+    database_url: str, server_url: str, calls: int
+) -> None:
+    """Each call commits `running` before its effect and its outcome after (never
+    deferred: the result is durable before the session's code has it); opening the
+    session and closing it are one commit each. More is a commit added back; fewer, a
+    call's `running` or outcome without a commit of its own."""
+    steps: list[Callable[[str], Any]] = [_reserve, lambda run: _charge(run, 100), _ship][:calls]
+    ids: list[str] = []
+
+    def work(sessions: int, attempt: int) -> Callable[[], None]:
+        def run() -> None:
+            with Orchestrator(database_url, auto_migrate=False) as orch:
+                for i in range(sessions):
+                    run_id = f"s-{sessions}-{attempt}-{i}"
+                    with orch.session(run_id) as session:
+                        for step in steps:
+                            step(run_id)
+                        assert (session.executed, session.replayed) == (calls, 0)
+                    ids.append(session.id)
+
+        return run
+
+    warm = _least_commits_of(server_url, database_url, lambda a: work(WARM, a))
+    more = _least_commits_of(server_url, database_url, lambda a: work(WARM + 1, a))
+    with Orchestrator(database_url, auto_migrate=False) as orch:
+        states = [orch.get(saga_id) for saga_id in ids]
+    assert [s.status for s in states] == ["completed"] * (TRIES * (2 * WARM + 1))
+    assert all([op.attempts for op in s.operations] == [1] * calls for s in states)
+    assert more - warm == SESSION_COMMITS[calls] == 2 * calls + 2

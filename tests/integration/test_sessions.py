@@ -362,18 +362,90 @@ def test_fail_compensates_without_an_exception_and_no_call_runs_after(url: str) 
         assert orch.get(run.id).status == "compensated"
 
 
-def test_a_result_that_is_not_json_parks_the_session_naming_the_call(url: str) -> None:
-    effects: list[str] = []
+def _not_json_steps(effects: list[str]) -> tuple[Any, Any]:
+    """A step whose result is not JSON (after its effect), and an async twin of it."""
 
-    @durable_step(name="make_token")
-    def make_token() -> Any:
-        effects.append("made")
+    @durable_step(name="make_token", key=lambda kind: kind)
+    def make_token(kind: str) -> Any:
+        effects.append(f"made {kind}")
         return object()
 
-    parked = pytest.raises(SessionParked, match="make_token")
-    with _orch(url) as orch, parked, orch.session(f"json-{uuid.uuid4()}"):
-        make_token()
-    assert effects == ["made"]  # the effect happened once, and is not run again
+    @durable_step(name="make_token_async", key=lambda kind: kind)
+    async def make_token_async(kind: str) -> Any:
+        await asyncio.sleep(0)
+        effects.append(f"made {kind}")
+        return {"kinds": {kind}}  # a set inside
+
+    return make_token, make_token_async
+
+
+# What the caller of a step whose result is not JSON is told: the step and the key, that the
+# effect happened, that the session is parked for a human, and the command that settles it.
+NOT_STORED = (
+    r"durable step '{step}' under key 'k-1' in session [0-9a-f-]+: its effect happened, but "
+    r"its result cannot be stored \(result of durable step '{step}': .* is not JSON.*\)\. "
+    r"The call is never run again: .*parked for a human; settle call '{step}\.[0-9a-f]{{12}}' "
+    r"with `saga resolve [0-9a-f-]+ {step}\.[0-9a-f]{{12}} --succeeded"
+)
+
+
+def _parked_not_json(state: Any, step: str) -> str:
+    """The call of `step` a non-JSON result parked the session at: recorded, unknown."""
+    assert state.status == "needs_review"
+    assert f"result of durable step {step!r}" in (state.error or "")
+    (op,) = state.operations
+    assert (op.step.split(".")[0], op.status, op.attempts) == (step, "unknown", 1)
+    assert "TypeError" in (op.error or "")
+    return str(op.step)
+
+
+def test_a_result_that_is_not_json_is_a_type_error_and_parks_the_session(url: str) -> None:
+    """The call's code gets a TypeError naming the step and the key; the call is recorded
+    (unknown), the session parks, and the next entry raises SessionParked naming the call
+    until a human resolves it; the effect is never run again."""
+    effects: list[str] = []
+    make_token, _ = _not_json_steps(effects)
+    run_id = f"json-{uuid.uuid4()}"
+    with _orch(url) as orch:
+        # The session stays parked for the rest of the block: no call runs in it, and the
+        # block's end says so.
+        with pytest.raises(SessionParked, match="needs a human"), orch.session(run_id) as run:
+            with pytest.raises(TypeError, match=NOT_STORED.format(step="make_token")) as raised:
+                make_token("k-1")
+            assert isinstance(raised.value.__cause__, TypeError)  # the codec's own error
+            with pytest.raises(SessionParked, match=r"make_token\.[0-9a-f]{12}"):
+                make_token("k-2")
+        call = _parked_not_json(orch.get(run.id), "make_token")
+        assert "outcome_unknown" in [e.event for e in orch.history(run.id)]
+        entry = pytest.raises(SessionParked, match=rf"needs a human.*saga resolve \S+ {call}")
+        with entry, orch.session(run_id):
+            make_token("k-1")
+        orch.resolve(
+            run.id, call, outcome="succeeded", result={"token": "t"}, actor="ops", reason="seen"
+        )
+        with orch.session(run_id) as again:
+            assert make_token("k-1") == {"token": "t"}
+            assert (again.executed, again.replayed) == (0, 1)
+    assert effects == ["made k-1"]  # the effect happened once, and is not run again
+
+
+def test_a_result_that_is_not_json_is_a_type_error_through_the_asyncio_door(url: str) -> None:
+    effects: list[str] = []
+    _, make_token = _not_json_steps(effects)
+    run_id = f"json-{uuid.uuid4()}"
+
+    async def main() -> None:
+        async with AsyncOrchestrator(url) as orch:
+            with pytest.raises(TypeError, match=NOT_STORED.format(step="make_token_async")):
+                async with orch.session(run_id) as run:
+                    await make_token("k-1")
+            call = _parked_not_json(await orch.get(run.id), "make_token_async")
+            with pytest.raises(SessionParked, match=rf"saga resolve \S+ {call}"):
+                async with orch.session(run_id):
+                    await make_token("k-1")
+
+    asyncio.run(main())
+    assert effects == ["made k-1"]
 
 
 # ----- the asyncio door ------------------------------------------------------------------------

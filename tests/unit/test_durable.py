@@ -200,6 +200,27 @@ def test_the_result_codec_follows_the_return_annotation() -> None:
         charge.codec.encode({"nope": 1})
 
 
+def test_a_session_call_stores_its_result_with_the_steps_codec_and_keeps_a_refusal() -> None:
+    """The step a session runs for a call encodes its result with the durable step's own
+    codec (the one JSON check); a refused result's TypeError is kept for the session by
+    the call's operation name, so that the call's code can be told why it parked."""
+    from saga.session import SessionSaga
+
+    @durable_step(name=_name())
+    def charge(order_id: str) -> Charge:
+        return Charge(charge_id="c1", amount_cents=5)
+
+    definition = SessionSaga("codec")
+    step = definition.install("charge.0123456789ab", 0, charge, (("o1",), {}))
+    stored = step.codec.encode(Charge(charge_id="c1", amount_cents=5))
+    assert stored == charge.codec.encode(Charge(charge_id="c1", amount_cents=5))
+    assert step.codec.decode(stored) == Charge(charge_id="c1", amount_cents=5)
+    assert definition.refused == {}
+    with pytest.raises(TypeError, match=f"result of durable step '{charge.name}'") as refused:
+        step.codec.encode({"nope": object()})
+    assert definition.refused == {"charge.0123456789ab": refused.value}
+
+
 def test_a_durable_step_cannot_be_wrapped_again() -> None:
     step = durable_step(name=_name())(durable_plain_sync)
     with pytest.raises(SagaDefinitionError, match="already a durable step"):
