@@ -143,7 +143,7 @@ class SessionSaga(Saga[_NoInput]):
         if durable.reconcile_fn is not None:
             step.reconcile(
                 window_seconds=durable.reconcile_window_seconds, retry=durable.reconcile_retry
-            )(_reconcile(durable, args, name))
+            )(_hook(durable.reconcile_fn, args, name))
         self.steps.append(step)
         return step
 
@@ -253,9 +253,9 @@ def _compensation(durable: DurableStep[Any, Any], args: Any, name: str) -> Calla
     return call
 
 
-def _reconcile(durable: DurableStep[Any, Any], args: Any, name: str) -> Callable[..., Any]:
-    fn = durable.reconcile_fn
-    assert fn is not None
+def _hook(fn: Callable[..., Any], args: Any, name: str) -> Callable[..., Any]:
+    """A durable step's reconcile or prepare hook as its call's step calls it: with the
+    context, then the call's own arguments."""
     if is_async(fn):
 
         async def acall(ctx: Any, _input: Any) -> Any:
@@ -351,7 +351,16 @@ class SessionFlows:
         while True:
             claimed = yield from self.flows.claim(self.definition, saga_id)
             if claimed is not None:
-                return claimed[0], None
+                planner, nxt = claimed
+                if planner.saga.direction != "backward":
+                    return planner, None
+                # Compensating: an operator cancelled or compensated it, or a crash cut its
+                # compensations short. The claim has planned (and recorded) the next one;
+                # they are finished here, and the session is returned closed.
+                yield from self.flows.carry_on(planner, nxt)
+                closed: SagaState | None = yield db("get_state", saga_id)
+                assert closed is not None
+                return None, closed
             state: SagaState | None = yield db("get_state", saga_id)
             if state is None:
                 raise StepStateError(f"session {self.run_id!r} was deleted while it was opened")
@@ -428,6 +437,8 @@ class _Ledger:
         """Decide a call: replay its stored result, raise what it raised before, or run
         it (`replay` is then `_NOT_STORED`)."""
         if durable.prepare_fn is not None:
+            # A prepared request would take the place of the call's stored arguments and
+            # request hash, which are the call's identity in a session.
             raise SagaDefinitionError(
                 f"durable step {durable.name!r} has a prepare hook: prepared requests are "
                 "not supported in sessions yet; compute the request in the step itself"
@@ -454,9 +465,16 @@ class _Ledger:
             assert self.finished is not None
             if self.finished.status == SagaStatus.NEEDS_REVIEW:
                 raise SessionParked(_parked_message(self.finished))
+            forked = self.finished.forked_to
             raise StepStateError(
                 f"session {self.session_id()} is {self.finished.status.value}: a call it did not "
                 f"make ({durable.name!r} under key {call.key!r}) cannot run in it now"
+                + (
+                    f"; it goes on in its fork {forked}: run this code under the fork's run id "
+                    f"(`saga show {forked}`)"
+                    if forked is not None
+                    else ""
+                )
             )
         if self.failure is not None:
             raise StepStateError(
@@ -534,8 +552,16 @@ class _Ledger:
         return None
 
     def _raised(self, name: str, error: str | None) -> BaseException:
+        """The error a failed call raises to the session's code: what the step raised when
+        it was a `PermanentError`, else (its attempts used up) a `PermanentError` caused
+        by it, so that leaving the block with it compensates, in this entry as in any
+        later one that replays the failure."""
         exc = self.definition.raised.pop(name, None)
-        return exc if exc is not None else PermanentError(f"call {name!r} failed: {error}")
+        if isinstance(exc, PermanentError):
+            return exc
+        failed = PermanentError(f"call {name!r} failed: {error}")
+        failed.__cause__ = exc
+        return failed
 
     def session_id(self) -> str:
         """The session's saga id."""
