@@ -316,7 +316,70 @@ def _non_json(claim: Claim, exc: TypeError) -> str:
     )
 
 
-class Ledger:
+class _LedgerDoor:
+    """What both doors' ledgers share: their settings, and each write's parameters."""
+
+    def __init__(self, *, lease_seconds: float, retry_seconds: float) -> None:
+        self.lease_seconds = lease_seconds
+        self.retry_seconds = retry_seconds
+
+    def _asked(
+        self,
+        owner: str,
+        channel: str,
+        key: str,
+        tool: str,
+        params: Mapping[str, Any],
+        *,
+        dedup_fields: Sequence[str] | None,
+        lease_seconds: float | None,
+        tenant: str,
+        max_attempts: int,
+    ) -> _Asked:
+        return _asked(
+            owner,
+            channel,
+            key,
+            tool,
+            params,
+            dedup_fields=dedup_fields,
+            lease_seconds=self.lease_seconds if lease_seconds is None else lease_seconds,
+            tenant=tenant,
+            max_attempts=max_attempts,
+        )
+
+    def _heartbeat(self, claim: Claim, lease_seconds: float | None) -> dict[str, Any]:
+        seconds = self.lease_seconds if lease_seconds is None else lease_seconds
+        return _settle_params(claim, "heartbeat", lease_seconds=seconds)
+
+    @staticmethod
+    def _completion(
+        claim: Claim, result: Any, provider_reference: str | None
+    ) -> tuple[dict[str, Any], TypeError | None]:
+        """The write that completes `claim`: the result, or (when it is not JSON) the
+        unknown outcome to record instead and the `TypeError` to raise after it."""
+        try:
+            _checked_result(claim, result)
+        except TypeError as exc:
+            why = _non_json(claim, exc)
+            refused = TypeError(f"{exc}; {why} (channel {claim.channel!r} is parked)")
+            return _settle_params(claim, "unknown", error=why), refused
+        params = _settle_params(
+            claim, "succeeded", result=result, provider_reference=provider_reference
+        )
+        return params, None
+
+    @staticmethod
+    def _failure(claim: Claim, error: BaseException | str, permanent: bool) -> dict[str, Any]:
+        outcome: _Outcome = "failed" if permanent else "retry"
+        return _settle_params(claim, outcome, error=_error_text(error))
+
+    @staticmethod
+    def _unknown(claim: Claim, reason: str) -> dict[str, Any]:
+        return _settle_params(claim, "unknown", error=_error_text(reason))
+
+
+class Ledger(_LedgerDoor):
     """Claims, completions and failures of calls decided as they go: `orch.ledger`.
 
     Each write retries transient database errors (a lost connection, a restart) for up to
@@ -332,9 +395,8 @@ class Ledger:
         lease_seconds: float = 60.0,
         retry_seconds: float = DEFAULT_RETRY_SECONDS,
     ) -> None:
+        super().__init__(lease_seconds=lease_seconds, retry_seconds=retry_seconds)
         self._orch = orch
-        self.lease_seconds = lease_seconds
-        self.retry_seconds = retry_seconds
 
     def claim(
         self,
@@ -374,14 +436,14 @@ class Ledger:
             StepStateError: The channel was closed (compensated, cancelled).
             TypeError, ValueError: The arguments are malformed (nothing was written).
         """
-        asked = _asked(
+        asked = self._asked(
             self._orch.owner,
             channel,
             key,
             tool,
             params,
             dedup_fields=dedup_fields,
-            lease_seconds=self.lease_seconds if lease_seconds is None else lease_seconds,
+            lease_seconds=lease_seconds,
             tenant=tenant,
             max_attempts=max_attempts,
         )
@@ -391,8 +453,7 @@ class Ledger:
     def heartbeat(self, claim: Claim, *, lease_seconds: float | None = None) -> Claim:
         """Extend the claim's lease; the claim with its new expiry. `LeaseLost` when
         another holder took the call over."""
-        seconds = self.lease_seconds if lease_seconds is None else lease_seconds
-        row = self._settle(claim, _settle_params(claim, "heartbeat", lease_seconds=seconds))
+        row = self._settle(claim, self._heartbeat(claim, lease_seconds))
         return claim.model_copy(update={"expires_at": row["expires_at"]})
 
     def complete(self, claim: Claim, result: Any, provider_reference: str | None = None) -> None:
@@ -405,29 +466,22 @@ class Ledger:
             DatabaseUnavailable: The database could not be reached: nothing is recorded
                 as failed; the call becomes unknown when the claim's lease expires.
         """
-        params = _settle_params(
-            claim, "succeeded", result=result, provider_reference=provider_reference
-        )
-        try:
-            _checked_result(claim, result)
-        except TypeError as exc:
-            why = _non_json(claim, exc)
-            self._settle(claim, _settle_params(claim, "unknown", error=why))
-            raise TypeError(f"{exc}; {why} (channel {claim.channel!r} is parked)") from None
+        params, refused = self._completion(claim, result, provider_reference)
         self._settle(claim, params)
+        if refused is not None:
+            raise refused
 
     def fail(self, claim: Claim, error: BaseException | str, permanent: bool = True) -> None:
         """Record that the call failed: for good (`permanent`; later claims raise
         `PermanentError`), or transiently (the next claim retries it, up to its ceiling).
         Only for a call that did not take effect: when it may have, use `unknown`."""
-        outcome: _Outcome = "failed" if permanent else "retry"
-        self._settle(claim, _settle_params(claim, outcome, error=_error_text(error)))
+        self._settle(claim, self._failure(claim, error, permanent))
 
     def unknown(self, claim: Claim, reason: str) -> None:
         """Record that the call may have taken effect and its outcome is not known: the
         channel parks; the next claim of the key is `reclaimed` (to reconcile with the
         provider), or an operator settles it with `saga resolve`."""
-        self._settle(claim, _settle_params(claim, "unknown", error=_error_text(reason)))
+        self._settle(claim, self._unknown(claim, reason))
 
     def _settle(self, claim: Claim, params: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -444,7 +498,7 @@ class Ledger:
         raise AssertionError("unreachable: retrying() reraises")  # pragma: no cover
 
 
-class AsyncLedger:
+class AsyncLedger(_LedgerDoor):
     """The asyncio twin of `Ledger`: `aorch.ledger`, each method awaited."""
 
     def __init__(
@@ -454,9 +508,8 @@ class AsyncLedger:
         lease_seconds: float = 60.0,
         retry_seconds: float = DEFAULT_RETRY_SECONDS,
     ) -> None:
+        super().__init__(lease_seconds=lease_seconds, retry_seconds=retry_seconds)
         self._orch = orch
-        self.lease_seconds = lease_seconds
-        self.retry_seconds = retry_seconds
 
     async def claim(
         self,
@@ -471,14 +524,14 @@ class AsyncLedger:
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
     ) -> Claim:
         """Claim the call `key` of `channel`; see `Ledger.claim`."""
-        asked = _asked(
+        asked = self._asked(
             self._orch.owner,
             channel,
             key,
             tool,
             params,
             dedup_fields=dedup_fields,
-            lease_seconds=self.lease_seconds if lease_seconds is None else lease_seconds,
+            lease_seconds=lease_seconds,
             tenant=tenant,
             max_attempts=max_attempts,
         )
@@ -487,33 +540,25 @@ class AsyncLedger:
 
     async def heartbeat(self, claim: Claim, *, lease_seconds: float | None = None) -> Claim:
         """Extend the claim's lease; see `Ledger.heartbeat`."""
-        seconds = self.lease_seconds if lease_seconds is None else lease_seconds
-        row = await self._settle(claim, _settle_params(claim, "heartbeat", lease_seconds=seconds))
+        row = await self._settle(claim, self._heartbeat(claim, lease_seconds))
         return claim.model_copy(update={"expires_at": row["expires_at"]})
 
     async def complete(
         self, claim: Claim, result: Any, provider_reference: str | None = None
     ) -> None:
         """Record the call's result; see `Ledger.complete`."""
-        params = _settle_params(
-            claim, "succeeded", result=result, provider_reference=provider_reference
-        )
-        try:
-            _checked_result(claim, result)
-        except TypeError as exc:
-            why = _non_json(claim, exc)
-            await self._settle(claim, _settle_params(claim, "unknown", error=why))
-            raise TypeError(f"{exc}; {why} (channel {claim.channel!r} is parked)") from None
+        params, refused = self._completion(claim, result, provider_reference)
         await self._settle(claim, params)
+        if refused is not None:
+            raise refused
 
     async def fail(self, claim: Claim, error: BaseException | str, permanent: bool = True) -> None:
         """Record that the call failed; see `Ledger.fail`."""
-        outcome: _Outcome = "failed" if permanent else "retry"
-        await self._settle(claim, _settle_params(claim, outcome, error=_error_text(error)))
+        await self._settle(claim, self._failure(claim, error, permanent))
 
     async def unknown(self, claim: Claim, reason: str) -> None:
         """Record that the call's outcome is unknown; see `Ledger.unknown`."""
-        await self._settle(claim, _settle_params(claim, "unknown", error=_error_text(reason)))
+        await self._settle(claim, self._unknown(claim, reason))
 
     async def _settle(self, claim: Claim, params: dict[str, Any]) -> dict[str, Any]:
         try:
