@@ -324,3 +324,42 @@ BEGIN
     RETURN QUERY SELECT 'recorded', v_status, v_op.attempts, NULL::timestamptz;
 END
 $$;
+
+-- saga.ledger_close: end a channel whose calls are all settled: it becomes completed (and
+-- is purged after the retention period like any finished saga); later claims in it are
+-- refused. Returns 'closed', 'missing' (no such channel), 'already' (not open: its
+-- status is returned), or 'unsettled' with the first call still in flight or unknown.
+CREATE FUNCTION saga.ledger_close(p_tenant text, p_name text, p_channel text, p_actor text)
+RETURNS TABLE (verdict text, saga_id uuid, saga_status text, step text, status text)
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    v_saga saga.sagas;
+    v_op saga.operations;
+BEGIN
+    SELECT * INTO v_saga FROM saga.sagas s
+    WHERE s.tenant_id = p_tenant AND s.name = p_name AND s.key = p_channel
+    FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT 'missing', NULL::uuid, NULL::text, NULL::text, NULL::text;
+        RETURN;
+    END IF;
+    IF v_saga.status NOT IN ('pending', 'running', 'needs_review') THEN
+        RETURN QUERY SELECT 'already', v_saga.id, v_saga.status, NULL::text, NULL::text;
+        RETURN;
+    END IF;
+    SELECT * INTO v_op FROM saga.operations o
+    WHERE o.saga_id = v_saga.id AND o.status IN ('running', 'unknown', 'pending')
+    ORDER BY o.position LIMIT 1;
+    IF FOUND THEN
+        RETURN QUERY SELECT 'unsettled', v_saga.id, v_saga.status, v_op.step, v_op.status;
+        RETURN;
+    END IF;
+    UPDATE saga.sagas s
+    SET status = 'completed', error = NULL, finished_at = now(), updated_at = now()
+    WHERE s.id = v_saga.id;
+    INSERT INTO saga.events (saga_id, event, detail)
+    VALUES (v_saga.id, 'saga_completed', jsonb_build_object('ledger', true, 'actor', p_actor));
+    RETURN QUERY SELECT 'closed', v_saga.id, 'completed'::text, NULL::text, NULL::text;
+END
+$$;

@@ -299,6 +299,14 @@ class AsyncStore:
         assert row is not None
         return row
 
+    async def ledger_close(self, params: dict[str, Any]) -> dict[str, Any]:
+        """End a ledger channel whose calls are all settled (see `Store.ledger_close`)."""
+        async with self._connection() as conn:
+            cur = await conn.execute(_q("ledger_close"), params)
+            row = await cur.fetchone()
+        assert row is not None
+        return row
+
     async def ledger_settle(self, params: dict[str, Any]) -> dict[str, Any]:
         """Record a ledger call's outcome, or extend its claim (see `Store.ledger_settle`)."""
         async with self._connection() as conn:

@@ -34,6 +34,7 @@ from saga.errors import (
     StepStateError,
 )
 from saga.keys import JsonValue, check_json, operation_key, request_hash
+from saga.operator import actor_or_os_user
 from saga.session import LEDGER_PREFIX
 
 if TYPE_CHECKING:
@@ -295,6 +296,32 @@ def _checked_result(claim: Claim, result: Any) -> None:
     check_json(result, where=f"the result of {claim.tool!r} under key {claim.key!r}")
 
 
+def _close_params(channel: str, tenant: str, actor: str) -> dict[str, Any]:
+    """The parameters of saga.ledger_close; `ValueError` for a malformed channel."""
+    if not isinstance(channel, str) or not channel.strip():
+        raise ValueError(f"ledger close: channel must be a non-empty string, got {channel!r}")
+    return {"tenant": tenant, "name": CHANNEL_SAGA, "channel": channel, "actor": actor}
+
+
+def _closed(channel: str, row: Mapping[str, Any]) -> str:
+    """The id of the channel `row` says was closed (or had ended already), or the error
+    it means."""
+    verdict = row["verdict"]
+    if verdict == "missing":
+        raise StepStateError(f"there is no ledger channel {channel!r}: nothing was closed")
+    saga_id = str(row["saga_id"])
+    if verdict == "unsettled":
+        raise StepStateError(
+            f"channel {channel!r} ({saga_id}) has call {row['step']} {row['status']}: settle "
+            "it first (complete, fail or reclaim it, or `saga resolve`); nothing was closed"
+        )
+    if verdict == "already" and row["saga_status"] == "compensating":
+        raise StepStateError(
+            f"channel {channel!r} ({saga_id}) is compensating: it ends when its compensations do"
+        )
+    return saga_id
+
+
 def _error_text(error: BaseException | str) -> str:
     if isinstance(error, BaseException):
         return f"{type(error).__name__}: {error}"
@@ -483,6 +510,18 @@ class Ledger(_LedgerDoor):
         provider), or an operator settles it with `saga resolve`."""
         self._settle(claim, self._unknown(claim, reason))
 
+    def close(self, channel: str, *, tenant: str = "", actor: str | None = None) -> str:
+        """End `channel` once every call in it is settled: it becomes `completed`, is
+        purged after the retention period, and later claims in it are refused. Returns
+        its saga id; closing a closed channel again does nothing.
+
+        Raises:
+            StepStateError: No such channel, or a call in it is still in flight, unknown
+                or waiting for a retry.
+        """
+        who = actor_or_os_user("close", actor)
+        return _closed(channel, self._write("ledger_close", _close_params(channel, tenant, who)))
+
     def _settle(self, claim: Claim, params: dict[str, Any]) -> dict[str, Any]:
         try:
             return self._write("ledger_settle", params)
@@ -491,7 +530,11 @@ class Ledger(_LedgerDoor):
 
     def _write(self, statement: str, params: dict[str, Any]) -> dict[str, Any]:
         store = self._orch.store
-        write = store.ledger_claim if statement == "ledger_claim" else store.ledger_settle
+        write = {
+            "ledger_claim": store.ledger_claim,
+            "ledger_settle": store.ledger_settle,
+            "ledger_close": store.ledger_close,
+        }[statement]
         for attempt in retrying(statement, seconds=self.retry_seconds):
             with attempt:
                 return write(params)
@@ -560,6 +603,12 @@ class AsyncLedger(_LedgerDoor):
         """Record that the call's outcome is unknown; see `Ledger.unknown`."""
         await self._settle(claim, self._unknown(claim, reason))
 
+    async def close(self, channel: str, *, tenant: str = "", actor: str | None = None) -> str:
+        """End `channel` once every call in it is settled; see `Ledger.close`."""
+        who = actor_or_os_user("close", actor)
+        params = _close_params(channel, tenant, who)
+        return _closed(channel, await self._write("ledger_close", params))
+
     async def _settle(self, claim: Claim, params: dict[str, Any]) -> dict[str, Any]:
         try:
             return await self._write("ledger_settle", params)
@@ -568,7 +617,11 @@ class AsyncLedger(_LedgerDoor):
 
     async def _write(self, statement: str, params: dict[str, Any]) -> dict[str, Any]:
         store = await self._orch.store()
-        write = store.ledger_claim if statement == "ledger_claim" else store.ledger_settle
+        write = {
+            "ledger_claim": store.ledger_claim,
+            "ledger_settle": store.ledger_settle,
+            "ledger_close": store.ledger_close,
+        }[statement]
         async for attempt in aretrying(statement, seconds=self.retry_seconds):
             with attempt:
                 return await write(params)

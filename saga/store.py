@@ -418,6 +418,13 @@ class Store:
         assert row is not None
         return row
 
+    def ledger_close(self, params: dict[str, Any]) -> dict[str, Any]:
+        """End a ledger channel whose calls are all settled (saga.ledger_close)."""
+        with self._connection() as conn:
+            row = conn.execute(_q("ledger_close"), params).fetchone()
+        assert row is not None
+        return row
+
     def ledger_settle(self, params: dict[str, Any]) -> dict[str, Any]:
         """Record a ledger call's outcome, or extend its claim (saga.ledger_settle);
         `LeaseLost` when the claim is no longer the caller's."""

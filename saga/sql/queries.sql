@@ -309,3 +309,8 @@ SELECT *
 FROM saga.ledger_settle(%(saga_id)s::uuid, %(step)s, %(owner)s, %(fence)s::bigint,
                         %(outcome)s, %(result)s::jsonb, %(provider_reference)s, %(error)s,
                         %(lease_seconds)s::float8)
+
+-- ledger_close --
+-- End a ledger channel whose calls are all settled (see migration 0016).
+SELECT *
+FROM saga.ledger_close(%(tenant)s, %(name)s, %(channel)s, %(actor)s)

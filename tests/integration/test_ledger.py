@@ -551,3 +551,20 @@ def test_saga_list_into_a_closed_pipe_is_not_an_error(url: str, orch: Orchestrat
     )
     assert piped.stdout.startswith("ID ")
     assert "error" not in piped.stderr, piped.stderr
+
+
+def test_a_settled_channel_closes_and_refuses_later_claims(orch: Orchestrator) -> None:
+    claim = orch.ledger.claim("run-c", "k-1", "t", {"x": 1})
+    with pytest.raises(StepStateError, match=rf"has call {claim.step} running: settle it first"):
+        orch.ledger.close("run-c")
+    orch.ledger.complete(claim, {"ok": 1})
+    saga_id = orch.ledger.close("run-c", actor="ops")
+    assert saga_id == claim.saga_id
+    state = orch.get(saga_id)
+    assert state.status == SagaStatus.COMPLETED
+    assert orch.ledger.close("run-c") == saga_id  # again: nothing more to do
+    with pytest.raises(StepStateError, match="is completed: no call runs in it now"):
+        orch.ledger.claim("run-c", "k-2", "t", {"x": 2})
+    assert orch.ledger.claim("run-c", "k-1", "t", {"x": 1}).status == "replayed"
+    with pytest.raises(StepStateError, match="there is no ledger channel 'run-none'"):
+        orch.ledger.close("run-none")
