@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel
 
-from saga import approvals, inputs
+from saga import inputs
 from saga.adriver import AsyncLeaseKeeper, AsyncRunner
 from saga.astore import AsyncStore
 from saga.database import check_connection, unavailable
@@ -347,7 +347,7 @@ class AsyncOrchestrator(Engine):
         actor: str,
         ttl_seconds: float = 600.0,
     ) -> str:
-        """Sign an approval token for exactly this saga, step and request hash; see
+        """Sign an HMAC approval token for exactly this saga, step and request hash; see
         `Orchestrator.approval`."""
         check_actor("approval", actor)
         return self._sign_approval(
@@ -357,12 +357,10 @@ class AsyncOrchestrator(Engine):
     async def confirm(self, saga_id: str, step: str, request_hash: str, approval: str) -> SagaState:
         """Resume a saga waiting for confirmation with a signed approval; see
         `Orchestrator.confirm`."""
-        granted = approvals.verify(
-            self._require_key(), approval, saga_id=saga_id, step=step, request_hash=request_hash
-        )
+        granted = self._verify_approval(saga_id, step, request_hash, approval)
         return await self._operator_change(
             saga_id,
-            inputs.Approve(step, request_hash, actor=granted.actor),
+            inputs.Approve(step, request_hash, actor=granted.actor, approval=approval),
             actor=granted.actor,
             registered=False,
         )

@@ -30,6 +30,7 @@ from saga.store import (
     _saga_row,
     _state,
     _write,
+    approval_params,
     ledger_params,
     loaded_from_rows,
     refusal_of,
@@ -200,6 +201,8 @@ class AsyncStore:
         returns the read of the saga's state, to await once the transaction committed."""
         params = _write(write, owner=owner, lease_seconds=lease_seconds, token=token)
         written = await conn.execute(_q("write_saga"), {"write": params})
+        for approval in approval_params(write):
+            await conn.execute(_q("record_approval"), approval)
 
         async def read() -> SagaState | None:
             row = await written.fetchone()

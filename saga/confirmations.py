@@ -5,6 +5,17 @@ The planner asks `holds_back` before each attempt; the approver is shown a previ
 the attempt, and an approval is bound to that preview's hash (`saga.approvals`). Like
 the rest of the core, this module does no I/O and reads no clock: the time is the
 planner's `now`.
+
+With signed approvals (the planner has an `approval_verifier`, built from the approvers'
+public key), the approval stored with the confirmation is verified here, before every
+attempt it would release: the confirmation row's `approved_at` and `approved_by` are
+columns anything holding the database credentials can write, so they prove nothing by
+themselves. An approval that is missing, altered, signed with another key, expired or
+bound to another saga, step or request releases nothing: the confirmation is asked for
+again and the refusal is in the audit trail (`approval_refused`). Verifying is pure
+computation on data the planner was given, so it belongs to the core and both drivers
+share it. Without a verifier (the HMAC `confirmation_key` mode), the token was checked
+by `confirm()` and the row is trusted, as before.
 """
 
 from __future__ import annotations
@@ -12,7 +23,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from saga.approvals import preview_hash
+from saga.approvals import Approval, ApprovalRejected, preview_hash
 from saga.definition import OperationSpec
 from saga.rows import ConfirmationRow, Event, OpRow, describe
 from saga.state import OperationStatus, SagaStatus
@@ -26,9 +37,12 @@ def holds_back(planner: Planner, op: OpRow, spec: OperationSpec, cost: float | N
     `cost`): True when the operation needs confirming and no approval releases this
     attempt; the confirmation is then asked for and the saga awaits it. An approval
     that releases the attempt is used up by it."""
-    if not _needs_confirmation(planner, op, spec) or _use_approval(planner, op, spec, cost):
+    if not _needs_confirmation(planner, op, spec):
         return False
-    _await_confirmation(planner, op, spec, cost)
+    released, refused = _use_approval(planner, op, spec, cost)
+    if released:
+        return False
+    _await_confirmation(planner, op, spec, cost, refused=refused)
     return True
 
 
@@ -45,13 +59,17 @@ def _needs_confirmation(planner: Planner, op: OpRow, spec: OperationSpec) -> boo
     return bool(policy(planner.request_of(op)))
 
 
-def _use_approval(planner: Planner, op: OpRow, spec: OperationSpec, cost: float | None) -> bool:
+def _use_approval(
+    planner: Planner, op: OpRow, spec: OperationSpec, cost: float | None
+) -> tuple[bool, str | None]:
     """Whether an approval releases the attempt of `op` about to start, which then
-    uses it up (recorded with that attempt's start: one approval, one attempt).
+    uses it up (recorded with that attempt's start: one approval, one attempt), and why
+    a stored approval was refused (None when none was).
 
     Only an approval of exactly what would be previewed now (its hash covers the
     attempt's number, so every retry needs a new one), not yet used, and whose
-    confirmation has not expired, releases anything."""
+    confirmation has not expired, releases anything; with signed approvals, only when
+    the approval stored with it verifies too."""
     digest = _preview(planner, op, spec, cost)["request_hash"]
     confirmation = _confirmation_for(planner, op.step, digest)
     if (
@@ -59,7 +77,7 @@ def _use_approval(planner: Planner, op: OpRow, spec: OperationSpec, cost: float 
         or confirmation.approved_at is None
         or confirmation.consumed_attempt is not None
     ):
-        return False
+        return False, None
     if confirmation.expires_at <= planner.now:
         planner.events.append(
             Event(
@@ -73,19 +91,59 @@ def _use_approval(planner: Planner, op: OpRow, spec: OperationSpec, cost: float 
                 },
             )
         )
-        return False
+        return False, None
+    granted, refused = _signed_approval(planner, op, confirmation, digest)
+    if refused is not None:
+        return False, refused
     attempt = op.attempts + 1
     confirmation.consumed_attempt, confirmation.dirty = attempt, True
+    detail: dict[str, Any] = {"request_hash": digest}
+    if granted is None:
+        detail["approved_by"] = confirmation.approved_by
+    else:
+        # Who approved, as the signature says: the row's approved_by is only a column.
+        detail.update(approved_by=granted.actor, signed=True)
     planner.events.append(
-        Event(
-            "approval_used",
-            step=op.step,
-            kind=op.kind,
-            attempt=attempt,
-            detail={"request_hash": digest, "approved_by": confirmation.approved_by},
-        )
+        Event("approval_used", step=op.step, kind=op.kind, attempt=attempt, detail=detail)
     )
-    return True
+    return True, None
+
+
+def _signed_approval(
+    planner: Planner, op: OpRow, confirmation: ConfirmationRow, digest: str
+) -> tuple[Approval | None, str | None]:
+    """With signed approvals, the approval stored with `confirmation` once it verifies
+    for the attempt of `op` about to start (previewed as `digest`), or why it does not
+    (also recorded as an `approval_refused` event); without them, (None, None): the
+    HMAC token was verified by `confirm()`, and the row is trusted."""
+    verifier = planner.approval_verifier
+    if verifier is None:
+        return None, None
+    try:
+        granted = verifier.verify(
+            confirmation.approval,
+            saga_id=planner.saga.id,
+            step=op.step,
+            request_hash=digest,
+            now=planner.now.timestamp(),
+        )
+    except ApprovalRejected as exc:
+        planner.events.append(
+            Event(
+                "approval_refused",
+                step=op.step,
+                kind=op.kind,
+                attempt=op.attempts + 1,
+                detail={
+                    "request_hash": digest,
+                    "reason": str(exc),
+                    # What the row claims, recorded as claimed: it proved nothing.
+                    "claimed_by": confirmation.approved_by,
+                },
+            )
+        )
+        return None, str(exc)
+    return granted, None
 
 
 def _confirmation_for(planner: Planner, step: str, digest: str) -> ConfirmationRow | None:
@@ -140,7 +198,12 @@ def _preview(
 
 
 def _await_confirmation(
-    planner: Planner, op: OpRow, spec: OperationSpec, cost: float | None
+    planner: Planner,
+    op: OpRow,
+    spec: OperationSpec,
+    cost: float | None,
+    *,
+    refused: str | None = None,
 ) -> None:
     preview = _preview(planner, op, spec, cost)
     digest = preview["request_hash"]
@@ -154,11 +217,14 @@ def _await_confirmation(
         # Asked again (it expired, approved or not): an earlier approval is withdrawn.
         existing.preview, existing.expires_at = preview, expires_at
         existing.approved_by = existing.approved_at = existing.consumed_attempt = None
+        existing.approval = None
         existing.new, existing.dirty = True, False
     planner.set_status(SagaStatus.AWAITING_CONFIRMATION)
     planner.saga.error = (
         f"{describe(op)} waits for confirmation of attempt {op.attempts + 1} (request {digest})"
     )
+    if refused is not None:
+        planner.saga.error += f"; the stored approval was refused: {refused}"
     planner.event(
         "confirmation_requested",
         op,

@@ -43,6 +43,7 @@ from saga.store import new_token, parse_id
 _log = get_logger("saga")
 
 ENV_CONFIRMATION_KEY = "SAGA_CONFIRMATION_KEY"
+ENV_APPROVAL_PUBLIC_KEY = approvals.ENV_APPROVAL_PUBLIC_KEY
 # run(wait_seconds=...) claims again this long after the holder's lease should end, and at
 # least this often meanwhile (seconds).
 LEASE_POLL_SECONDS = 0.05
@@ -90,6 +91,9 @@ class Engine:
         pool_size: int = 10,
         confirmation_key: str | bytes | None = None,
         retention_days: float = 30.0,
+        approval_public_key: approvals.PublicKeyLike
+        | Iterable[approvals.PublicKeyLike]
+        | None = None,
     ) -> None:
         if not lease_seconds > 0:
             raise ValueError(f"lease_seconds must be positive, got {lease_seconds!r}")
@@ -114,6 +118,7 @@ class Engine:
         self.retention_days = float(retention_days)
         key = confirmation_key or os.environ.get(ENV_CONFIRMATION_KEY)
         self._confirmation_key = key.encode("utf-8") if isinstance(key, str) else key
+        self.approval_verifier = _approval_verifier(approval_public_key)
         self._registry: dict[tuple[str, int], Saga[Any]] = {}
         for saga in sagas:
             self.register(saga)
@@ -178,6 +183,7 @@ class Engine:
             lease_seconds=self.lease_seconds,
             heartbeat_seconds=self.heartbeat_seconds,
             max_inline_sleep=max_inline_sleep,
+            approval_verifier=self.approval_verifier,
         )
 
     def purge_cutoff_days(self, older_than_days: float | None = None) -> float:
@@ -195,9 +201,32 @@ class Engine:
         if not self._confirmation_key:
             raise StepStateError(
                 "no confirmation key: pass Orchestrator(confirmation_key=...) or set "
-                f"{ENV_CONFIRMATION_KEY}"
+                f"{ENV_CONFIRMATION_KEY}; or sign approvals with the approvers' private key "
+                "(saga.approvals.ApprovalSigner, `saga confirm --private-key FILE`) and give "
+                f"orchestrators the public key ({ENV_APPROVAL_PUBLIC_KEY})"
             )
         return self._confirmation_key
+
+    def _verify_approval(
+        self, saga_id: str, step: str, request_hash: str, approval: str
+    ) -> approvals.Approval:
+        """The approval `confirm` is given, verified: against the approvers' public key
+        when this orchestrator has one (an HMAC token is then refused, as its workers
+        would refuse it), else against the HMAC confirmation key. `ApprovalRejected` when
+        it does not verify; `StepStateError` when there is nothing to verify it with."""
+        if self.approval_verifier is not None:
+            return self.approval_verifier.verify(
+                approval, saga_id=saga_id, step=step, request_hash=request_hash
+            )
+        if approvals.is_signed(approval):
+            raise StepStateError(
+                "the approval is signed with an Ed25519 private key, and this orchestrator "
+                "has no public key to verify it: pass Orchestrator(approval_public_key=...) "
+                f"or set {ENV_APPROVAL_PUBLIC_KEY}"
+            )
+        return approvals.verify(
+            self._require_key(), approval, saga_id=saga_id, step=step, request_hash=request_hash
+        )
 
     def _resolution(
         self,
@@ -228,6 +257,13 @@ class Engine:
     def _sign_approval(
         self, saga_id: str, step: str, request_hash: str, *, actor: str, ttl_seconds: float
     ) -> str:
+        if self.approval_verifier is not None:
+            raise StepStateError(
+                "this orchestrator requires approvals signed with the approvers' Ed25519 "
+                "private key (it has an approval public key), so an HMAC token would be "
+                "refused: sign with saga.approvals.ApprovalSigner.from_private_key(...)"
+                ".approval(...) or `saga confirm ... --private-key FILE`"
+            )
         return approvals.sign(
             self._require_key(),
             saga_id=saga_id,
@@ -626,6 +662,27 @@ def _lease_pause(state: SagaState, deadline: float) -> float | None:
     # holder may stop (and release the lease) before it ends.
     until_end = (state.lease_expires_at - datetime.now().astimezone()).total_seconds()
     return min(left, max(until_end, 0.0) + LEASE_POLL_SECONDS, MAX_LEASE_POLL_SECONDS)
+
+
+def _approval_verifier(
+    configured: approvals.PublicKeyLike | Iterable[approvals.PublicKeyLike] | None,
+) -> approvals.ApprovalVerifier | None:
+    """The verifier of signed approvals: of `approval_public_key`, else of
+    `SAGA_APPROVAL_PUBLIC_KEY`, else None (HMAC approvals). A key that cannot be read is
+    a `ValueError` naming where it came from, at construction rather than at the first
+    confirmation."""
+    if configured is not None:
+        try:
+            return approvals.ApprovalVerifier.from_public_key(configured)
+        except ValueError as exc:
+            raise ValueError(f"approval_public_key: {exc}") from None
+    text = os.environ.get(ENV_APPROVAL_PUBLIC_KEY)
+    if text is None:
+        return None
+    try:
+        return approvals.ApprovalVerifier.from_environment(text)
+    except ValueError as exc:
+        raise ValueError(f"{ENV_APPROVAL_PUBLIC_KEY}: {exc}") from None
 
 
 class _AnyInput(BaseModel):

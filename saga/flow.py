@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import tenacity
 
@@ -62,6 +62,9 @@ from saga.rows import describe
 from saga.state import OperationStatus, SagaState
 from saga.store import Loaded, new_token
 
+if TYPE_CHECKING:
+    from saga.approvals import ApprovalVerifier
+
 _log = get_logger("saga")
 
 T = TypeVar("T")
@@ -80,12 +83,16 @@ class RunnerOptions:
         heartbeat_seconds: Interval of lease renewal while user code runs.
         max_inline_sleep: Longest retry backoff (seconds) waited out under the lease;
             a longer one is persisted as `run_after` and the lease released.
+        approval_verifier: The approvers' public key(s): every planner gets it, so an
+            attempt a confirmation holds back starts only with a signed approval that
+            verifies (None: HMAC approvals, the confirmation row is trusted).
     """
 
     owner: str
     lease_seconds: float
     heartbeat_seconds: float
     max_inline_sleep: float = math.inf
+    approval_verifier: ApprovalVerifier | None = None
 
 
 def retried(what: str, body: Callable[[], Flow[T]], *, interruptible: bool = False) -> Flow[T]:
@@ -243,7 +250,7 @@ class Flows:
         loaded = yield from self._load(saga_id)
         if loaded is None:
             return None
-        planner = Planner(definition, *loaded, now=_now())
+        planner = self._planner(definition, loaded)
         _log.info("claim_landed", saga_id=saga_id, fence=planner.saga.fence)
         started = [o for o in planner.ops if o.status == OperationStatus.RUNNING]
         if started:
@@ -400,7 +407,7 @@ class Flows:
         confirmations: list[ConfirmationRow],
     ) -> Planner:
         """A planner for a saga whose lease we have just taken."""
-        planner = Planner(definition, row, ops, confirmations, now=_now())
+        planner = self._planner(definition, (row, ops, confirmations))
         planner.events.append(
             Event("lease_acquired", detail={"owner": self.owner, "fence": row.fence})
         )
@@ -526,7 +533,14 @@ class Flows:
         loaded = yield db("load_txn", saga.id)
         yield Commit()
         assert loaded is not None  # the fence check found the row
-        return Planner(planner.definition, *loaded, now=_now())
+        return self._planner(planner.definition, loaded)
+
+    def _planner(self, definition: Saga[Any], loaded: Loaded) -> Planner:
+        """A planner of a saga as read, at the time now, with this runner's approval
+        verifier: every planner that may start an attempt is made here."""
+        return Planner(
+            definition, *loaded, now=_now(), approval_verifier=self.options.approval_verifier
+        )
 
     def _persist_txn(self, write: Write, token: str) -> Flow[Callable[[], Any] | None]:
         """Queue a write in the open transaction; when the saga is handed back, also the

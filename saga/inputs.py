@@ -184,11 +184,13 @@ class RaiseCeilings:
 
 @dataclass(frozen=True, slots=True)
 class Approve:
-    """An approval, verified, releases the pending confirmation (`confirm`)."""
+    """An approval, verified, releases the pending confirmation (`confirm`); the token
+    (`approval`) is stored with it, for workers to verify again before the attempt."""
 
     step: str
     request_hash: str
     actor: str
+    approval: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -401,7 +403,7 @@ def request(planner: Planner, req: Request, now: datetime) -> bool:
         )
     elif isinstance(req, Approve):
         interventions.approve_confirmation(
-            planner, req.step, req.request_hash, actor=req.actor, now=now
+            planner, req.step, req.request_hash, actor=req.actor, now=now, approval=req.approval
         )
     else:
         return interventions.reopen_expired_confirmation(planner, now=now)

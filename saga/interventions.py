@@ -263,9 +263,17 @@ def raise_ceilings(
 
 
 def approve_confirmation(
-    planner: Planner, step: str, request_hash: str, *, actor: str, now: datetime
+    planner: Planner,
+    step: str,
+    request_hash: str,
+    *,
+    actor: str,
+    now: datetime,
+    approval: str | None = None,
 ) -> None:
-    """A verified approval of the pending request of `step`: the saga may go on."""
+    """A verified approval of the pending request of `step`: the saga may go on. The
+    approval token is stored with the confirmation (workers with the approvers' public
+    key verify it again before the attempt it releases)."""
     planner.now = now
     if planner.saga.status != SagaStatus.AWAITING_CONFIRMATION:
         raise StepStateError(
@@ -285,6 +293,7 @@ def approve_confirmation(
             "again to prepare a new preview"
         )
     match.approved_by, match.approved_at, match.dirty = actor, now, True
+    match.approval = approval
     _resume(planner, now)
     planner.events.append(
         Event(

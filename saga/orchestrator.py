@@ -14,10 +14,16 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 from pydantic import BaseModel
 
-from saga import approvals, inputs
+from saga import inputs
 from saga.database import check_connection, unavailable
 from saga.definition import Saga
-from saga.engine import ENV_CONFIRMATION_KEY, Engine, list_filters, resolve_arguments
+from saga.engine import (
+    ENV_APPROVAL_PUBLIC_KEY,
+    ENV_CONFIRMATION_KEY,
+    Engine,
+    list_filters,
+    resolve_arguments,
+)
 from saga.leases import LeaseKeeper
 from saga.ledger import Ledger
 from saga.logs import get_logger
@@ -41,7 +47,7 @@ if TYPE_CHECKING:
 
 _log = get_logger("saga")
 
-__all__ = ["ENV_CONFIRMATION_KEY", "Orchestrator", "session_options"]
+__all__ = ["ENV_APPROVAL_PUBLIC_KEY", "ENV_CONFIRMATION_KEY", "Orchestrator", "session_options"]
 
 
 class Orchestrator(Engine):
@@ -64,10 +70,21 @@ class Orchestrator(Engine):
         auto_migrate: Apply pending migrations on first use.
         owner: Name of this lease owner in the database (defaults to host:pid:random).
         pool_size: Most database connections this orchestrator holds at once.
-        confirmation_key: Key that signs and verifies approval tokens (`confirm`);
-            else `SAGA_CONFIRMATION_KEY`.
+        confirmation_key: HMAC key that signs and verifies approval tokens
+            (`approval`, `confirm`); else `SAGA_CONFIRMATION_KEY`. The weaker mode: the
+            token is checked once, by `confirm`, and workers then trust the stored
+            confirmation.
         retention_days: Ended sagas are kept at least this long; `purge` deletes
             only those older (default 30).
+        approval_public_key: The approvers' Ed25519 public key (PEM, an `ssh-ed25519`
+            line, the raw key in base64 as `saga keygen` prints it, a `pathlib.Path` of
+            a file holding one, or a list of them during a rotation); else
+            `SAGA_APPROVAL_PUBLIC_KEY` (several separated by commas). With it, `confirm`
+            takes only approvals signed with the matching private key
+            (`saga.approvals.ApprovalSigner`), and before every attempt a confirmation
+            releases, the approval stored with it is verified again: a confirmation row
+            written by anything else releases nothing. Give it to every worker; the
+            private key stays with the approvers.
     """
 
     def _unconnected(self) -> None:
@@ -248,13 +265,15 @@ class Orchestrator(Engine):
         actor: str,
         ttl_seconds: float = 600.0,
     ) -> str:
-        """Sign an approval token for exactly this saga, step and request hash (the
-        `request_hash` of the preview approved, see `preview`).
+        """Sign an HMAC approval token for exactly this saga, step and request hash (the
+        `request_hash` of the preview approved, see `preview`) with the confirmation key.
 
         Whoever holds the confirmation key can approve: give it to the approvers'
         tooling, not to the processes that run step code. `actor` is who approves,
         recorded when the approval is used; an empty or blank one is refused
-        (`ValueError`).
+        (`ValueError`). An orchestrator with an `approval_public_key` refuses HMAC
+        approvals, so this raises `StepStateError` there: sign with
+        `saga.approvals.ApprovalSigner` instead.
         """
         check_actor("approval", actor)
         return self._sign_approval(
@@ -265,23 +284,26 @@ class Orchestrator(Engine):
     def confirm(self, saga_id: str, step: str, request_hash: str, approval: str) -> SagaState:
         """Resume a saga waiting in `awaiting_confirmation` with a signed approval.
 
-        The approval must be signed with this orchestrator's key and bound to this
-        saga, step and the exact pending request hash, and neither the token nor the
-        confirmation may have expired. One approval releases one attempt: the attempt
-        it releases uses it up when it starts, and any retry of the step (after a
-        failure, an unknown outcome, a reconcile's Absent, an operator's retry) asks
-        for a new confirmation. On resume the step's request is prepared again; if
-        anything previewed changed, or the confirmation expired before the attempt
-        could start, a new confirmation is asked for instead. The saga is not driven
-        here: call `run` or leave it to a worker.
+        The approval must be signed with the approvers' private key when this
+        orchestrator has an `approval_public_key` (`ApprovalSigner.approval`), else with
+        its HMAC confirmation key (`approval`), and bound to this saga, step and the
+        exact pending request hash, and neither the token nor the confirmation may have
+        expired (`ApprovalRejected` otherwise). The approval is stored with the
+        confirmation; workers with the public key verify it again before the attempt it
+        releases, and refuse it (the saga awaits a new confirmation) when it does not
+        verify. One approval releases one attempt: the attempt it releases uses it up
+        when it starts, and any retry of the step (after a failure, an unknown outcome,
+        a reconcile's Absent, an operator's retry) asks for a new confirmation. On
+        resume the step's request is prepared again; if anything previewed changed, or
+        the confirmation expired before the attempt could start, a new confirmation is
+        asked for instead. The saga is not driven here: call `run` or leave it to a
+        worker.
         """
-        granted = approvals.verify(
-            self._require_key(), approval, saga_id=saga_id, step=step, request_hash=request_hash
-        )
+        granted = self._verify_approval(saga_id, step, request_hash, approval)
         # Approving runs no step code, so the approvers' tooling need not register the saga.
         return self._operator_change(
             saga_id,
-            inputs.Approve(step, request_hash, actor=granted.actor),
+            inputs.Approve(step, request_hash, actor=granted.actor, approval=approval),
             actor=granted.actor,
             registered=False,
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from saga import ceilings, confirmations
 from saga.definition import Compensation, OperationSpec, Saga, Step
@@ -31,6 +31,9 @@ from saga.rows import (
     describe,
 )
 from saga.state import OperationStatus, SagaState, SagaStatus
+
+if TYPE_CHECKING:
+    from saga.approvals import ApprovalVerifier
 
 # The rows (from `saga.rows`) are named through this module too, as they were before
 # they had a module of their own.
@@ -148,12 +151,17 @@ class Planner:
         confirmations: list[ConfirmationRow] | None = None,
         *,
         now: datetime,
+        approval_verifier: ApprovalVerifier | None = None,
     ) -> None:
         definition.adopt(ops)
         self.definition = definition
         self.saga = saga
         self.ops = ops
         self.confirmations = confirmations or []
+        # The approvers' public key(s), as data: with it, an attempt a confirmation holds
+        # back starts only when the approval stored with it verifies (`saga.confirmations`);
+        # without it (HMAC approvals), the approved confirmation row is trusted.
+        self.approval_verifier = approval_verifier
         # Operations whose request was prepared in this transaction, ready to start.
         self.prepared: set[tuple[str, str]] = set()
         self._input_model: Any = None

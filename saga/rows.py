@@ -94,6 +94,9 @@ class ConfirmationRow:
     approved_at: datetime | None = None
     # The attempt this confirmation's approval released (used it up), or None.
     consumed_attempt: int | None = None
+    # The approval token given with the approval (migration 0017): with signed approvals,
+    # the proof the planner verifies before the attempt; approved_at alone proves nothing.
+    approval: str | None = None
     new: bool = False
     dirty: bool = False
 

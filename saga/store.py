@@ -329,6 +329,8 @@ class Store:
         in a plain transaction, after the block in a pipelined one."""
         params = _write(write, owner=owner, lease_seconds=lease_seconds, token=token)
         written = conn.execute(_q("write_saga"), {"write": params})
+        for approval in approval_params(write):
+            conn.execute(_q("record_approval"), approval)
 
         def read() -> SagaState | None:
             row = written.fetchone()
@@ -673,6 +675,7 @@ def _confirmation_row(row: dict[str, Any]) -> ConfirmationRow:
         approved_by=row["approved_by"],
         approved_at=row["approved_at"],
         consumed_attempt=row["consumed_attempt"],
+        approval=row.get("approval"),
     )
 
 
@@ -735,6 +738,24 @@ def _confirmation_params(change: ConfirmationChange) -> dict[str, Any]:
             "attempt": row.consumed_attempt if change.action == "consume" else None,
         }
     )
+
+
+def approval_params(write: Write) -> list[dict[str, Any]]:
+    """The approval tokens of the confirmations `write` approves, for `record_approval`.
+
+    Only an operator's change approves (`confirm`), in a transaction of its own, so the
+    token is stored in the transaction that approves its confirmation."""
+    saga_id = write.saga.id
+    return [
+        {
+            "saga_id": saga_id,
+            "step": change.row.step,
+            "request_hash": change.row.request_hash,
+            "approval": change.row.approval,
+        }
+        for change in write.confirmations
+        if change.action == "approve"
+    ]
 
 
 def _new_op_params(op: OpRow) -> dict[str, Any]:

@@ -179,9 +179,10 @@ WHERE expires_at >= now()
 ORDER BY started_at DESC
 
 -- get_confirmations --
--- The confirmations of a saga, pending, approved and used up (by the attempt named).
+-- The confirmations of a saga, pending, approved and used up (by the attempt named), with
+-- the approval token each was given (migration 0017).
 SELECT step, request_hash, preview, requested_at, expires_at, approved_by, approved_at,
-       consumed_attempt, consumed_at
+       consumed_attempt, consumed_at, approval
 FROM saga.confirmations
 WHERE saga_id = %(saga_id)s
 ORDER BY requested_at
@@ -189,10 +190,20 @@ ORDER BY requested_at
 -- claimed_confirmations --
 -- get_confirmations of the saga the current transaction has just claimed.
 SELECT step, request_hash, preview, requested_at, expires_at, approved_by, approved_at,
-       consumed_attempt, consumed_at
+       consumed_attempt, consumed_at, approval
 FROM saga.confirmations
 WHERE saga_id = NULLIF(current_setting('saga.claimed', true), '')::uuid
 ORDER BY requested_at
+
+-- record_approval --
+-- The approval token a confirmation was approved with, stored beside it in the operator's
+-- transaction that approves it (after saga.write_saga_v4, which checked that it was still
+-- pending): workers with the approvers' public key verify it before the attempt it
+-- releases. A later ask of the same confirmation clears approved_at, which withdraws it;
+-- the next approval overwrites it.
+UPDATE saga.confirmations
+SET approval = %(approval)s
+WHERE saga_id = %(saga_id)s AND step = %(step)s AND request_hash = %(request_hash)s
 
 -- purge_finished_sagas --
 -- Delete a batch of completed, compensated or forked sagas that ended before the cutoff, with
