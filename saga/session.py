@@ -123,6 +123,9 @@ class SessionSaga(Saga[_NoInput]):
                 pivot=False,
                 guards=Guards(),
             )
+            # Whether the step has a compensation is not known here: undoing the session
+            # stops at this call (and parks) rather than passing over it as if it had none.
+            step.compensation(retry=_ONE_ATTEMPT)(_not_here_to_undo(name))
             self.steps.append(step)
             return step
         step = Step(
@@ -191,6 +194,20 @@ def _not_here(name: str) -> Callable[..., Any]:
         raise PermanentError(
             f"call {name!r} was made by an earlier process and its durable step is not "
             "imported here"
+        )
+
+    return call
+
+
+def _not_here_to_undo(name: str) -> Callable[..., Any]:
+    step = name.rsplit(".", 1)[0]
+
+    def call(ctx: Any, _input: Any, result: Any) -> Any:
+        raise PermanentError(
+            f"call {name!r} cannot be undone here: its durable step {step!r} is not imported "
+            "in this process, so whether it has a compensation is not known; run this with "
+            "the module that defines it imported (`--app`), or undo it by hand and settle it "
+            f"with `saga resolve ID {name} --kind compensation --succeeded`"
         )
 
     return call

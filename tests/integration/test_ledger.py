@@ -568,3 +568,14 @@ def test_a_settled_channel_closes_and_refuses_later_claims(orch: Orchestrator) -
     assert orch.ledger.claim("run-c", "k-1", "t", {"x": 1}).status == "replayed"
     with pytest.raises(StepStateError, match="there is no ledger channel 'run-none'"):
         orch.ledger.close("run-none")
+
+
+def test_compensating_a_call_whose_step_is_not_imported_parks_instead_of_skipping_it(
+    orch: Orchestrator,
+) -> None:
+    claim = orch.ledger.claim("run-u", "k-1", "mystery_tool", {"a": 1})
+    orch.ledger.complete(claim, {"ok": True})
+    state = orch.compensate(claim.saga_id, actor="ops")
+    assert state.status == SagaStatus.NEEDS_REVIEW
+    assert f"call {claim.step!r} cannot be undone here" in (state.error or "")
+    assert "--kind compensation" in (state.error or "")
