@@ -186,3 +186,78 @@ def test_the_checks_see_what_they_look_for() -> None:
     assert "threading" in _runtime_imports("saga.runner")
     assert "saga.store" in _reachable(_graph(), "saga.runner")
     assert "psycopg" in _runtime_imports("saga.store")
+
+
+# ----- agent integrations: optional, and never reached from the core ---------------------------
+
+INTEGRATIONS = PACKAGE / "integrations"
+# Agent frameworks (top-level import names) the package may integrate with, each only from a
+# module of its own under saga/integrations/, installed with an extra.
+AGENT_FRAMEWORKS = {
+    "pydantic_ai",
+    "pydantic_graph",
+    "agents",  # the OpenAI Agents SDK
+    "openai",
+    "langchain",
+    "langchain_core",
+    "langgraph",
+    "crewai",
+    "autogen",
+    "llama_index",
+    "smolagents",
+}
+
+
+def _all_imports(path: Path) -> set[str]:
+    """Every module `path` names in an import, wherever the import is (TYPE_CHECKING blocks
+    and function bodies included); relative imports as `.name`."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                found.add("." * node.level + module)
+            else:
+                found.add(module)
+                if module == "saga":
+                    found.update(f"saga.{alias.name}" for alias in node.names)
+    return found
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.glob("*.py")), ids=lambda p: p.stem)
+def test_core_modules_import_no_integration_and_no_agent_framework(path: Path) -> None:
+    """The core package works without any extra: no module of it imports the integrations
+    or an agent framework, not even for type checking or inside a function."""
+    imported = _all_imports(path)
+    assert not {m for m in imported if m.split(".")[0] in AGENT_FRAMEWORKS}, path.name
+    assert not {
+        m for m in imported if m == "saga.integrations" or m.startswith("saga.integrations.")
+    }, path.name
+    assert not {m for m in imported if m.startswith(".")}, path.name
+
+
+def test_the_shared_tool_call_module_imports_no_agent_framework() -> None:
+    """`_tool_calls` is what every framework's integration builds on: it knows none of them."""
+    imported = _all_imports(INTEGRATIONS / "_tool_calls.py")
+    assert not {m for m in imported if m.split(".")[0] in AGENT_FRAMEWORKS}
+
+
+@pytest.mark.parametrize("path", sorted(INTEGRATIONS.glob("*.py")), ids=lambda p: p.stem)
+def test_each_integration_imports_its_own_framework_only(path: Path) -> None:
+    """An integration imports one framework, the one its module is named after (so each
+    extra installs what its module needs, and nothing else)."""
+    frameworks = {m.split(".")[0] for m in _all_imports(path)} & AGENT_FRAMEWORKS
+    own = {path.stem} if path.stem in AGENT_FRAMEWORKS else set()
+    if path.stem == "pydantic_ai":
+        own |= {"pydantic_graph"}
+    assert frameworks <= own, (path.name, sorted(frameworks - own))
+
+
+def test_the_integration_checks_see_what_they_look_for() -> None:
+    """The walker finds the pydantic-ai integration's imports, and the core's."""
+    assert "pydantic_ai" in _all_imports(INTEGRATIONS / "pydantic_ai.py")
+    assert "saga.integrations._tool_calls" in _all_imports(INTEGRATIONS / "pydantic_ai.py")
+    assert "saga.durable" in _all_imports(INTEGRATIONS / "_tool_calls.py")
