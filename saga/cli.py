@@ -12,6 +12,7 @@ import socket
 import sys
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, NoReturn, TypeVar, cast
 
@@ -21,6 +22,7 @@ import structlog
 from saga import __version__, operator
 from saga import cli_format as fmt
 from saga.aorchestrator import AsyncOrchestrator
+from saga.approvals import ApprovalSigner
 from saga.database import ENV_URL, check_connection, describe_url, resolve_database_url
 from saga.durable import registered_step, registered_step_names
 from saga.errors import (
@@ -30,7 +32,7 @@ from saga.errors import (
     StepStateError,
 )
 from saga.migrate import migrate_database
-from saga.orchestrator import ENV_CONFIRMATION_KEY, Orchestrator
+from saga.orchestrator import ENV_APPROVAL_PUBLIC_KEY, ENV_CONFIRMATION_KEY, Orchestrator
 from saga.redact import scrub
 from saga.session import SESSION_PREFIX
 from saga.state import SagaState, SagaStatus
@@ -197,6 +199,12 @@ def _parser() -> argparse.ArgumentParser:
     show = add("show", "show a saga, its operations and the timeline of every attempt")
     show.add_argument("saga_id", metavar="ID")
     show.add_argument("--json", action="store_true", help="one JSON object with its history")
+    show.add_argument(
+        "--format",
+        choices=("text", "json", "mermaid"),
+        help="text (the default), json (as --json), or mermaid: a Mermaid Gantt diagram of "
+        "its operations, to paste into an incident ticket",
+    )
 
     comp = add(
         "compensate",
@@ -279,7 +287,9 @@ def _parser() -> argparse.ArgumentParser:
     confirm = add(
         "confirm",
         "approve the exact pending preview of a step awaiting confirmation (it releases "
-        f"one attempt), signing the approval with the key in {ENV_CONFIRMATION_KEY}",
+        "one attempt), signing the approval with the Ed25519 private key of --private-key "
+        f"(signed approvals; the app verifies with {ENV_APPROVAL_PUBLIC_KEY}), else with "
+        f"the HMAC key in {ENV_CONFIRMATION_KEY}",
         app,
         acting,
         drive,
@@ -287,6 +297,28 @@ def _parser() -> argparse.ArgumentParser:
     confirm.add_argument("saga_id", metavar="ID")
     confirm.add_argument("step", metavar="STEP")
     confirm.add_argument("request_hash", metavar="REQUEST_HASH", help="as `saga preview` shows")
+    confirm.add_argument(
+        "--private-key",
+        metavar="FILE",
+        help="sign with the approvers' Ed25519 private key in FILE (PEM, as `saga keygen` "
+        "writes it); workers verify the approval with the public key before the attempt",
+    )
+
+    keygen = add(
+        "keygen",
+        "create an Ed25519 key pair for signed approvals: the private key is written to "
+        "FILE for the approvers (`saga confirm --private-key FILE`), the public key is "
+        f"printed for every worker and the app ({ENV_APPROVAL_PUBLIC_KEY})",
+    )
+    keygen.add_argument(
+        "--private-key",
+        metavar="FILE",
+        required=True,
+        help="where to write the private key (PEM, readable by its owner only)",
+    )
+    keygen.add_argument(
+        "--overwrite", action="store_true", help="replace FILE when it exists already"
+    )
 
     purge = add(
         "purge",
@@ -390,6 +422,21 @@ def _parser() -> argparse.ArgumentParser:
         help="also say whether this app registers each version (or SAGA_APP)",
     )
     versions.add_argument("--json", action="store_true", help="one JSON object per line")
+
+    dashboard = add(
+        "dashboard",
+        "serve a read-only web dashboard of the sagas (the list, the needs-review queue, "
+        "each saga's timeline), updated live, until SIGINT or SIGTERM; needs the web "
+        f"extra: {WEB_EXTRA}",
+    )
+    dashboard.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (127.0.0.1: this machine only; the dashboard has no login)",
+    )
+    dashboard.add_argument(
+        "--port", type=_port, default=8080, help="port to listen on (8080; 0: any free port)"
+    )
     return parser
 
 
@@ -710,10 +757,18 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
+    if args.json and args.format not in (None, "json"):
+        raise UsageError(f"--json and --format {args.format} ask for two formats; give one")
+    form = "json" if args.json else args.format or "text"
     with _reader(args.database_url) as orch:
         state = orch.get(_full_id(orch, args))
         history = orch.history(state.id)
-    print(fmt.to_json(state, history) if args.json else fmt.show(state, history))
+    if form == "json":
+        print(fmt.to_json(state, history))
+    elif form == "mermaid":
+        print(fmt.mermaid(state, history))
+    else:
+        print(fmt.show(state, history))
     return EXIT_OK
 
 
@@ -1001,15 +1056,57 @@ def _preview(args: argparse.Namespace) -> int:
 
 
 def _confirm(args: argparse.Namespace) -> int:
+    # A key file that cannot be read is refused before the app is loaded.
+    signer = None if args.private_key is None else _signer(args.private_key)
     orch = _operator(args)
     actor = _actor(args)
     with orch:
         saga_id = _full_id(orch, args)
-        token = orch.approval(saga_id, args.step, args.request_hash, actor=actor)
+        if signer is None:
+            token = orch.approval(saga_id, args.step, args.request_hash, actor=actor)
+        else:
+            token = signer.approval(saga_id, args.step, args.request_hash, actor=actor)
         state = orch.confirm(saga_id, args.step, args.request_hash, token)
         print(f"confirmed {args.step!r} of saga {state.id}, request {args.request_hash}")
-        print(f"approved by {actor}")
+        signed = "" if signer is None else f", signed with key {signer.key_id}"
+        print(f"approved by {actor}{signed}")
         return _after_request(orch, state, args.run, _given(args))
+
+
+def _signer(path: str) -> ApprovalSigner:
+    """The approvers' signer of the private key in the file `path`; `UsageError` saying
+    what is wrong with it."""
+    try:
+        return ApprovalSigner.from_private_key(Path(path))
+    except ValueError as exc:
+        raise UsageError(f"--private-key {path}: {exc}") from None
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    signer = ApprovalSigner.generate()
+    path = Path(args.private_key)
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if args.overwrite else os.O_EXCL)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        raise UsageError(
+            f"--private-key {path} exists already: keep that key, or pass --overwrite to "
+            "replace it (approvals it signed are then refused by workers given the new key)"
+        ) from None
+    except OSError as exc:
+        raise UsageError(f"--private-key {path}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "w", encoding="ascii") as out:
+        os.fchmod(out.fileno(), 0o600)  # also when an existing file is replaced
+        out.write(signer.private_key_pem())
+    print(signer.public_key)
+    print(
+        f"wrote the private key {signer.key_id} to {path}: keep it with the approvers "
+        f"(saga confirm ID STEP HASH --private-key {path}). Give the public key above to "
+        f"every worker and to the app: {ENV_APPROVAL_PUBLIC_KEY}=<public key> or "
+        "Orchestrator(approval_public_key=...)",
+        file=sys.stderr,
+    )
+    return EXIT_OK
 
 
 def _purge(args: argparse.Namespace) -> int:
@@ -1079,7 +1176,7 @@ def _after_request(
         return EXIT_PARTIAL
     if state.status.is_runnable:
         holder = f"; {state.lease_owner} is driving it" if state.lease_owner else ""
-        drive = fmt.code_first(state.saga) or "a worker will drive it"
+        drive = fmt.code_first(state.saga, state.status) or "a worker will drive it"
         print(f"saga {state.id} is {state.status}: {drive}{holder}")
     else:
         print(f"saga {state.id} is {state.status}")
@@ -1120,6 +1217,36 @@ def _versions(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# How to install what `saga dashboard` needs, and the modules it needs.
+WEB_EXTRA = "pip install 'saga-orchestrator[web]'"
+_WEB_MODULES = {"starlette", "jinja2", "uvicorn"}
+
+
+def _port(text: str) -> int:
+    port = _non_negative(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535, got {port}")
+    return port
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+    try:
+        # Imported here only: the dashboard's dependencies are an optional extra.
+        from saga import web
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if missing not in _WEB_MODULES:
+            raise
+        raise UsageError(
+            f"the dashboard needs the web extra, and {missing} is not installed: {WEB_EXTRA}"
+        ) from None
+    try:
+        web.serve(args.database_url, host=args.host, port=args.port, verbose=args.verbose)
+    except web.DashboardError as exc:
+        raise UsageError(str(exc)) from None
+    return EXIT_OK
+
+
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "migrate": _migrate,
     "worker": _worker,
@@ -1133,8 +1260,10 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "reconcile": _reconcile,
     "preview": _preview,
     "confirm": _confirm,
+    "keygen": _keygen,
     "purge": _purge,
     "versions": _versions,
+    "dashboard": _dashboard,
 }
 
 

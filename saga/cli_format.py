@@ -6,12 +6,13 @@ import json
 import re
 import sys
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO
 
 from saga.operator import IN_FLIGHT, Outcome, PlannedSaga, PurgeCandidate, Report, VersionInFlight
 from saga.session import LEDGER_PREFIX, SESSION_PREFIX
-from saga.state import HistoryEvent, OperationState, SagaState
+from saga.state import HistoryEvent, OperationKind, OperationState, SagaState
 
 _OUTCOME_EVENTS = {
     "attempt_succeeded",
@@ -116,12 +117,16 @@ def waiting_for_worker(state: SagaState, known_kinds: Collection[str]) -> bool:
     )
 
 
-def code_first(saga: str) -> str | None:
-    """What drives a runnable session or ledger channel named `saga` (no worker does);
-    None for a declared saga."""
-    if saga.startswith(SESSION_PREFIX):
+def code_first(saga: str, status: str = "running") -> str | None:
+    """What drives a runnable session or ledger channel named `saga` in `status` (no
+    worker does); None for a declared saga."""
+    session, ledger = saga.startswith(SESSION_PREFIX), saga.startswith(LEDGER_PREFIX)
+    if status == "compensating" and (session or ledger):
+        nxt = "its next entry, or " if session else ""
+        return f"compensating: {nxt}`saga compensate ID --app MODULE` finishes it"
+    if session:
         return "an open session: its next entry resumes it"
-    if saga.startswith(LEDGER_PREFIX):
+    if ledger:
         return "an open ledger channel: its callers claim its calls"
     return None
 
@@ -131,7 +136,7 @@ def _list_reason(state: SagaState, known_kinds: Collection[str]) -> str:
         return f"waiting for a worker: no live worker runs {state.saga} v{state.version}"
     if state.error:
         return one_line(cli_wording(state.error), 60)
-    driver = code_first(state.saga)
+    driver = code_first(state.saga, state.status)
     if driver is not None and state.status.is_runnable and state.lease_owner is None:
         return driver
     return "-"
@@ -471,3 +476,146 @@ def versions_json(rows: Sequence[VersionInFlight]) -> list[str]:
         )
         for r in rows
     ]
+
+
+# ----- a saga as a Mermaid diagram (`saga show ID --format mermaid`) ----------------------
+
+SpanOutcome = Literal["succeeded", "failed", "unknown", "not_called", "open"]
+# The events that end an attempt, and the outcome each records. The reconcile events end
+# one only when no outcome was recorded before (an attempt left running by a dead owner);
+# otherwise they are a later verdict on an attempt already ended as unknown.
+_SPAN_ENDS: dict[str, SpanOutcome] = {
+    "attempt_succeeded": "succeeded",
+    "attempt_failed": "failed",
+    "outcome_unknown": "unknown",
+    "attempt_not_called": "not_called",
+}
+_SPAN_LATE_ENDS: dict[str, SpanOutcome] = {
+    "reconcile_found": "succeeded",
+    "reconcile_absent": "failed",
+    "reconcile_inconclusive": "unknown",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptSpan:
+    """One attempt of an operation, from its `attempt_started` event to the event that
+    recorded its outcome (`end` is None and `outcome` "open" while none has been)."""
+
+    step: str
+    kind: OperationKind
+    attempt: int | None
+    start: datetime
+    end: datetime | None
+    outcome: SpanOutcome
+    # The outcome event's detail: `error`, `retry_in_seconds`, `reason`...
+    detail: Mapping[str, Any]
+
+
+def attempt_spans(history: Sequence[HistoryEvent]) -> list[AttemptSpan]:
+    """The attempts of a saga's operations as time spans, in the order they started,
+    read from its audit trail (oldest first, as `orch.history` returns it)."""
+    spans: list[AttemptSpan] = []
+    open_at: dict[tuple[str, OperationKind, int | None], int] = {}
+    for e in history:
+        if e.step is None:
+            continue
+        kind: OperationKind = e.kind or "action"
+        ident = (e.step, kind, e.attempt)
+        if e.event == "attempt_started":
+            open_at[ident] = len(spans)
+            spans.append(AttemptSpan(e.step, kind, e.attempt, e.at, None, "open", {}))
+            continue
+        outcome = _SPAN_ENDS.get(e.event) or _SPAN_LATE_ENDS.get(e.event)
+        index = open_at.get(ident)
+        if outcome is None or index is None:
+            continue
+        del open_at[ident]
+        started = spans[index]
+        spans[index] = AttemptSpan(
+            started.step, started.kind, started.attempt, started.start, e.at, outcome, e.detail
+        )
+    return spans
+
+
+# Tags of a Mermaid Gantt task, by the status of its operation.
+_MERMAID_TAGS = {
+    "succeeded": "done",
+    "failed": "crit",
+    "unknown": "crit, active",
+    "running": "active",
+    "pending": "active",
+}
+# What a Mermaid Gantt's title, sections and task names cannot hold: `#` starts an entity,
+# `:` ends a task's name, `;` ends a statement.
+_MERMAID_UNSAFE = re.compile(r"[#:;\r\n]+")
+
+
+def _mermaid_text(text: str) -> str:
+    return " ".join(_MERMAID_UNSAFE.sub(" ", text).split()) or "-"
+
+
+def _mermaid_ms(at: datetime) -> int:
+    return round(at.timestamp() * 1000)
+
+
+def _mermaid_axis(spans: Sequence[AttemptSpan], state: SagaState) -> str:
+    """The axis labels' format: milliseconds for a saga of seconds, dates past a day."""
+    if not spans:
+        return "%H:%M:%S"
+    last = max(state.updated_at, *(s.end or s.start for s in spans))
+    seconds = (last - spans[0].start).total_seconds()
+    if seconds < 60:
+        return "%H:%M:%S.%L"
+    return "%H:%M:%S" if seconds < 86400 else "%Y-%m-%d %H:%M"
+
+
+def mermaid(state: SagaState, history: Sequence[HistoryEvent]) -> str:
+    """The saga as a Mermaid Gantt diagram, for an incident ticket: one task per operation
+    that was attempted, from its first attempt's start to its last attempt's end (or the
+    saga's last change while one is still open), in the order the operations first ran;
+    compensations in their own section, so the reverse order they ran in shows. Comment
+    lines (`%%`) after the `gantt` header name the saga, its reason, and the operations
+    never attempted."""
+    spans = attempt_spans(history)
+    first: dict[tuple[str, OperationKind], int] = {}
+    for index, span in enumerate(spans):
+        first.setdefault((span.step, span.kind), index)
+    attempted = sorted(
+        (op for op in state.operations if (op.step, op.kind) in first),
+        key=lambda op: first[(op.step, op.kind)],
+    )
+    lines = [
+        "gantt",
+        f"    %% saga {state.id}: {state.saga} v{state.version}, tenant "
+        f"{state.tenant_id or '-'}, key {state.key}, {state.status}",
+    ]
+    if state.error:
+        lines.append(f"    %% reason: {one_line(cli_wording(state.error), 200)}")
+    title = f"{state.saga} v{state.version} · {state.key} · {state.status}"
+    lines += [
+        f"    title {_mermaid_text(title)}",
+        "    dateFormat x",
+        f"    axisFormat {_mermaid_axis(spans, state)}",
+    ]
+    section = None
+    for number, op in enumerate(attempted, start=1):
+        wanted = "Steps" if op.kind == "action" else "Compensations (in the order they ran)"
+        if wanted != section:
+            section = wanted
+            lines.append(f"    section {section}")
+        own = [s for s in spans if (s.step, s.kind) == (op.step, op.kind)]
+        start = own[0].start
+        end = own[-1].end or max(state.updated_at, start)
+        name = op.step if op.kind == "action" else f"compensate {op.step}"
+        tried = f"{op.attempts} attempt{'s' if op.attempts != 1 else ''}"
+        tags = _MERMAID_TAGS.get(str(op.status), "active")
+        lines.append(
+            f"    {_mermaid_text(f'{name} {op.status}, {tried}')} :{tags}, op{number}, "
+            f"{_mermaid_ms(start)}, {max(_mermaid_ms(end), _mermaid_ms(start) + 1)}"
+        )
+    for op in state.operations:
+        if (op.step, op.kind) not in first:
+            what = op.step if op.kind == "action" else f"compensation of {op.step}"
+            lines.append(f"    %% {what}: {op.status}, never attempted")
+    return "\n".join(lines)

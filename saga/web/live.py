@@ -1,0 +1,128 @@
+"""When the dashboard's pages may be out of date: PostgreSQL's `LISTEN/NOTIFY` and a
+cheap poll, shared by every open page.
+
+The orchestrator NOTIFYs (channel `saga_runnable`, see `saga.worker.CHANNEL`) only when a
+saga becomes runnable by any worker: a saga started, resumed by an operator, or handed
+back. A saga that completes, compensates or parks, or a step that succeeds while its
+worker keeps the lease, sends nothing. So the feed also polls, every `poll_seconds`, the
+last value of the audit events' id sequence: every transition appends an event, and that
+read costs the same however many sagas and events there are (`max(updated_at)` of the
+sagas would scan the table: no index has it). A role that may not read the sequence
+falls back to that `max(updated_at)`, and the log says what to grant instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from typing import Any
+
+import psycopg
+import structlog
+from psycopg import sql
+
+from saga.worker import CHANNEL
+
+_log = structlog.get_logger("saga.web")
+
+# Every transition appends an audit event: the sequence of their ids moves with each.
+_MARKER = sql.SQL("SELECT last_value, is_called FROM saga.events_id_seq")
+_FALLBACK_MARKER = sql.SQL("SELECT max(updated_at) FROM saga.sagas")
+# Longest wait (seconds) between two attempts to reconnect the listener.
+_RETRY_MAX_SECONDS = 5.0
+# Notifications closer together than this (seconds) wake the pages once.
+_COALESCE_SECONDS = 0.25
+
+
+class ChangeFeed:
+    """A counter that grows whenever the saga tables may have changed, and the waits of
+    the pages' streams on it. `run()` drives it (one connection, LISTEN and poll) until
+    `close()`."""
+
+    def __init__(self, database_url: str, *, poll_seconds: float = 1.0) -> None:
+        if not poll_seconds > 0 or math.isinf(poll_seconds):
+            raise ValueError(f"poll_seconds must be a positive number, got {poll_seconds!r}")
+        self._url = database_url
+        self.poll_seconds = poll_seconds
+        self.generation = 0
+        self.listening = False
+        self.closed = False
+        self._changed = asyncio.Condition()
+        self._marker = _MARKER
+
+    async def wait(self, seen: int, timeout: float) -> int:
+        """The generation once it is past `seen`, or after `timeout` seconds, or when
+        the feed closes (whichever comes first)."""
+        async with self._changed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: self.generation != seen or self.closed),
+                    timeout,
+                )
+            return self.generation
+
+    async def close(self) -> None:
+        """Stop: `run()` returns and every wait ends."""
+        self.closed = True
+        await self._bump()
+
+    async def _bump(self) -> None:
+        async with self._changed:
+            self.generation += 1
+            self._changed.notify_all()
+
+    async def run(self) -> None:
+        """LISTEN and poll until `close()`; reconnects with a bounded backoff when the
+        connection fails (the pages still refresh on their own timer meanwhile)."""
+        delay = 0.25
+        while not self.closed:
+            try:
+                await self._listen()
+            except (psycopg.Error, OSError) as exc:
+                self.listening = False
+                if self.closed:
+                    return
+                _log.warning("dashboard_listener_reconnecting", error=str(exc), in_seconds=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _RETRY_MAX_SECONDS)
+            else:
+                delay = 0.25
+
+    async def _listen(self) -> None:
+        conn = await psycopg.AsyncConnection.connect(self._url, autocommit=True)
+        async with conn:
+            await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(CHANNEL)))
+            self.listening = True
+            marker = await self._read_marker(conn)
+            await self._bump()  # anything missed while not listening
+            # A sequence value is taken before its transaction commits: after a change,
+            # wake the pages once more, so they read what has committed since.
+            settling = False
+            while not self.closed:
+                notified = False
+                async for _ in conn.notifies(timeout=self.poll_seconds, stop_after=1):
+                    notified = True
+                latest = await self._read_marker(conn)
+                changed, marker = latest != marker, latest
+                if notified or changed or settling:
+                    await self._bump()
+                settling = changed or notified
+                if notified:
+                    await asyncio.sleep(_COALESCE_SECONDS)
+
+    async def _read_marker(self, conn: psycopg.AsyncConnection[Any]) -> Any:
+        try:
+            cur = await conn.execute(self._marker)
+        except psycopg.errors.InsufficientPrivilege:
+            if self._marker is _FALLBACK_MARKER:
+                raise
+            _log.warning(
+                "dashboard_marker_fallback",
+                reason="may not read saga.events_id_seq; polling max(updated_at) of "
+                "saga.sagas instead, which scans the table",
+                fix="GRANT SELECT ON SEQUENCE saga.events_id_seq TO <the dashboard's role>",
+            )
+            self._marker = _FALLBACK_MARKER
+            cur = await conn.execute(self._marker)
+        return await cur.fetchone()

@@ -1,0 +1,127 @@
+"""`saga dashboard`: the dashboard served by uvicorn on one address until SIGINT or
+SIGTERM."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+
+import uvicorn
+
+from saga.database import describe_url
+from saga.orchestrator import Orchestrator
+from saga.web.app import LOOPBACK_HOSTS, create_app
+
+# How long open pages' streams may take to end once the server is told to stop (seconds).
+_GRACE_SECONDS = 2
+
+
+class DashboardError(Exception):
+    """The dashboard cannot be served as asked (the message says why and what to do)."""
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, stopped by SIGINT or SIGTERM as `saga worker` is: it shuts down
+    gracefully and `serve` returns (uvicorn would raise the signal again once stopped)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine only (`127.0.0.1`, `::1`, `localhost`)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on `host`:`port` (port 0: any free port); `DashboardError`
+    when the address cannot be had."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise DashboardError(f"--host {host!r} is not an address to listen on: {exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise DashboardError(
+            f"cannot listen on {host} port {port}: {exc.strerror or exc}; "
+            "pass another --port (or --port 0 for any free one)"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(
+    database_url: str | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    verbose: bool = False,
+    poll_seconds: float = 1.0,
+) -> None:
+    """Serve the read-only dashboard of the sagas in `database_url` (else
+    `SAGA_DATABASE_URL`, else the embedded PostgreSQL) on `host`:`port` until SIGINT or
+    SIGTERM. The database is checked first: unreachable, or without the saga schema, it
+    raises that error before anything listens."""
+    with Orchestrator(database_url, auto_migrate=False, pool_size=2) as probe:
+        probe.list(limit=1)
+        url = probe.database_url
+    sock = bind(host, port)
+    local = is_loopback(host)
+    app = create_app(
+        url, poll_seconds=poll_seconds, allowed_hosts=LOOPBACK_HOSTS if local else None
+    )
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    print(
+        f"saga dashboard: http://{shown}:{bound_port}/ (read-only) showing the sagas of "
+        f"{describe_url(url)}; Ctrl-C or SIGTERM stops it",
+        file=sys.stderr,
+        flush=True,
+    )
+    if not local:
+        print(
+            f"saga dashboard: warning: listening on {host}, not on this machine only; the "
+            "dashboard has no login, so whoever can reach it sees every saga's input and "
+            "results",
+            file=sys.stderr,
+            flush=True,
+        )
+    config = uvicorn.Config(
+        app,
+        log_level="info" if verbose else "warning",
+        access_log=verbose,
+        timeout_graceful_shutdown=_GRACE_SECONDS,
+        lifespan="on",
+    )
+    try:
+        _Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
+    print("saga dashboard: stopped", file=sys.stderr)
