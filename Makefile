@@ -38,6 +38,17 @@ wheel-check: $(BIN)/.installed-test
 soak: $(BIN)/.installed-test
 	PYTHONPATH=tests $(BIN)/python -m faults.soak
 
+# The documentation site (mkdocs.yml, docs/), built with --strict into site/.
+$(BIN)/.installed-docs: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[docs]'
+	touch $@
+
+.PHONY: docs
+docs: $(BIN)/.installed-docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 clean:
 	rm -rf $(VENV) dist build .pytest_cache .mypy_cache .ruff_cache .demo-pgdata .demo-pgdata.lock
 

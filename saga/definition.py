@@ -34,7 +34,7 @@ def check_name(what: str, name: str) -> str:
 class Ceilings(BaseModel):
     """Saga-wide ceilings, persisted with each instance; reaching one parks the saga.
 
-    Args:
+    Attributes:
         max_operations: Most attempts of actions and compensations together, retries
             included.
         deadline_seconds: Wall-clock time from the saga's start after which no

@@ -23,7 +23,7 @@ _DEFAULT_RETRY_ON: tuple[type[BaseException], ...] = (TransientError, Connection
 class RetryPolicy(BaseModel):
     """How often and how soon an operation is retried after a transient failure.
 
-    Args:
+    Attributes:
         max_attempts: Ceiling on attempts, the first included (persisted with the operation).
         initial_delay: Seconds before the second attempt.
         max_delay: Upper bound, in seconds, of any delay.
