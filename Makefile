@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint typecheck unit integration wheel-check soak clean
+.PHONY: demo demo-agent test lint typecheck unit integration wheel-check soak clean
 
 $(BIN)/.installed-demo: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,18 @@ DEMO_PGDATA ?= $(CURDIR)/.demo-pgdata
 
 demo: $(BIN)/.installed-demo
 	env -u SAGA_DATABASE_URL SAGA_EMBEDDED_DIR='$(DEMO_PGDATA)' $(BIN)/python examples/renewal_saga.py
+
+$(BIN)/.installed-agent: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[pydantic-ai]'
+	touch $@
+
+# A pydantic-ai refund agent, offline (a scripted model), on the demo's embedded database;
+# TICKET names the ticket (run it twice with the same one: every call replays).
+TICKET ?= T-$(shell date +%s)
+demo-agent: $(BIN)/.installed-agent
+	env -u SAGA_DATABASE_URL SAGA_EMBEDDED_DIR='$(DEMO_PGDATA)' $(BIN)/python examples/refund_agent_pydantic_ai.py --ticket '$(TICKET)'
 
 lint: $(BIN)/.installed-test
 	$(BIN)/ruff check saga tests examples

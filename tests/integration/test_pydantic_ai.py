@@ -56,7 +56,7 @@ from saga.integrations.pydantic_ai import (
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = Path(__file__).resolve().parent / "pydantic_ai_app.py"
-EXAMPLE = ROOT / "examples" / "pydantic_ai_agent.py"
+EXAMPLE = ROOT / "examples" / "refund_agent_pydantic_ai.py"
 KEY = b"the approvers' secret"
 
 

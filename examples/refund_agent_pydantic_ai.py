@@ -21,9 +21,9 @@ every call replays (the model sees the stored results; nothing is charged twice)
 providers are tables of the schema `demo_pyai` in the example's database, written by the
 tools; at the end the example counts the ticket's effects there.
 
-    python examples/pydantic_ai_agent.py --ticket T-1
-    python examples/pydantic_ai_agent.py --ticket T-1          # again: all replayed
-    python examples/pydantic_ai_agent.py --ticket T-2 --fail-permanently
+    python examples/refund_agent_pydantic_ai.py --ticket T-1
+    python examples/refund_agent_pydantic_ai.py --ticket T-1          # again: all replayed
+    python examples/refund_agent_pydantic_ai.py --ticket T-2 --fail-permanently
 
 Exit status: 0 the ticket was handled; 1 an effect happened twice (or is missing); 3 the
 refund was refused for good and the session's calls were compensated; 4 the session is
