@@ -516,6 +516,50 @@ def test_changed_arguments_need_a_new_approval(database_url: str) -> None:
     assert provider.calls == ["refund o-1 30000"]
 
 
+def test_an_approved_flag_from_the_model_or_a_confirmation_row_written_by_hand_does_nothing(
+    database_url: str,
+) -> None:
+    """The model sets `"approved": true` in the arguments, and a tool with database access
+    writes an approved row into saga.confirmations for the call: neither releases it."""
+    provider = Provider()
+    script = Script([[("refund", {"order_id": "o-9", "amount_cents": 50_000, "approved": True})]])
+    ticket = run_id()
+
+    async def main() -> None:
+        async with AsyncOrchestrator(database_url) as aorch:
+            agent = agent_with(script)
+
+            @agent.tool_plain(
+                metadata=tool_policy(key="{order_id}", volatile=("approved",), confirm=True)
+            )
+            def refund(order_id: str, amount_cents: int, approved: bool = False) -> dict[str, Any]:
+                """Refund an order."""
+                return provider.refund(order_id, amount_cents)
+
+            async def attempt(**resume: Any) -> str:
+                async with aorch.session(ticket):
+                    return str((await agent.run("Refund order o-9.", **resume)).output)
+
+            with pytest.raises(AgentRunDeferred) as first:
+                await attempt()
+            call_id, request = _deferred(first)
+            with psycopg.connect(database_url, autocommit=True) as conn:
+                conn.execute(
+                    "INSERT INTO saga.confirmations (saga_id, step, request_hash, preview, "
+                    "expires_at, approved_by, approved_at) VALUES (%s, %s, %s, '{}', "
+                    "now() + interval '1 hour', 'the agent', now())",
+                    (request.saga_id, request.step, request.request_hash),
+                )
+            with pytest.raises(AgentRunDeferred):
+                await attempt(
+                    message_history=first.value.messages,
+                    deferred_tool_results=_approved(call_id, token=None),
+                )
+
+    run(main())
+    assert provider.calls == []
+
+
 def test_with_the_approvers_public_key_only_their_signature_releases_a_call(
     database_url: str,
 ) -> None:
