@@ -68,6 +68,11 @@ Writing an adapter
 4. Approvers: `ApprovalRequest.from_metadata(...)`, then `sign_approval(key, request,
    actor=..., ttl_seconds=...)`, which first checks that the request's hash is that of
    the arguments it shows; the token goes back with the framework's approval.
+5. A framework that decides before the invocation whether a call waits for an approval
+   (a `needs_approval` hook, asked before the tool's wrapper runs) asks
+   `calls.needs_approval(...)`, shows `calls.approval_request(...)` to the approver, and
+   may check a token with `calls.approval_refused(...)` before releasing the call;
+   `ToolCalls.call` checks the token again, whatever the framework decided.
 """
 
 from __future__ import annotations
@@ -695,8 +700,9 @@ class ToolCalls:
             approval: The approval token that came with the call, if any.
 
         Returns:
-            The call's result as stored (JSON): the same on the first call and on every
-            replay.
+            The call's result as stored (JSON), its objects' keys in sorted order (the
+            database keeps them in an order of its own): the same, to its text, on the
+            first call and on every replay.
 
         Raises:
             OutsideSession: No `AsyncOrchestrator` session is active.
@@ -708,9 +714,7 @@ class ToolCalls:
         session = _active_session(tool)
         full = _json_arguments(tool, arguments)
         call = self._identify(tool, full, policy)
-        if (confirm or policy.needs_confirmation(tool, full)) and not await _succeeded(
-            session, call.operation
-        ):
+        if await self._needs_token(session, call, full, policy, confirm):
             self._check_approval(session.id, call, approval)
         pending = _Pending(execute)
         token = _PENDING.set(pending)
@@ -720,7 +724,7 @@ class ToolCalls:
             _PENDING.reset(token)
         answer = NoEffect.of_result(result)
         if answer is None:
-            return result
+            return _in_key_order(result)
         if pending.raised is not None:
             raise pending.raised  # this very call: the framework's own exception
         if self._replay_no_effect is None:
@@ -730,32 +734,113 @@ class ToolCalls:
             )
         raise self._replay_no_effect(answer)
 
-    def _check_approval(self, saga_id: str, call: ToolCall, token: str | None) -> None:
-        """Return when `token` approves `call`; raise `ApprovalNeeded` otherwise."""
+    async def needs_approval(
+        self,
+        tool: str,
+        arguments: Mapping[str, Any],
+        *,
+        policy: ToolPolicy,
+        confirm: bool = False,
+    ) -> bool:
+        """Whether this call may run only with an approval token: its confirm rule holds
+        (or `confirm`, the framework's own "needs approval"), and it has not succeeded in
+        the active session yet (a call that has replays without one). For a framework
+        that asks before the invocation; `call` decides the same way.
+
+        Raises:
+            OutsideSession: No `AsyncOrchestrator` session is active.
+            TypeError: An argument is not JSON, the key cannot be made, or the confirm
+                rule raised.
+        """
+        session = _active_session(tool)
+        full = _json_arguments(tool, arguments)
+        call = self._identify(tool, full, policy)
+        return await self._needs_token(session, call, full, policy, confirm)
+
+    async def _needs_token(
+        self,
+        session: AsyncSession,
+        call: ToolCall,
+        full: dict[str, Any],
+        policy: ToolPolicy,
+        confirm: bool,
+    ) -> bool:
+        if not (confirm or policy.needs_confirmation(call.tool, full)):
+            return False
+        return not await _succeeded(session, call.operation)
+
+    def approval_request(
+        self,
+        tool: str,
+        arguments: Mapping[str, Any],
+        *,
+        policy: ToolPolicy,
+        refused: str | None = None,
+    ) -> ApprovalRequest:
+        """What an approver of this call, in the active session, is shown and signs
+        (`refused`: why a token that came with it was refused).
+
+        Raises:
+            OutsideSession: No `AsyncOrchestrator` session is active.
+            TypeError: An argument is not JSON, or the key cannot be made.
+        """
+        session = _active_session(tool)
+        return _request(session.id, self.identify(tool, arguments, policy), refused)
+
+    def approval_refused(self, request: ApprovalRequest, token: object) -> str | None:
+        """Why `token` does not approve the call `request` shows (None: it does): it is
+        not a str, or it is forged, expired, or bound to another session, operation or
+        request hash."""
+        call = ToolCall(
+            tool=request.tool,
+            key=request.key,
+            operation=request.step,
+            arguments=request.arguments,
+            request_hash=request.request_hash,
+        )
+        return self._token_refusal(request.saga_id, call, token)
+
+    def _token_refusal(self, saga_id: str, call: ToolCall, token: object) -> str | None:
         if self.approval_key is None:
             raise SagaDefinitionError(
                 f"tool {call.tool!r}: its confirm rule holds for this call, and no approval "
                 "key was given to check an approval with; configure one (approval_key=)"
             )
+        if not isinstance(token, str):
+            return f"the approval token must be a str, got {type(token).__name__}"
+        return _refusal(self.approval_key, token, saga_id, call)
+
+    def _check_approval(self, saga_id: str, call: ToolCall, token: str | None) -> None:
+        """Return when `token` approves `call`; raise `ApprovalNeeded` otherwise."""
         refused = None
-        if token is not None:
-            if not isinstance(token, str):
-                refused = f"the approval token must be a str, got {type(token).__name__}"
-            else:
-                refused = _refusal(self.approval_key, token, saga_id, call)
+        if token is not None or self.approval_key is None:
+            refused = self._token_refusal(saga_id, call, token)
             if refused is None:
                 return
-        raise ApprovalNeeded(
-            ApprovalRequest(
-                saga_id=saga_id,
-                step=call.operation,
-                request_hash=call.request_hash,
-                tool=call.tool,
-                key=call.key,
-                arguments=call.arguments,
-                refused=refused,
-            )
-        )
+        raise ApprovalNeeded(_request(saga_id, call, refused))
+
+
+def _request(saga_id: str, call: ToolCall, refused: str | None) -> ApprovalRequest:
+    """The approval request of `call` in session `saga_id`."""
+    return ApprovalRequest(
+        saga_id=saga_id,
+        step=call.operation,
+        request_hash=call.request_hash,
+        tool=call.tool,
+        key=call.key,
+        arguments=call.arguments,
+        refused=refused,
+    )
+
+
+def _in_key_order(value: Any) -> Any:
+    """`value` (JSON) with every object's keys sorted, so that a framework that shows the
+    model a result as text shows a replay as it showed the first call."""
+    if isinstance(value, dict):
+        return {key: _in_key_order(value[key]) for key in sorted(value)}
+    if isinstance(value, list):
+        return [_in_key_order(item) for item in value]
+    return value
 
 
 def _active_session(tool: str) -> AsyncSession:

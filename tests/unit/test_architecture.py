@@ -9,6 +9,8 @@ engine and drivers, never on the orchestrators that create them.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -253,11 +255,57 @@ def test_each_integration_imports_its_own_framework_only(path: Path) -> None:
     own = {path.stem} if path.stem in AGENT_FRAMEWORKS else set()
     if path.stem == "pydantic_ai":
         own |= {"pydantic_graph"}
+    if path.stem == "openai_agents":
+        own |= {"agents"}  # the SDK's import name; it brings `openai`, which we do not import
     assert frameworks <= own, (path.name, sorted(frameworks - own))
 
 
+@pytest.mark.parametrize("path", sorted(INTEGRATIONS.glob("*.py")), ids=lambda p: p.stem)
+def test_integrations_share_only_the_framework_free_core(path: Path) -> None:
+    """An integration builds on `_tool_calls`, never on another framework's integration
+    (installing one extra must be enough to import its module)."""
+    others = {
+        f"saga.integrations.{other.stem}"
+        for other in INTEGRATIONS.glob("*.py")
+        if other.stem not in {path.stem, "__init__", "_tool_calls"}
+    }
+    assert not _all_imports(path) & others, path.name
+
+
+def test_importing_the_core_loads_no_agent_framework() -> None:
+    """At run time too: a process that imports every module of the core package (the
+    frameworks installed or not) has loaded none of them."""
+    modules = [
+        "saga",
+        *sorted(
+            f"saga.{path.stem}"
+            for path in PACKAGE.glob("*.py")
+            if path.stem not in {"__init__", "__main__"}  # __main__ runs the command
+        ),
+    ]
+    code = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {sorted(AGENT_FRAMEWORKS)!r}"
+        " or m.startswith('saga.integrations')))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=PACKAGE.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
+
+
 def test_the_integration_checks_see_what_they_look_for() -> None:
-    """The walker finds the pydantic-ai integration's imports, and the core's."""
+    """The walker finds the integrations' imports, and the core's."""
     assert "pydantic_ai" in _all_imports(INTEGRATIONS / "pydantic_ai.py")
     assert "saga.integrations._tool_calls" in _all_imports(INTEGRATIONS / "pydantic_ai.py")
+    assert "agents" in _all_imports(INTEGRATIONS / "openai_agents.py")
+    assert "saga.integrations._tool_calls" in _all_imports(INTEGRATIONS / "openai_agents.py")
     assert "saga.durable" in _all_imports(INTEGRATIONS / "_tool_calls.py")

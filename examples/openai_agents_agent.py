@@ -1,0 +1,422 @@
+"""An OpenAI Agents SDK support agent whose tool calls are operations of a session.
+
+An exchange ticket: the customer paid 129 EUR for a blue kettle and wants the red one
+(139 EUR). An Agents SDK `Agent` handles it with three function tools, in one session per
+ticket (`async with aorch.session(ticket_id)`), made durable by `DurableTools`:
+
+1. `charge_card(order_id, amount_cents)` charges the red kettle first; keyed on the
+   order (never on the model's `call_id`); its compensation refunds the charge.
+2. `refund_payment(payment_id, amount_cents, reason)` refunds the blue one; keyed on the
+   payment, the reason is volatile (the model words it anew on every turn); the
+   provider dedupes on the call's key (`idempotent=True`). A refund of 100 EUR or more
+   waits for an approval signed for exactly this call (`confirm=`): the run stops
+   (`AgentRunInterrupted`), the session stays open, an approver signs the call's request
+   hash, and the run resumed from its `RunState` with the token makes the refund.
+3. `send_email(to, template, order_id)` confirms the exchange.
+
+No model service is needed, nor an OpenAI key: the model is a `Model` of the SDK playing
+a script that looks at what the tools returned so far and asks for the next call, with a
+fresh `call_id` every turn, as a real model does; tracing is off. Run it again with the
+same ticket and every call replays (the model sees the stored results; nothing is charged
+twice). The providers are tables of the schema `demo_oai` in the example's database,
+written by the tools; at the end the example counts the ticket's effects there.
+
+    python examples/openai_agents_agent.py --ticket T-1
+    python examples/openai_agents_agent.py --ticket T-1          # again: all replayed
+    python examples/openai_agents_agent.py --ticket T-2 --fail-permanently
+
+Exit status: 0 the ticket was handled; 1 an effect happened twice (or is missing); 3 the
+refund was refused for good and the session's calls were compensated; 4 the session is
+parked for a human; 5 another process holds the session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import structlog
+from agents import (
+    Agent,
+    Model,
+    ModelResponse,
+    ModelSettings,
+    ModelTracing,
+    RunState,
+    Tool,
+    TResponseInputItem,
+    Usage,
+    set_tracing_disabled,
+)
+from openai.types.responses import (
+    ResponseFunctionToolCall,
+    ResponseOutputMessage,
+    ResponseOutputText,
+)
+
+from saga import (
+    AsyncOrchestrator,
+    PermanentError,
+    RetryPolicy,
+    SessionBusy,
+    SessionParked,
+    StepContext,
+    current_context,
+)
+from saga.integrations.openai_agents import (
+    AgentRunInterrupted,
+    DurableTools,
+    sign_approval,
+)
+
+EXIT_BAD_EFFECTS, EXIT_COMPENSATED, EXIT_PARKED, EXIT_BUSY = 1, 3, 4, 5
+# The approvers' secret. A real deployment keeps it with the approvers' service (or signs
+# with an ApprovalSigner there, and gives the agent's process its ApprovalVerifier only).
+APPROVERS_KEY = b"demo approvers' secret"
+APPROVAL_FROM_CENTS = 10_000
+
+PROVIDER_SCHEMA = """
+CREATE SCHEMA IF NOT EXISTS demo_oai;
+CREATE TABLE IF NOT EXISTS demo_oai.charges (
+    charge_id text PRIMARY KEY, idempotency_key text UNIQUE NOT NULL, order_id text NOT NULL,
+    amount_cents int NOT NULL);
+CREATE TABLE IF NOT EXISTS demo_oai.refunds (
+    refund_id text PRIMARY KEY, idempotency_key text UNIQUE NOT NULL, paid_by text NOT NULL,
+    amount_cents int NOT NULL);
+CREATE TABLE IF NOT EXISTS demo_oai.emails (
+    message_id text PRIMARY KEY, idempotency_key text UNIQUE NOT NULL, order_id text NOT NULL);
+"""
+
+set_tracing_disabled(True)
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def key_of_call() -> str:
+    ctx = current_context()
+    assert ctx is not None, "the tools run inside the ticket's session"
+    return ctx.idempotency_key
+
+
+class Providers:
+    """The card and mail providers; each dedupes on the idempotency key it is given."""
+
+    conn: psycopg.AsyncConnection[tuple[Any, ...]]
+    refuse_refunds = False
+
+    async def connect(self, url: str) -> None:
+        self.conn = await psycopg.AsyncConnection.connect(url, autocommit=True)
+        await self.conn.execute(PROVIDER_SCHEMA)
+
+    async def once(self, table: str, id_column: str, key: str, row: dict[str, Any]) -> str:
+        """Insert `row` under `key` unless one is there; the id of the row under `key`."""
+        columns = [id_column, "idempotency_key", *row]
+        new_id = f"{table[:2]}_{uuid.uuid4().hex[:8]}"
+        query = (
+            f"INSERT INTO demo_oai.{table} ({', '.join(columns)}) VALUES "
+            f"({', '.join(['%s'] * len(columns))}) ON CONFLICT (idempotency_key) DO NOTHING"
+        )
+        await self.conn.execute(query.encode(), (new_id, key, *row.values()))
+        cursor = await self.conn.execute(
+            f"SELECT {id_column} FROM demo_oai.{table} WHERE idempotency_key = %s".encode(),
+            (key,),
+        )
+        found = await cursor.fetchone()
+        assert found is not None
+        return str(found[0])
+
+    async def count(self, query: str, value: str) -> int:
+        cursor = await self.conn.execute(query.encode(), (value,))
+        row = await cursor.fetchone()
+        return int(row[0]) if row else 0
+
+
+providers = Providers()
+
+
+# ----- the tools ---------------------------------------------------------------------------------
+
+
+async def refund_charge(ctx: StepContext, result: Any, arguments: dict[str, Any]) -> None:
+    """Compensation of charge_card: refund the charge."""
+    paid_by = result["charge_id"] if result else arguments["order_id"]
+    refund_id = await providers.once(
+        "refunds",
+        "refund_id",
+        ctx.idempotency_key,
+        {"paid_by": paid_by, "amount_cents": arguments["amount_cents"]},
+    )
+    say(f"    compensation: charge {paid_by} refunded ({refund_id})")
+
+
+durable = DurableTools("exchange_agent_oai", approval_key=APPROVERS_KEY)
+
+
+@durable.tool(
+    key="{order_id}",
+    idempotent=True,
+    compensate=refund_charge,
+    compensation_idempotent=True,
+    compensation_retry=RetryPolicy(max_attempts=5),
+)
+async def charge_card(order_id: str, amount_cents: int) -> dict[str, Any]:
+    """Charge the customer's card for an order."""
+    charge_id = await providers.once(
+        "charges",
+        "charge_id",
+        key_of_call(),
+        {"order_id": order_id, "amount_cents": amount_cents},
+    )
+    say(f"    card provider: charged {amount_cents} cents for {order_id} ({charge_id})")
+    return {"charge_id": charge_id, "amount_cents": amount_cents}
+
+
+@durable.tool(
+    key="{payment_id}",
+    volatile=("reason",),
+    idempotent=True,
+    confirm=lambda arguments: arguments["amount_cents"] >= APPROVAL_FROM_CENTS,
+)
+async def refund_payment(payment_id: str, amount_cents: int, reason: str) -> dict[str, Any]:
+    """Refund a payment."""
+    if providers.refuse_refunds:
+        raise PermanentError(f"the card provider refuses to refund {payment_id}: disputed")
+    refund_id = await providers.once(
+        "refunds",
+        "refund_id",
+        key_of_call(),
+        {"paid_by": payment_id, "amount_cents": amount_cents},
+    )
+    say(f"    card provider: refunded {amount_cents} cents of {payment_id} ({refund_id})")
+    return {"refund_id": refund_id, "amount_cents": amount_cents}
+
+
+@durable.tool(key="{template}/{order_id}", idempotent=True)
+async def send_email(to: str, template: str, order_id: str) -> dict[str, Any]:
+    """Send the customer an email."""
+    message_id = await providers.once("emails", "message_id", key_of_call(), {"order_id": order_id})
+    say(f"    mail provider: sent {template!r} to {to} ({message_id})")
+    return {"message_id": message_id}
+
+
+# ----- the model: a script -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ticket:
+    id: str
+    customer: str = "ana@example.com"
+    paid_cents: int = 12_900
+    new_cents: int = 13_900
+
+    @property
+    def payment_id(self) -> str:
+        return f"pay-{self.id}-blue"
+
+    @property
+    def new_order(self) -> str:
+        return f"o-{self.id}-red"
+
+
+class ScriptedModel(Model):
+    """The model: the next tool call from what the tools returned so far."""
+
+    def __init__(self, ticket: Ticket) -> None:
+        self.ticket = ticket
+
+    async def get_response(
+        self,
+        system_instructions: str | None,
+        input: str | list[TResponseInputItem],
+        model_settings: ModelSettings,
+        tools: list[Tool],
+        output_schema: Any,
+        handoffs: list[Any],
+        tracing: ModelTracing,
+        **kwargs: Any,
+    ) -> ModelResponse:
+        items = [dict(item) for item in input] if isinstance(input, list) else []
+        names = {i["call_id"]: i["name"] for i in items if i.get("type") == "function_call"}
+        done = {
+            names[i["call_id"]]: i["output"]
+            for i in items
+            if i.get("type") == "function_call_output" and i["call_id"] in names
+        }
+        ticket = self.ticket
+        arguments: dict[str, Any]
+        if "charge_card" not in done:
+            name, arguments = (
+                "charge_card",
+                {
+                    "order_id": ticket.new_order,
+                    "amount_cents": ticket.new_cents,
+                },
+            )
+        elif "refund_payment" not in done:
+            reason = f"exchange, worded {uuid.uuid4().hex[:4]}"  # reworded every turn
+            name, arguments = (
+                "refund_payment",
+                {
+                    "payment_id": ticket.payment_id,
+                    "amount_cents": ticket.paid_cents,
+                    "reason": reason,
+                },
+            )
+        elif "send_email" not in done:
+            name, arguments = (
+                "send_email",
+                {
+                    "to": ticket.customer,
+                    "template": "exchanged",
+                    "order_id": ticket.new_order,
+                },
+            )
+        else:
+            text = ResponseOutputText(
+                type="output_text", text=f"Exchanged: {done['refund_payment']}", annotations=[]
+            )
+            answer = ResponseOutputMessage(
+                id=f"msg_{uuid.uuid4().hex[:8]}",
+                type="message",
+                role="assistant",
+                status="completed",
+                content=[text],
+            )
+            return ModelResponse(output=[answer], usage=Usage(), response_id=None)
+        call = ResponseFunctionToolCall(
+            type="function_call",
+            name=name,
+            arguments=json.dumps(arguments),
+            call_id=f"call_{uuid.uuid4().hex[:10]}",
+            id=f"fc_{uuid.uuid4().hex[:10]}",
+            status="completed",
+        )
+        say(f"  model asks {name}({arguments})  [{call.call_id}]")
+        return ModelResponse(output=[call], usage=Usage(), response_id=None)
+
+    def stream_response(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        raise NotImplementedError("the scripted model does not stream")
+
+
+# ----- handling a ticket -------------------------------------------------------------------------
+
+
+async def handle(aorch: AsyncOrchestrator, ticket: Ticket) -> tuple[str, int, int]:
+    """Run the agent on the ticket until it is done, getting approvals on the way; the
+    session's status, and how many calls ran and replayed."""
+    agent = Agent(
+        name="exchange_agent",
+        instructions="Exchange the customer's kettle.",
+        model=ScriptedModel(ticket),
+        tools=[charge_card, refund_payment, send_email],
+    )
+    resume: RunState[Any] | None = None
+    tokens: dict[str, str] = {}
+    executed = replayed = 0
+    while True:
+        session = aorch.session(ticket.id, wait_seconds=15)
+        try:
+            async with session as run:
+                say(f"Session {ticket.id!r} (saga {run.id}):")
+                if resume is None:
+                    result = await durable.run(agent, "Exchange the blue kettle for the red one.")
+                else:
+                    result = await durable.run(agent, resume, approvals=tokens)
+                say(f"  agent: {result.final_output}")
+            return "completed", executed + run.executed, replayed + run.replayed
+        except AgentRunInterrupted as interrupted:
+            executed, replayed = executed + session.executed, replayed + session.replayed
+            tokens = {}
+            for call_id, request in interrupted.approval_requests().items():
+                say(f"  waits for approval: {request.tool}({request.arguments})")
+                say(f"    request hash {request.request_hash[:16]}... (session {request.saga_id})")
+                tokens[call_id] = sign_approval(
+                    APPROVERS_KEY, request, actor="lead@example.com", ttl_seconds=3600
+                )
+                say("  lead@example.com signs an approval of exactly this request")
+            resume = interrupted.state()
+
+
+async def count_effects(ticket: Ticket) -> dict[str, int]:
+    """The ticket's effects at the providers, counted by business fields."""
+    count = providers.count
+    return {
+        "charges": await count(
+            "SELECT count(*) FROM demo_oai.charges WHERE order_id = %s", ticket.new_order
+        ),
+        "refunds of the payment": await count(
+            "SELECT count(*) FROM demo_oai.refunds WHERE paid_by = %s", ticket.payment_id
+        ),
+        "refunds of the charge": await count(
+            "SELECT count(*) FROM demo_oai.refunds r JOIN demo_oai.charges c"
+            " ON r.paid_by = c.charge_id WHERE c.order_id = %s",
+            ticket.new_order,
+        ),
+        "emails": await count(
+            "SELECT count(*) FROM demo_oai.emails WHERE order_id = %s", ticket.new_order
+        ),
+    }
+
+
+async def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    parser.add_argument("--database-url", help="default: SAGA_DATABASE_URL, else embedded")
+    parser.add_argument("--ticket", default="T-1", help="the ticket's id (default: T-1)")
+    parser.add_argument(
+        "--fail-permanently",
+        action="store_true",
+        help="the provider refuses the refund for good: the charge is compensated",
+    )
+    args = parser.parse_args(argv)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    providers.refuse_refunds = args.fail_permanently
+    ticket = Ticket(args.ticket)
+    async with AsyncOrchestrator(args.database_url, lease_seconds=5) as aorch:
+        await providers.connect(aorch.database_url)
+        try:
+            status, executed, replayed = await handle(aorch, ticket)
+            failure = None
+        except PermanentError as exc:
+            status, executed, replayed, failure = "compensated", 0, 0, exc
+        except SessionParked as exc:
+            say(f"The session needs a human: {exc}")
+            return EXIT_PARKED
+        except SessionBusy as exc:
+            say(f"Another process holds the session: {exc}")
+            return EXIT_BUSY
+        effects = await count_effects(ticket)
+        await providers.conn.close()
+    say()
+    say(f"Ticket {ticket.id}: {status}; calls executed {executed}, replayed {replayed}")
+    say("  effects: " + ", ".join(f"{name} {n}" for name, n in effects.items()))
+    twice = [name for name, n in effects.items() if n > 1]
+    expected = {"charges": 1, "refunds of the payment": 1, "refunds of the charge": 0, "emails": 1}
+    if failure is not None:  # the new charge refunded, the old payment kept
+        expected = {
+            "charges": 1,
+            "refunds of the payment": 0,
+            "refunds of the charge": 1,
+            "emails": 0,
+        }
+    if twice or effects != expected:
+        print(f"FAILED: effects {effects}, expected {expected}", file=sys.stderr, flush=True)
+        return EXIT_BAD_EFFECTS
+    say("  no effect happened twice")
+    if failure is not None:
+        say(f"The refund failed for good ({failure}): the session's calls were compensated.")
+        return EXIT_COMPENSATED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
