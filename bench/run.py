@@ -8,13 +8,16 @@ Environment:
     BENCH_SAGAS            sagas per throughput run (default 2000)
     BENCH_ROUNDS           interleaved rounds of the throughput rows (default 3)
     BENCH_ROWS             which throughput rows to run (default all): comma-separated
-                           row keys (pg1, floor, ours_seq, async_seq, sess_seq, dbos_seq,
-                           w2x4, w1x8, aw1x8, aw1x64, sess_a8, dbos_c8, pg8) or groups: all;
+                           row keys (pg1, floor, ours_seq, otel_seq, async_seq, sess_seq,
+                           dbos_seq, w2x4, w1x8, aw1x8, aw1x64, sess_a8, dbos_c8, pg8) or
+                           groups: all;
                            sync (the rows before the async ones); async (the async rows and
                            the sync rows they are compared with: ours_seq, async_seq, w2x4,
                            w1x8, aw1x8, aw1x64); async-only; sessions (the session rows and
                            the declared-saga rows beside them: ours_seq, sess_seq, aw1x8,
-                           sess_a8). The recovery, claim-latency and profile runs and the
+                           sess_a8); otel (ours_seq and otel_seq, the same run with the
+                           OpenTelemetry SDK exporting to memory). The recovery,
+                           claim-latency and profile runs and the
                            targets come only with every sync row; a run of some rows writes
                            results/partial.txt and .json instead of latest.*
     BENCH_PGBENCH_SECONDS  duration of each pgbench run (default 10)
@@ -32,6 +35,11 @@ AsyncOrchestrator` fails.
 The session rows (sess_seq, sess_a8) run N sessions of 3 durable-step calls instead of N
 sagas: `Orchestrator.session` one after another, and `AsyncOrchestrator.session` from 8
 tasks of one event loop; their sagas/s and commits/saga are per session.
+
+The otel_seq row is the sequential execute() row with the OpenTelemetry SDK configured
+as an application would (spans through a BatchSpanProcessor to an in-memory exporter,
+metrics to an in-memory reader, each execute() inside a request span): what traces and
+metrics cost, against ours_seq without them.
 
 Quick try of the async rows alone:
     BENCH_ROWS=async BENCH_ROUNDS=1 BENCH_SAGAS=500 make bench
@@ -257,6 +265,46 @@ def ours_sequential(server: Server, n: int, tag: str) -> Row:
         r["rss_mb"],
         extra={"cpu_ms_per_saga": r["cpu_s"] * 1000.0 / n},
     )
+
+
+def ours_otel_sequential(server: Server, n: int, tag: str) -> Row:
+    """The sequential execute() row with the OpenTelemetry SDK at work (spans and
+    metrics exported to memory)."""
+    url = migrated(server, f"ours_otel_{tag}")
+    r, commits = measured(server, url, n, "ours_sequential", {"url": url, "n": n, "otel": True})
+    check(r, n)
+    if r["spans_exported"] < 4 * n:  # saga.run and three saga.step spans per saga
+        raise RuntimeError(f"only {r['spans_exported']} spans exported for {n} sagas")
+    return Row(
+        "saga-orchestrator",
+        "sequential, execute(), OpenTelemetry SDK",
+        n / r["elapsed"],
+        commits,
+        r["p50_ms"],
+        r["p99_ms"],
+        r["rss_mb"],
+        extra={
+            "cpu_ms_per_saga": r["cpu_s"] * 1000.0 / n,
+            "spans_exported": r["spans_exported"],
+            "metric_points": r["metric_points"],
+        },
+    )
+
+
+def otel_report(b: dict[str, Row]) -> tuple[list[str], dict[str, float]]:
+    """The note and ratio of the OpenTelemetry row, beside the row without it."""
+    if "otel_seq" not in b or "ours_seq" not in b:
+        return [], {}
+    on, off = b["otel_seq"], b["ours_seq"]
+    ratio = on.per_second / off.per_second
+    return [
+        "- OpenTelemetry: the sequential execute() row with the SDK configured (spans through "
+        "a BatchSpanProcessor to an in-memory exporter, metrics to an in-memory reader, each "
+        f"execute() in a request span; {on.extra['spans_exported']:,} spans exported): "
+        f"{on.per_second:,.0f} against {off.per_second:,.0f} sagas/s without = {ratio:.2f}x; "
+        f"client CPU {on.extra['cpu_ms_per_saga']:.2f} against "
+        f"{off.extra['cpu_ms_per_saga']:.2f} ms per saga"
+    ], {"otel_sequential_vs_sequential": ratio}
 
 
 def ours_async_sequential(server: Server, n: int, tag: str) -> Row:
@@ -581,6 +629,7 @@ ROW_ORDER = (
     "pg1",
     "floor",
     "ours_seq",
+    "otel_seq",
     "async_seq",
     "sess_seq",
     "dbos_seq",
@@ -600,6 +649,7 @@ ROW_GROUPS = {
     "async": ("ours_seq", "async_seq", "w2x4", "w1x8", "aw1x8", "aw1x64"),
     "async-only": ASYNC_ROWS,
     "sessions": ("ours_seq", "sess_seq", "aw1x8", "sess_a8"),
+    "otel": ("ours_seq", "otel_seq"),
 }
 
 
@@ -607,6 +657,15 @@ def async_available() -> str | None:
     """None when AsyncOrchestrator and AsyncWorker import; else why not."""
     try:
         from saga import AsyncOrchestrator, AsyncWorker  # noqa: F401
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
+def otel_available() -> str | None:
+    """None when the OpenTelemetry SDK imports (bench/requirements.txt); else why not."""
+    try:
+        import opentelemetry.sdk.trace  # noqa: F401
     except ImportError as exc:
         return str(exc)
     return None
@@ -624,6 +683,9 @@ def selected_rows() -> list[str]:
             if word == "all" and (why := async_available()) is not None:
                 log(f"async rows left out: {why}")
                 group = SYNC_ROWS
+            if word == "all" and (why := otel_available()) is not None:
+                log(f"OpenTelemetry row left out: {why}")
+                group = tuple(k for k in group if k != "otel_seq")
             wanted.update(group)
         elif word in ROW_ORDER:
             wanted.add(word)
@@ -711,6 +773,9 @@ def partial_report(
     rows = [b[k] for k in ROW_ORDER if k in b]
     notes, ratios = async_report(b)
     notes += session_report(b)
+    otel_notes, otel_ratios = otel_report(b)
+    notes += otel_notes
+    ratios.update(otel_ratios)
     out = [
         f"N = {report['n']} sagas of {STEPS} no-op steps, best of {report['rounds']} "
         f"interleaved rounds; rows {', '.join(k for k in ROW_ORDER if k in b)}; "
@@ -750,7 +815,7 @@ def main() -> None:
     began = time.monotonic()
     quiet_logs()
     chosen = selected_rows()
-    full = all(k in chosen for k in SYNC_ROWS)
+    full = all(k in chosen for k in SYNC_ROWS if k != "otel_seq")
     if any(k in chosen for k in ASYNC_ROWS) and (why := async_available()) is not None:
         raise SystemExit(f"the async rows need AsyncOrchestrator and AsyncWorker: {why}")
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -782,6 +847,7 @@ def main() -> None:
             "pg1": lambda: pgbench(server, 1, pgbench_seconds, tag),
             "floor": lambda: floor(server, n, tag),
             "ours_seq": lambda: ours_sequential(server, n, tag),
+            "otel_seq": lambda: ours_otel_sequential(server, n, tag),
             "async_seq": lambda: ours_async_sequential(server, n, tag),
             "sess_seq": lambda: ours_sessions(server, n, tag),
             "dbos_seq": lambda: dbos(server, n, 1, tag),
@@ -869,7 +935,7 @@ def main() -> None:
     best_workers = max((w2x4, w1x8), key=lambda r: r.per_second)
     rows = [ours_seq, w2x4, w1x8, dbos_seq, dbos_c8, b["floor"], pg1, pg8]
     # The async rows, when they ran, after the sync ones they are compared with.
-    rows[1:1] = [b[k] for k in ("async_seq",) if k in b]
+    rows[1:1] = [b[k] for k in ("otel_seq", "async_seq") if k in b]
     at = rows.index(w1x8) + 1
     rows[at:at] = [b[k] for k in ("aw1x8", "aw1x64") if k in b]
     # The session rows after the declared sagas' rows of this project.
@@ -930,6 +996,8 @@ def main() -> None:
     out.append("- peak RSS: ru_maxrss of the measuring process (workers: the largest process)")
     out.extend(line for line in async_notes if line and not line.startswith("async ratios"))
     out.extend(session_report(b))
+    otel_notes, otel_ratios = otel_report(b)
+    out.extend(otel_notes)
     out.append("")
     out.append(
         f"ratios: sequential ours/DBOS = {ratios['sequential_vs_dbos']:.2f}x; "
@@ -943,6 +1011,7 @@ def main() -> None:
     out.extend(line for line in async_notes if line.startswith("async ratios"))
     out.extend(memory_lines(probes))
     ratios.update(async_ratios)
+    ratios.update(otel_ratios)
     out.append("")
     for rec in (recovery_default, recovery_short):
         out.append(

@@ -14,6 +14,7 @@ The async scenarios (`ours_async_sequential`, `async_worker`, `ours_workers` wit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -189,11 +190,17 @@ class RoundTrips:
 
 
 def ours_sequential(args: Result) -> Result:
-    """N sagas one after another in this process, each with execute() (start and drive)."""
+    """N sagas one after another in this process, each with execute() (start and drive).
+
+    With `"otel": true`, the OpenTelemetry SDK is configured first, as an application
+    would: spans through a BatchSpanProcessor to an in-memory exporter, metrics to an
+    in-memory reader (collected at the end), and each execute() inside a request span of
+    its own, whose trace context the saga stores."""
     saga = noop_saga()
     n = int(args["n"])
     latencies: list[float] = []
     trips = RoundTrips() if args.get("count_round_trips") else None
+    otel = _OpenTelemetry() if args.get("otel") else None
     with Orchestrator(args["url"], sagas=[saga], auto_migrate=False) as orch:
         orch.store  # connect before the clock starts  # noqa: B018
         if trips is not None:
@@ -202,7 +209,8 @@ def ours_sequential(args: Result) -> Result:
         started, cpu0 = time.perf_counter(), time.process_time()
         for i in range(n):
             t0 = time.perf_counter()
-            state = orch.execute(saga, Item(id=f"seq-{i}"))
+            with otel.request() if otel is not None else contextlib.nullcontext():
+                state = orch.execute(saga, Item(id=f"seq-{i}"))
             latencies.append(time.perf_counter() - t0)
             if state.status != "completed":
                 raise RuntimeError(f"saga {state.id} ended {state.status}")
@@ -210,10 +218,51 @@ def ours_sequential(args: Result) -> Result:
         if profiler is not None:
             _write_profile(profiler, Path(args["profile"]))
     result: Result = {"elapsed": elapsed, "completed": n, "cpu_s": cpu, **percentiles(latencies)}
+    if otel is not None:
+        result.update(otel.exported())
     if trips is not None:
         result["round_trips_per_saga"] = trips.count / n
         result["psycopg_waits_per_saga"] = trips.waits / n
     return result
+
+
+class _OpenTelemetry:
+    """The OpenTelemetry SDK as an application configures it, exporting to memory."""
+
+    def __init__(self) -> None:
+        from opentelemetry import metrics, trace
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+            InMemorySpanExporter,
+        )
+
+        self.spans = InMemorySpanExporter()
+        self.provider = TracerProvider()
+        self.provider.add_span_processor(BatchSpanProcessor(self.spans))
+        trace.set_tracer_provider(self.provider)
+        self.reader = InMemoryMetricReader()
+        metrics.set_meter_provider(MeterProvider(metric_readers=[self.reader]))
+        self.tracer = trace.get_tracer("bench")
+
+    def request(self) -> contextlib.AbstractContextManager[Any]:
+        """The span of the request that runs one saga."""
+        return self.tracer.start_as_current_span("request")
+
+    def exported(self) -> Result:
+        """How many spans were exported and metric points collected (the check that the
+        SDK was at work)."""
+        self.provider.force_flush()
+        data = self.reader.get_metrics_data()
+        points = sum(
+            len(metric.data.data_points)
+            for resource in (data.resource_metrics if data is not None else ())
+            for scope in resource.scope_metrics
+            for metric in scope.metrics
+        )
+        return {"spans_exported": len(self.spans.get_finished_spans()), "metric_points": points}
 
 
 # ----- sessions of durable steps --------------------------------------------------------------

@@ -22,6 +22,7 @@ from saga.errors import StepStateError
 from saga.protocol import ConfirmationRow, Event, OpRow, SagaRow, Write
 from saga.state import Confirmation, HistoryEvent, SagaState, WorkerInfo
 from saga.store import (
+    DatabaseGauges,
     Loaded,
     _confirmation_row,
     _dumps,
@@ -31,6 +32,7 @@ from saga.store import (
     _state,
     _write,
     approval_params,
+    gauges_of,
     ledger_params,
     loaded_from_rows,
     refusal_of,
@@ -291,6 +293,13 @@ class AsyncStore:
             cur = await conn.execute(_q("own_claim"), {"owner": owner, "token": token})
             row = await cur.fetchone()
         return None if row is None else (row["id"], row["name"], int(row["version"]))
+
+    async def database_gauges(self) -> list[DatabaseGauges]:
+        """What the telemetry's gauges report of the database, per saga name."""
+        async with self._connection() as conn:
+            cur = await conn.execute(_q("database_gauges"))
+            rows = await cur.fetchall()
+        return gauges_of(rows)
 
     # ----- the ledger ------------------------------------------------------------------
 

@@ -8,13 +8,14 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any, Protocol
 
 import psycopg
 from psycopg import sql
 
+from saga import telemetry
 from saga.adriver import AsyncRunner
 from saga.astore import AsyncStore
 from saga.dbretry import is_transient
@@ -22,6 +23,7 @@ from saga.definition import Saga
 from saga.flow import describe_error
 from saga.logs import get_logger
 from saga.protocol import Next, Planner
+from saga.store import DatabaseGauges
 from saga.worker import CHANNEL, check_settings
 
 _log = get_logger("saga.worker")
@@ -151,10 +153,17 @@ class AsyncWorker:
             handle_signals = _in_main_thread()
         _log.info("worker_started", owner=orch.owner, concurrency=self.concurrency, kinds=kinds)
         listener = asyncio.create_task(self._listen(orch.database_url), name="saga-listener")
+        # While it runs, the metrics' gauges read the database this worker drives.
+        unwatch = telemetry.watch_database(
+            orch.database_url,
+            _gauges_reader(await orch.store(), self._loop),
+            [s.name for s in orch.registered()],
+        )
         try:
             with self._signals(handle_signals):
                 await self._claim_loop(runner, kinds, until_idle)
         finally:
+            unwatch()
             self._stopping.set()
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -315,6 +324,30 @@ class AsyncWorker:
         finally:
             for signum in installed:
                 loop.remove_signal_handler(signum)
+
+
+# Longest wait (seconds) of a metrics collection for the worker's loop to read the gauges.
+_GAUGES_TIMEOUT_SECONDS = 5.0
+
+
+def _gauges_reader(
+    store: AsyncStore, loop: asyncio.AbstractEventLoop
+) -> Callable[[], list[DatabaseGauges]]:
+    """What reads the gauges for a metrics collection (made in another thread, the
+    exporter's): the query is run on the worker's loop, whose pool it uses. A collection
+    made on the loop itself reads nothing rather than wait for itself."""
+
+    def read() -> list[DatabaseGauges]:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            return []
+        future = asyncio.run_coroutine_threadsafe(store.database_gauges(), loop)
+        return future.result(timeout=_GAUGES_TIMEOUT_SECONDS)
+
+    return read
 
 
 def _in_main_thread() -> bool:

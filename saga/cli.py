@@ -117,6 +117,18 @@ def _amount(text: str) -> float:
     return value
 
 
+def _listen_address(text: str) -> tuple[str, int]:
+    """(host, port) of `[HOST:]PORT`; host "" (every interface) when not given."""
+    host, _, port = text.rpartition(":")
+    try:
+        number = int(port)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected [HOST:]PORT, got {text!r}") from None
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be from 0 to 65535, got {number}")
+    return host.strip("[]"), number
+
+
 def _status(text: str) -> str:
     try:
         return SagaStatus(text).value
@@ -182,6 +194,13 @@ def _parser() -> argparse.ArgumentParser:
 
     worker = add("worker", "run a worker until SIGTERM or SIGINT, then stop gracefully", app)
     worker.add_argument("--concurrency", type=_positive, default=4, help="sagas at once (4)")
+    worker.add_argument(
+        "--metrics-port",
+        type=_listen_address,
+        metavar="[HOST:]PORT",
+        help="serve OpenTelemetry metrics for Prometheus at http://HOST:PORT/metrics (every "
+        "interface unless HOST is given; port 0 takes a free one); needs the otel extra",
+    )
 
     listing = add("list", "list sagas, newest first")
     listing.add_argument("--status", type=_status, help="only sagas in this status")
@@ -698,6 +717,8 @@ def _migrate(args: argparse.Namespace) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     orch = load_app(args.app, args.database_url)
+    if args.metrics_port is not None:
+        _serve_metrics(*args.metrics_port)
     if isinstance(orch, AsyncOrchestrator):
         return asyncio.run(_async_worker(orch, args.concurrency))
     with orch:
@@ -712,6 +733,21 @@ def _worker(args: argparse.Namespace) -> int:
         orch.worker(concurrency=args.concurrency).run()
     print(f"worker {orch.owner}: stopped", file=sys.stderr)
     return EXIT_OK
+
+
+def _serve_metrics(host: str, port: int) -> None:
+    """`saga worker --metrics-port`: serve the process's metrics for Prometheus (see
+    `saga.telemetry.serve_prometheus`) before the worker starts."""
+    from saga.telemetry import MetricsUnavailable, serve_prometheus
+
+    try:
+        bound = serve_prometheus(port, host)
+    except MetricsUnavailable as exc:
+        raise UsageError(f"--metrics-port: {exc}") from None
+    except OSError as exc:
+        raise UsageError(f"--metrics-port: cannot listen on {host or '*'}:{port}: {exc}") from None
+    shown = f"[{host}]" if ":" in host else host or "0.0.0.0"
+    print(f"metrics for Prometheus at http://{shown}:{bound}/metrics", file=sys.stderr, flush=True)
 
 
 async def _async_worker(orch: AsyncOrchestrator, concurrency: int) -> int:

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from saga import approvals, faults, inputs, interventions
+from saga import approvals, faults, inputs, interventions, telemetry
 from saga.database import describe_url, resolve_database_url
 from saga.definition import Saga
 from saga.effects import Begin, Commit, Fetch, Flow, Pause, Stopping, db
@@ -94,6 +94,7 @@ class Engine:
         approval_public_key: approvals.PublicKeyLike
         | Iterable[approvals.PublicKeyLike]
         | None = None,
+        telemetry_keys: bool | None = None,
     ) -> None:
         if not lease_seconds > 0:
             raise ValueError(f"lease_seconds must be positive, got {lease_seconds!r}")
@@ -119,6 +120,7 @@ class Engine:
         key = confirmation_key or os.environ.get(ENV_CONFIRMATION_KEY)
         self._confirmation_key = key.encode("utf-8") if isinstance(key, str) else key
         self.approval_verifier = _approval_verifier(approval_public_key)
+        self.telemetry_keys = telemetry.include_keys(telemetry_keys)
         self._registry: dict[tuple[str, int], Saga[Any]] = {}
         for saga in sagas:
             self.register(saga)
@@ -184,6 +186,7 @@ class Engine:
             heartbeat_seconds=self.heartbeat_seconds,
             max_inline_sleep=max_inline_sleep,
             approval_verifier=self.approval_verifier,
+            telemetry_keys=self.telemetry_keys,
         )
 
     def purge_cutoff_days(self, older_than_days: float | None = None) -> float:
@@ -308,6 +311,8 @@ class Engine:
             else datetime.now().astimezone() + timedelta(seconds=deadline),
             spend_budget=saga.ceilings.spend_budget,
             max_side_effects=saga.ceilings.max_side_effects,
+            # Whoever drives the saga continues the trace of the code starting it.
+            trace_context=telemetry.capture_context(),
         )
         ops = new_action_rows(saga, tenant, key, business)
         events = [Event("saga_started", detail={"input_hash": row.input_hash})]

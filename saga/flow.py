@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import tenacity
 
-from saga import faults, inputs
+from saga import faults, inputs, telemetry
 from saga.context import StepContext
 from saga.dbretry import DEFAULT_RETRY_SECONDS, is_transient, log_retry
 from saga.definition import Saga
@@ -86,6 +86,7 @@ class RunnerOptions:
         approval_verifier: The approvers' public key(s): every planner gets it, so an
             attempt a confirmation holds back starts only with a signed approval that
             verifies (None: HMAC approvals, the confirmation row is trusted).
+        telemetry_keys: Spans carry keys and request hashes (`saga.telemetry`).
     """
 
     owner: str
@@ -93,6 +94,7 @@ class RunnerOptions:
     heartbeat_seconds: float
     max_inline_sleep: float = math.inf
     approval_verifier: ApprovalVerifier | None = None
+    telemetry_keys: bool = False
 
 
 def retried(what: str, body: Callable[[], Flow[T]], *, interruptible: bool = False) -> Flow[T]:
@@ -282,8 +284,13 @@ class Flows:
         """Carry out `nxt` and every move after it until the saga stops or is handed back.
 
         Returns the saga's state as the last transaction left it, read in that same
-        transaction; None when the lease was lost to another owner.
+        transaction; None when the lease was lost to another owner. Traced as `saga.run`
+        when telemetry is configured (`saga.telemetry`).
         """
+        keys = self.options.telemetry_keys
+        return (yield from telemetry.traced_run(self._drive(planner, nxt), planner.saga, keys=keys))
+
+    def _drive(self, planner: Planner, nxt: Next) -> Flow[SagaState | None]:
         saga = planner.saga
         try:
             planner, nxt = yield from self.carry_on(planner, nxt)
@@ -321,9 +328,17 @@ class Flows:
                 yield from self._wait_until(planner, nxt.until)
                 planner, nxt = yield from self._transact(planner, None)
             elif isinstance(nxt, Invoke):
-                planner, nxt = yield from self._invoke(planner, nxt.op)
+                planner, nxt = yield from telemetry.traced_call(
+                    self._invoke(planner, nxt.op), planner, nxt.op, keys=self.options.telemetry_keys
+                )
             elif isinstance(nxt, AskReconcile):
-                planner, nxt = yield from self._reconcile(planner, nxt.op)
+                planner, nxt = yield from telemetry.traced_call(
+                    self._reconcile(planner, nxt.op),
+                    planner,
+                    nxt.op,
+                    keys=self.options.telemetry_keys,
+                    reconcile=True,
+                )
             elif isinstance(nxt, Prepare):
                 planner, nxt = yield from self._prepare(planner, nxt.op)
         return planner, nxt
@@ -800,7 +815,8 @@ def describe_error(exc: BaseException) -> str:
 
 def log_events(planner: Planner, events: Sequence[Event]) -> None:
     """Log audit events once their transaction has committed (skipped, unbuilt, when the
-    configured logger drops info events)."""
+    configured logger drops info events), and count their outcomes (`saga.telemetry`)."""
+    telemetry.record_events(planner.saga.name, events, session=planner.definition.is_session)
     if events and _info_enabled():
         for event in events:
             log_event(planner.saga, planner, event)

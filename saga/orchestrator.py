@@ -85,6 +85,10 @@ class Orchestrator(Engine):
             releases, the approval stored with it is verified again: a confirmation row
             written by anything else releases nothing. Give it to every worker; the
             private key stays with the approvers.
+        telemetry_keys: OpenTelemetry spans carry the saga's key and tenant, and each
+            operation's idempotency key and request hash (they can carry personal data,
+            so they are left out by default); else `SAGA_OTEL_INCLUDE_KEYS=1`. Traces
+            and metrics need the `otel` extra and an SDK the application configures.
     """
 
     def _unconnected(self) -> None:

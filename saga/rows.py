@@ -80,6 +80,9 @@ class SagaRow:
     # The saga this one was forked from, and the saga it was forked to (`Orchestrator.fork`).
     forked_from: str | None = None
     forked_to: str | None = None
+    # The W3C trace context of the code that started the saga (migration 0018), for the
+    # drivers' telemetry: data to the core, which never reads it.
+    trace_context: dict[str, str] | None = None
 
 
 @dataclass(slots=True)

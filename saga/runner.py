@@ -9,6 +9,7 @@ blocking `Store`. Every decision is the flow's and the core's.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import threading
 import time
@@ -243,7 +244,10 @@ def _call_with_timeout(
             for entry in tracked:
                 abandoned.discard(entry)
 
-    thread = threading.Thread(target=target, name="saga-attempt", daemon=True)
+    # The step sees the caller's context variables (the attempt's span among them), as a
+    # call without a timeout does.
+    context = contextvars.copy_context()
+    thread = threading.Thread(target=context.run, args=(target,), name="saga-attempt", daemon=True)
     thread.start()
     thread.join(timeout_seconds)
     if thread.is_alive():

@@ -410,6 +410,15 @@ class Store:
             row = conn.execute(_q("own_claim"), {"owner": owner, "token": token}).fetchone()
         return None if row is None else (row["id"], row["name"], int(row["version"]))
 
+    def database_gauges(self) -> list[DatabaseGauges]:
+        """What the telemetry's gauges report of the database, per saga name that has
+        something to report: parked sagas, unknown outcomes to settle, and the age of the
+        longest-waiting claimable saga (one small query; see `database_gauges` in
+        sql/queries.sql)."""
+        with self._connection() as conn:
+            rows = conn.execute(_q("database_gauges")).fetchall()
+        return gauges_of(rows)
+
     # ----- the ledger ------------------------------------------------------------------
 
     def ledger_claim(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -849,6 +858,29 @@ def _state(row: dict[str, Any], ops: Sequence[dict[str, Any]]) -> SagaState:
     )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class DatabaseGauges:
+    """What the telemetry's gauges report of the sagas of one name (`database_gauges`)."""
+
+    saga: str
+    needs_review: int
+    unknown_outcomes: int
+    oldest_runnable_seconds: float
+
+
+def gauges_of(rows: Sequence[dict[str, Any]]) -> list[DatabaseGauges]:
+    """The rows of the `database_gauges` query, typed."""
+    return [
+        DatabaseGauges(
+            saga=str(r["name"]),
+            needs_review=int(r["needs_review"]),
+            unknown_outcomes=int(r["unknown_outcomes"]),
+            oldest_runnable_seconds=float(r["oldest_runnable_seconds"]),
+        )
+        for r in rows
+    ]
+
+
 def start_params(
     saga: SagaRow,
     ops: Sequence[OpRow],
@@ -857,7 +889,7 @@ def start_params(
     lease_seconds: float,
     notify: bool,
 ) -> Jsonb:
-    """The argument of saga.start_saga for a new saga, its operations and first events."""
+    """The argument of saga.start_saga_v2 for a new saga, its operations and first events."""
     start = {
         "lease_seconds": lease_seconds,
         "notify": f"{saga.name}:{saga.version}" if notify else None,
@@ -881,6 +913,7 @@ def start_params(
             "operations_executed": saga.operations_executed,
             "spent": saga.spent,
             "side_effects": saga.side_effects,
+            "trace_context": saga.trace_context,
         },
         "new_ops": [_new_op_params(op) for op in ops],
         "events": _event_rows(events),

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import psycopg
 from psycopg import sql
 
+from saga import telemetry
 from saga.dbretry import is_transient, retrying
 from saga.definition import Saga
 from saga.leases import LeaseKeeper
@@ -146,11 +147,16 @@ class Worker:
             target=self._listen, args=(orch.database_url,), name="saga-listener", daemon=True
         )
         _log.info("worker_started", owner=orch.owner, concurrency=self.concurrency, kinds=kinds)
+        # While it runs, the metrics' gauges read the database this worker drives.
+        unwatch = telemetry.watch_database(
+            orch.database_url, orch.store.database_gauges, [s.name for s in orch.registered()]
+        )
         with self._signals(handle_signals):
             listener.start()
             try:
                 self._loop(runner, kinds, until_idle)
             finally:
+                unwatch()
                 self._stopping.set()
                 self._drain()
                 with contextlib.suppress(Exception):

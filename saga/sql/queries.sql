@@ -269,8 +269,46 @@ FROM saga.sagas
 WHERE id = %(saga_id)s
 
 -- start_saga --
--- Create a saga with its operations and first events in one statement (migration 0008).
-SELECT saga.start_saga(%(start)s) AS outcome
+-- Create a saga with its operations and first events in one statement (migration 0008),
+-- and the trace context of its starter (migration 0018).
+SELECT saga.start_saga_v2(%(start)s) AS outcome
+
+-- database_gauges --
+-- What the telemetry's gauges report of the database, per saga name (saga.telemetry): sagas
+-- parked in needs_review; operations whose outcome is unknown in sagas still open or parked
+-- (the ones somebody has to settle); and how long the longest-waiting claimable saga has
+-- waited (runnable since run_after, its lease free or expired). Each part reads an index
+-- (sagas_status_created, sagas_runnable) and the open sagas' operations by primary key:
+-- its cost grows with the sagas in flight or parked, never with finished history.
+WITH parked AS (
+    SELECT name, count(*) AS sagas
+    FROM saga.sagas
+    WHERE status = 'needs_review'
+    GROUP BY name
+), unknown AS (
+    SELECT s.name, count(*) AS operations
+    FROM saga.sagas AS s
+    JOIN saga.operations AS o ON o.saga_id = s.id
+    WHERE s.status IN ('pending', 'running', 'compensating', 'awaiting_confirmation',
+                       'needs_review')
+      AND o.status = 'unknown'
+    GROUP BY s.name
+), waiting AS (
+    SELECT name, extract(epoch FROM now() - min(run_after))::float8 AS seconds
+    FROM saga.sagas
+    WHERE status IN ('pending', 'running', 'compensating')
+      AND run_after <= now()
+      AND (lease_owner IS NULL OR lease_expires_at <= now())
+    GROUP BY name
+)
+SELECT name,
+       COALESCE(parked.sagas, 0)::bigint AS needs_review,
+       COALESCE(unknown.operations, 0)::bigint AS unknown_outcomes,
+       COALESCE(waiting.seconds, 0.0)::float8 AS oldest_runnable_seconds
+FROM parked
+FULL JOIN unknown USING (name)
+FULL JOIN waiting USING (name)
+ORDER BY name
 
 -- report_spend --
 -- Spend that the running attempt of an operation has reported so far (its running total,

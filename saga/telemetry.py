@@ -1,0 +1,730 @@
+"""OpenTelemetry traces and metrics of the drivers, optional: the one module that uses it.
+
+With `opentelemetry-api` (the `otel` extra) and an SDK the application configured, the
+drivers report:
+
+- spans `saga.run` (one drive of a saga by a worker, `run`, `execute`...), `saga.step`
+  and `saga.compensate` (one attempt's call of user code), `saga.reconcile` (one call of
+  a reconcile hook), with `saga.id`, `saga.name`, `saga.step.name`, `saga.attempt`,
+  `saga.outcome` and `error.type`; keys, tenant, idempotency keys and request hashes only
+  when opted in (`Orchestrator(telemetry_keys=True)` or `SAGA_OTEL_INCLUDE_KEYS=1`),
+  since they can carry personal data. Exception messages are never recorded.
+- the W3C trace context of the code that starts a saga, stored on its row
+  (`capture_context`), becomes the parent of every `saga.run` of that saga, in whichever
+  process drives it: one trace shows the request and the saga it started.
+- metrics (`Metric names` below), counted from the audit events the drivers commit, so
+  that they agree with `orch.history()`; and gauges read from PostgreSQL by one small
+  query when they are collected (`watch_database`). No saga id, key or tenant is ever an
+  attribute of a metric.
+
+Without the API installed, every function here returns at once (a traced flow is the flow
+itself); with the API but no SDK configured (the global providers are still the API's
+placeholders), likewise, checked at each use, so an SDK configured later is picked up.
+The core (`saga.protocol`, `saga.rows`, `saga.inputs`...) never imports this module.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+from saga.effects import Call, Flow, NotCalledError
+from saga.errors import LeaseLost
+from saga.logs import get_logger
+from saga.state import OperationStatus
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.metrics import CallbackOptions, Histogram, Observation
+    from opentelemetry.trace import Link, Span, Tracer
+
+    from saga.protocol import Next, OpRow, Planner, SagaRow
+    from saga.rows import Event
+    from saga.state import SagaState
+    from saga.store import DatabaseGauges
+
+try:
+    from opentelemetry import context as _context
+    from opentelemetry import metrics as _metrics
+    from opentelemetry import trace as _trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+except ImportError:  # the `otel` extra is not installed: everything here is a no-op
+    _API = False
+else:
+    _API = True
+
+__all__ = [
+    "ENV_INCLUDE_KEYS",
+    "METRIC_NAMES",
+    "MetricsUnavailable",
+    "capture_context",
+    "include_keys",
+    "record_events",
+    "serve_prometheus",
+    "traced_call",
+    "traced_run",
+    "watch_database",
+]
+
+_log = get_logger("saga")
+
+# Opt-in to keys, tenants, idempotency keys and request hashes as span attributes.
+ENV_INCLUDE_KEYS = "SAGA_OTEL_INCLUDE_KEYS"
+# The instrumentation scope of every span and metric.
+SCOPE = "saga"
+
+# Metric names (a contract: ../DESIGN.md, "Telemetry"), and their attributes.
+RUNS = "saga_runs_total"  # {saga, outcome}: drives of a saga, by how they ended
+STEP_ATTEMPTS = "saga_step_attempts_total"  # {saga, step, outcome}: attempts' outcomes
+STEP_DURATION = "saga_step_duration_seconds"  # {saga, step, kind, outcome}: user code's call
+COMPENSATIONS = "saga_compensations_total"  # {saga, step, outcome}: compensation attempts
+LEASE_EXPIRATIONS = "saga_lease_expirations_total"  # {saga}: attempts cut off by a dead owner
+FENCING_REJECTIONS = "saga_fencing_rejections_total"  # {saga}: drives ended by a lost lease
+UNKNOWN_OUTCOMES = "saga_unknown_outcomes"  # {saga}: gauge, operations left unknown
+NEEDS_REVIEW = "saga_needs_review"  # {saga}: gauge, sagas parked
+OLDEST_RUNNABLE = "saga_oldest_runnable_age_seconds"  # {saga}: gauge, longest claimable wait
+METRIC_NAMES = (
+    RUNS,
+    STEP_ATTEMPTS,
+    STEP_DURATION,
+    COMPENSATIONS,
+    LEASE_EXPIRATIONS,
+    FENCING_REJECTIONS,
+    UNKNOWN_OUTCOMES,
+    NEEDS_REVIEW,
+    OLDEST_RUNNABLE,
+)
+
+# The audit events that say how an attempt ended, and the outcome each counts as.
+_ATTEMPT_OUTCOMES = {
+    "attempt_succeeded": "succeeded",
+    "attempt_failed": "failed",  # "retry" when the failure is retried
+    "outcome_unknown": "unknown",
+    "attempt_not_called": "not_called",
+}
+# Step durations, in seconds: from a no-op call to a slow provider's.
+_DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Span outcomes that mark the span's status as an error.
+_ERROR_OUTCOMES = frozenset(
+    {
+        "failed",
+        "retry",
+        "unknown",
+        "not_called",
+        "inconclusive",
+        "needs_review",
+        "lease_lost",
+        "error",
+    }
+)
+# How long one reading of the database serves the gauges of a collection (seconds): the
+# three gauges of one scrape share one query.
+_READING_SECONDS = 1.0
+
+
+class MetricsUnavailable(RuntimeError):
+    """Metrics cannot be served: a package of the `otel` extra is missing, or the
+    application configured a MeterProvider of its own."""
+
+
+def include_keys(configured: bool | None) -> bool:
+    """Whether spans carry keys and request hashes: `configured` when given, else
+    `SAGA_OTEL_INCLUDE_KEYS` (1, true, yes or on)."""
+    if configured is not None:
+        return configured
+    return os.environ.get(ENV_INCLUDE_KEYS, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+# ----- is anything configured? ------------------------------------------------------------
+
+if _API:
+    _UNSET_TRACERS: tuple[type[Any], ...] = (
+        _trace.ProxyTracerProvider,
+        _trace.NoOpTracerProvider,
+    )
+    try:  # the API's placeholder until an SDK is set (no public name for it)
+        from opentelemetry.metrics._internal import _ProxyMeterProvider
+    except ImportError:  # pragma: no cover - an API without it: only NoOp counts as unset
+        _UNSET_METERS: tuple[type[Any], ...] = (_metrics.NoOpMeterProvider,)
+    else:
+        _UNSET_METERS = (_metrics.NoOpMeterProvider, _ProxyMeterProvider)
+    _PROPAGATOR = TraceContextTextMapPropagator()
+
+_tracer_cache: tuple[object, Tracer] | None = None
+_instruments_cache: tuple[object, _Instruments] | None = None
+_cache_lock = threading.Lock()
+
+
+@lru_cache(maxsize=1)
+def _scope_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("saga-orchestrator")
+    except PackageNotFoundError:
+        return None
+
+
+def _tracer() -> Tracer | None:
+    """The tracer of the configured TracerProvider; None when none is configured."""
+    global _tracer_cache
+    if not _API:
+        return None
+    provider = _trace.get_tracer_provider()
+    if isinstance(provider, _UNSET_TRACERS):
+        return None
+    cached = _tracer_cache
+    if cached is not None and cached[0] is provider:
+        return cached[1]
+    tracer = provider.get_tracer(SCOPE, _scope_version())
+    _tracer_cache = (provider, tracer)
+    return tracer
+
+
+class _Tally:
+    """The counters' totals in this process, by metric and attributes: counting an event
+    is a dict update under a lock, and the totals are reported by observable counters
+    when metrics are collected (cumulative, as counters are). The SDK's synchronous
+    counters cost tens of microseconds a measurement, on the path of every attempt."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._totals: dict[str, dict[tuple[tuple[str, str], ...], int]] = {
+            name: {} for name in _COUNTERS
+        }
+
+    def add(self, metric: str, *attributes: tuple[str, str]) -> None:
+        """Count one event of `metric` with these attributes (name, value pairs)."""
+        totals = self._totals[metric]
+        with self._lock:
+            totals[attributes] = totals.get(attributes, 0) + 1
+
+    def observer(self, metric: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
+        """The callback of the observable counter of `metric`."""
+
+        def observe(options: CallbackOptions) -> Iterator[Observation]:
+            with self._lock:
+                totals = list(self._totals[metric].items())
+            for attributes, total in totals:
+                yield _metrics.Observation(total, dict(attributes))
+
+        return observe
+
+
+_COUNTERS = {
+    RUNS: "Drives of a saga, by the status it was left in (outcome)",
+    STEP_ATTEMPTS: "Attempts of steps, by outcome, as the audit trail says",
+    COMPENSATIONS: "Attempts of compensations, by outcome, as the audit trail says",
+    LEASE_EXPIRATIONS: "Attempts found running under an expired lease (their owner died)",
+    FENCING_REJECTIONS: "Drives ended because another owner had taken the saga's lease over",
+}
+_tally = _Tally()
+
+
+@dataclass(frozen=True, slots=True)
+class _Instruments:
+    """What the drivers record into, for one MeterProvider."""
+
+    tally: _Tally
+    duration: Histogram
+
+
+def _instruments() -> _Instruments | None:
+    """The instruments of the configured MeterProvider (made on first use, with the
+    database gauges); None when none is configured."""
+    global _instruments_cache
+    if not _API:
+        return None
+    provider = _metrics.get_meter_provider()
+    if isinstance(provider, _UNSET_METERS):
+        return None
+    cached = _instruments_cache
+    if cached is not None and cached[0] is provider:
+        return cached[1]
+    with _cache_lock:
+        cached = _instruments_cache
+        if cached is not None and cached[0] is provider:
+            return cached[1]
+        made = _make_instruments(provider.get_meter(SCOPE, _scope_version()))
+        _instruments_cache = (provider, made)
+    return made
+
+
+def _make_instruments(meter: Any) -> _Instruments:
+    try:
+        duration = meter.create_histogram(
+            STEP_DURATION,
+            unit="s",
+            description="Time user code took in one attempt of a step or a compensation",
+            explicit_bucket_boundaries_advisory=list(_DURATION_BUCKETS),
+        )
+    except TypeError:  # an API before 1.23 takes no bucket advice
+        duration = meter.create_histogram(
+            STEP_DURATION,
+            unit="s",
+            description="Time user code took in one attempt of a step or a compensation",
+        )
+    for name, description in _COUNTERS.items():
+        meter.create_observable_counter(
+            name, callbacks=[_tally.observer(name)], description=description
+        )
+    meter.create_observable_gauge(
+        NEEDS_REVIEW,
+        callbacks=[_gauge("needs_review")],
+        description="Sagas parked in needs_review, read from the database",
+    )
+    meter.create_observable_gauge(
+        UNKNOWN_OUTCOMES,
+        callbacks=[_gauge("unknown_outcomes")],
+        description="Operations of open or parked sagas whose outcome is unknown",
+    )
+    meter.create_observable_gauge(
+        OLDEST_RUNNABLE,
+        callbacks=[_gauge("oldest_runnable_seconds")],
+        unit="s",
+        description="How long the longest-waiting claimable saga has waited",
+    )
+    return _Instruments(_tally, duration)
+
+
+# ----- trace context ------------------------------------------------------------------------
+
+
+def capture_context() -> dict[str, str] | None:
+    """The W3C trace context (`traceparent`, `tracestate`) of the current span, to store
+    with a saga being started; None when there is no valid span (or no OpenTelemetry)."""
+    if not _API or not _trace.get_current_span().get_span_context().is_valid:
+        return None
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier)
+    return carrier or None
+
+
+def _run_parent(stored: dict[str, str] | None) -> tuple[Context | None, list[Link]]:
+    """The parent of a `saga.run` span and its links.
+
+    The trace context stored when the saga was started is the parent, so every drive of
+    the saga, in any process, is in the trace of the request that started it. When the
+    code driving it here has a span of another trace (an operator's request calling
+    `run`), that span is linked. Without a stored context, the current one is the parent.
+    """
+    current = _trace.get_current_span().get_span_context()
+    if stored and current.is_valid and f"{current.trace_id:032x}" in stored.get("traceparent", ""):
+        return None, []  # driven by its starter (`execute`): the current span
+    if stored:
+        origin = _PROPAGATOR.extract(stored)
+        started = _trace.get_current_span(origin).get_span_context()
+        if started.is_valid:
+            if current.is_valid and current.trace_id == started.trace_id:
+                return None, []  # driven by its starter (`execute`): the current span
+            links = [_trace.Link(current)] if current.is_valid else []
+            return origin, links
+    return None, []
+
+
+# ----- spans of drives and calls --------------------------------------------------------------
+
+
+def traced_run(
+    flow: Flow[SagaState | None], saga: SagaRow, *, keys: bool
+) -> Flow[SagaState | None]:
+    """`flow`, a drive of `saga` (`Flows.drive`), in a `saga.run` span made current while
+    it runs, and counted in `saga_runs_total` by how it ended; `flow` itself when nothing
+    is configured."""
+    tracer, instruments = _tracer(), _instruments()
+    if tracer is None and instruments is None:
+        return flow
+    return _traced_run(flow, saga, tracer, instruments, keys)
+
+
+def _traced_run(
+    flow: Flow[SagaState | None],
+    saga: SagaRow,
+    tracer: Tracer | None,
+    instruments: _Instruments | None,
+    keys: bool,
+) -> Flow[SagaState | None]:
+    span: Span | None = None
+    token: object = None
+    if tracer is not None:
+        parent, links = _run_parent(saga.trace_context)
+        attributes: dict[str, str | int] = {
+            "saga.id": saga.id,
+            "saga.name": saga.name,
+            "saga.version": saga.version,
+        }
+        if keys:
+            attributes.update({"saga.key": saga.key, "saga.tenant_id": saga.tenant_id})
+        span = tracer.start_span("saga.run", context=parent, links=links, attributes=attributes)
+        token = _context.attach(_trace.set_span_in_context(span))
+    outcome, failure = "error", None
+    try:
+        state = yield from flow
+        outcome = _run_outcome(state)
+        return state
+    except GeneratorExit:
+        outcome = "abandoned"
+        raise
+    except BaseException as exc:
+        failure = exc
+        raise
+    finally:
+        if span is not None:
+            _close(span, outcome, failure)
+            _context.detach(token)  # type: ignore[arg-type]
+        if instruments is not None:
+            instruments.tally.add(RUNS, ("saga", saga.name), ("outcome", outcome))
+            if outcome == "lease_lost":
+                instruments.tally.add(FENCING_REJECTIONS, ("saga", saga.name))
+
+
+def _run_outcome(state: SagaState | None) -> str:
+    """How a drive ended: the status it left the saga in (completed, compensated,
+    needs_review, awaiting_confirmation, cancelled), `handed_back` when the saga is still
+    runnable (a long backoff, a shutdown), `lease_lost` when another owner took it over."""
+    if state is None:
+        return "lease_lost"
+    if state.status.is_runnable:
+        return "handed_back"
+    return state.status.value
+
+
+def traced_call(
+    flow: Flow[tuple[Planner, Next]],
+    planner: Planner,
+    op: OpRow,
+    *,
+    keys: bool,
+    reconcile: bool = False,
+) -> Flow[tuple[Planner, Next]]:
+    """`flow`, an attempt of `op` (`Flows._invoke`) or the reconcile of its unknown
+    outcome (`reconcile`), with its call of user code in a span (`saga.step`,
+    `saga.compensate` or `saga.reconcile`) made current while the code runs, and timed in
+    `saga_step_duration_seconds`. The span ends when the call does; its `saga.outcome`
+    is what the record of the call says. `flow` itself when nothing is configured."""
+    tracer, instruments = _tracer(), _instruments()
+    if tracer is None and instruments is None:
+        return flow
+    return _traced_call(flow, planner, op, tracer, instruments, keys, reconcile)
+
+
+@dataclass(slots=True)
+class _CallWatch:
+    """What is known of the one call of user code in an attempt's flow."""
+
+    span: Span | None = None
+    token: object = None
+    began: float = 0.0
+    elapsed: float | None = None
+    ended_ns: int | None = None
+    error_type: str | None = None
+    not_called: bool = False
+
+
+def _traced_call(
+    flow: Flow[tuple[Planner, Next]],
+    planner: Planner,
+    op: OpRow,
+    tracer: Tracer | None,
+    instruments: _Instruments | None,
+    keys: bool,
+    reconcile: bool,
+) -> Flow[tuple[Planner, Next]]:
+    saga = planner.saga
+    step = step_label(op.step, session=planner.definition.is_session)
+    watch: _CallWatch | None = None
+    value: Any = None
+    error: BaseException | None = None
+    try:
+        while True:
+            try:
+                effect = flow.throw(error) if error is not None else flow.send(value)
+            except StopIteration as stop:
+                result: tuple[Planner, Next] = stop.value
+                break
+            value, error = None, None
+            this = watch is None and isinstance(effect, Call)
+            if this:
+                watch = _begin_call(tracer, saga, op, step, keys, reconcile)
+            try:
+                value = yield effect
+            except GeneratorExit:
+                flow.close()
+                raise
+            except BaseException as exc:
+                error = exc
+                if this and watch is not None:
+                    watch.error_type = _error_type(exc)
+                    watch.not_called = isinstance(exc, NotCalledError)
+            finally:
+                if this and watch is not None:
+                    _end_call(watch)
+    except BaseException as exc:
+        if watch is not None:
+            failed = "abandoned" if isinstance(exc, GeneratorExit) else "error"
+            outcome = "lease_lost" if isinstance(exc, LeaseLost) else failed
+            _settle_call(watch, instruments, saga, step, op, outcome, reconcile)
+        raise
+    if watch is not None:
+        outcome = "not_called" if watch.not_called else _call_outcome(result[0], op, reconcile)
+        _settle_call(watch, instruments, saga, step, op, outcome, reconcile)
+    return result
+
+
+def _begin_call(
+    tracer: Tracer | None, saga: SagaRow, op: OpRow, step: str, keys: bool, reconcile: bool
+) -> _CallWatch:
+    watch = _CallWatch()
+    if tracer is not None:
+        name = (
+            "saga.reconcile"
+            if reconcile
+            else "saga.compensate"
+            if op.kind == "compensation"
+            else "saga.step"
+        )
+        attributes: dict[str, str | int] = {
+            "saga.id": saga.id,
+            "saga.name": saga.name,
+            "saga.step.name": step,
+            "saga.attempt": op.attempts,
+        }
+        if keys:
+            attributes.update(
+                {
+                    "saga.key": saga.key,
+                    "saga.tenant_id": saga.tenant_id,
+                    "saga.operation": op.step,
+                    "saga.idempotency_key": op.idempotency_key,
+                    "saga.request_hash": op.request_hash,
+                }
+            )
+        watch.span = tracer.start_span(name, attributes=attributes)
+        watch.token = _context.attach(_trace.set_span_in_context(watch.span))
+    watch.began = time.perf_counter()
+    return watch
+
+
+def _end_call(watch: _CallWatch) -> None:
+    """The call returned or raised: its time, and its span no longer current."""
+    watch.elapsed = time.perf_counter() - watch.began
+    watch.ended_ns = time.time_ns()
+    if watch.token is not None:
+        _context.detach(watch.token)  # type: ignore[arg-type]
+        watch.token = None
+
+
+def _settle_call(
+    watch: _CallWatch,
+    instruments: _Instruments | None,
+    saga: SagaRow,
+    step: str,
+    op: OpRow,
+    outcome: str,
+    reconcile: bool,
+) -> None:
+    """End the call's span (at the time the call ended) with its outcome, and time it."""
+    if watch.token is not None:  # the flow ended during the call itself
+        _end_call(watch)
+    if watch.span is not None:
+        _close(watch.span, outcome, None, error_type=watch.error_type, end_ns=watch.ended_ns)
+    if instruments is not None and not reconcile and watch.elapsed is not None:
+        instruments.duration.record(
+            watch.elapsed, {"saga": saga.name, "step": step, "kind": op.kind, "outcome": outcome}
+        )
+
+
+def _call_outcome(after: Planner, op: OpRow, reconcile: bool) -> str:
+    """The outcome of a call as its record left the operation: for an attempt succeeded,
+    failed, unknown or retry (another attempt follows); for a reconcile found, absent (a
+    retry with the same key follows) or inconclusive."""
+    row = after.find(op.step, op.kind)
+    status = row.status if row is not None else None
+    if reconcile:
+        if status == OperationStatus.SUCCEEDED:
+            return "found"
+        return "inconclusive" if status == OperationStatus.UNKNOWN else "absent"
+    if status in (OperationStatus.SUCCEEDED, OperationStatus.FAILED, OperationStatus.UNKNOWN):
+        return status.value
+    return "retry"
+
+
+def _close(
+    span: Span,
+    outcome: str,
+    failure: BaseException | None,
+    *,
+    error_type: str | None = None,
+    end_ns: int | None = None,
+) -> None:
+    """Set a span's outcome (and error type: never the message, which may carry personal
+    data) and end it."""
+    span.set_attribute("saga.outcome", outcome)
+    kind = _error_type(failure) if failure is not None else error_type
+    if kind is not None:
+        span.set_attribute("error.type", kind)
+    if outcome in _ERROR_OUTCOMES:
+        span.set_status(_trace.Status(_trace.StatusCode.ERROR, outcome))
+    span.end(end_time=end_ns)
+
+
+def _error_type(exc: BaseException) -> str:
+    cls = type(exc)
+    return (
+        cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+    )
+
+
+def step_label(step: str, *, session: bool) -> str:
+    """The step of an operation as telemetry names it: a session call's operation name
+    carries a digest of its key (`send_email.3f9a...`), left out to keep the durable
+    step's name alone."""
+    if session and "." in step:
+        return step.rsplit(".", 1)[0]
+    return step
+
+
+# ----- counters from the audit events ------------------------------------------------------
+
+
+def record_events(saga: str, events: Sequence[Event], *, session: bool = False) -> None:
+    """Count the outcomes among audit events of saga `saga` that were just committed:
+    each attempt's end in `saga_step_attempts_total` (actions) or
+    `saga_compensations_total`, by outcome (succeeded, failed, retry, unknown,
+    not_called); an attempt found running under an expired lease when the saga was
+    claimed also in `saga_lease_expirations_total`."""
+    if not events or not _API:
+        return
+    ends = [e for e in events if e.event in _ATTEMPT_OUTCOMES and e.step is not None]
+    if not ends:
+        return
+    instruments = _instruments()
+    if instruments is None:
+        return
+    claimed = any(e.event == "lease_acquired" for e in events)
+    for event in ends:
+        outcome = _ATTEMPT_OUTCOMES[event.event]
+        if event.event == "attempt_failed" and event.detail.get("retryable"):
+            outcome = "retry"
+        metric = COMPENSATIONS if event.kind == "compensation" else STEP_ATTEMPTS
+        step = step_label(str(event.step), session=session)
+        instruments.tally.add(metric, ("saga", saga), ("step", step), ("outcome", outcome))
+        if claimed and event.event == "outcome_unknown":
+            instruments.tally.add(LEASE_EXPIRATIONS, ("saga", saga))
+
+
+# ----- gauges read from the database -------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Source:
+    """A database the gauges read, registered by a running worker."""
+
+    database: str
+    read: Callable[[], Sequence[DatabaseGauges]]
+    sagas: frozenset[str]
+
+
+_sources: dict[int, _Source] = {}
+_source_numbers = itertools.count()
+_sources_lock = threading.Lock()
+_reading: tuple[float, dict[str, dict[str, float]]] | None = None
+
+
+def watch_database(
+    database: str, read: Callable[[], Sequence[DatabaseGauges]], sagas: Iterable[str]
+) -> Callable[[], None]:
+    """Report the gauges of `database` (its URL: workers on the same one share one read)
+    while a worker runs: `read` is called when metrics are collected (at most once a
+    second), and the saga names `sagas` are reported at 0 when they have nothing to
+    report. Returns the function that stops reporting it."""
+    with _sources_lock:
+        token = next(_source_numbers)
+        _sources[token] = _Source(database, read, frozenset(sagas))
+    _instruments()  # the gauges exist from now on, if metrics are configured
+
+    def stop() -> None:
+        with _sources_lock:
+            _sources.pop(token, None)
+
+    return stop
+
+
+def _gauge(field: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
+    def observe(options: CallbackOptions) -> Iterator[Observation]:
+        for saga, values in _read_databases().items():
+            yield _metrics.Observation(values[field], {"saga": saga})
+
+    return observe
+
+
+def _read_databases() -> dict[str, dict[str, float]]:
+    """The gauges' values per saga name, over every database watched (counts added, the
+    longest wait kept), read at most once per `_READING_SECONDS`; a database that cannot
+    be read is left out, with a warning."""
+    global _reading
+    with _sources_lock:
+        now = time.monotonic()
+        if _reading is not None and now - _reading[0] < _READING_SECONDS:
+            return _reading[1]
+        by_database: dict[str, list[_Source]] = {}
+        for source in _sources.values():
+            by_database.setdefault(source.database, []).append(source)
+        values: dict[str, dict[str, float]] = {}
+        for sources in by_database.values():
+            for name in frozenset().union(*(s.sagas for s in sources)):
+                values.setdefault(name, _zero())
+            try:
+                rows = sources[0].read()
+            except Exception as exc:
+                _log.warning("metrics_database_read_failed", error=f"{type(exc).__name__}: {exc}")
+                continue
+            for row in rows:
+                into = values.setdefault(row.saga, _zero())
+                into["needs_review"] += row.needs_review
+                into["unknown_outcomes"] += row.unknown_outcomes
+                into["oldest_runnable_seconds"] = max(
+                    into["oldest_runnable_seconds"], row.oldest_runnable_seconds
+                )
+        _reading = (now, values)
+        return values
+
+
+def _zero() -> dict[str, float]:
+    return {"needs_review": 0, "unknown_outcomes": 0, "oldest_runnable_seconds": 0.0}
+
+
+# ----- serving metrics for Prometheus ----------------------------------------------------------
+
+
+def serve_prometheus(port: int, host: str = "") -> int:
+    """Serve this process's metrics for Prometheus at http://host:port/metrics (every
+    interface when `host` is empty), through OpenTelemetry's Prometheus exporter and
+    `prometheus_client`'s HTTP server, in a daemon thread; returns the port bound (`port`
+    0 takes any free one). Sets the global MeterProvider: `MetricsUnavailable` when the
+    application has set one already (add a `PrometheusMetricReader` to it instead), or
+    when a package of the `otel` extra is missing."""
+    try:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from opentelemetry.sdk.metrics import MeterProvider
+        from prometheus_client import start_http_server
+    except ImportError as exc:
+        raise MetricsUnavailable(
+            f"serving metrics needs the otel extra ({exc}): pip install 'saga-orchestrator[otel]'"
+        ) from None
+    if not isinstance(_metrics.get_meter_provider(), _UNSET_METERS):
+        raise MetricsUnavailable(
+            "the application has configured a MeterProvider of its own: give it a "
+            "opentelemetry.exporter.prometheus.PrometheusMetricReader and serve it with "
+            "prometheus_client.start_http_server, or leave out --metrics-port"
+        )
+    server, _thread = start_http_server(port, addr=host or "0.0.0.0")
+    _metrics.set_meter_provider(MeterProvider(metric_readers=[PrometheusMetricReader()]))
+    _instruments()
+    return int(server.server_port)
