@@ -419,8 +419,8 @@ class DurableTools:
                 `fail_on`: leaving the session block with it compensates.
             ValueError: A token names a `call_id` that does not wait for a durable call's
                 approval in `input`.
-            Whatever a durable call raised (`IdempotencyConflict`, `SessionParked`,
-                `ApprovalNeeded`, `OutsideSession`, ...), else the run's own error.
+            SagaError: What a durable call raised (`IdempotencyConflict`, `SessionParked`,
+                `ApprovalNeeded`, `OutsideSession`, ...); else the run's own error.
         """
         run = _Run(owner=self)
         refusals: dict[str, str] = {}
