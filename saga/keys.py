@@ -170,6 +170,13 @@ def saga_key_prefix(saga: str, version: int, tenant: str, key: str) -> str:
     return ":".join((_escape(saga), f"v{version}", _escape(tenant), _escape(key)))
 
 
+def call_operation_name(step: str, key: str) -> str:
+    """The operation name of a code-first call (a session's durable step, a ledger's
+    tool): its step's name and a digest of its key, so that a step called under several
+    keys has an operation per key."""
+    return f"{step}.{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
 def operation_key(saga: str, version: int, tenant: str, key: str, step: str, kind: str) -> str:
     """Idempotency key of one operation; compensations end in `:compensate`."""
     base = f"{saga_key_prefix(saga, version, tenant, key)}:{_escape(step)}"

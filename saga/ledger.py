@@ -17,7 +17,6 @@ The rules both doors share (what a claim asks, what a verdict means) are here on
 
 from __future__ import annotations
 
-import hashlib
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -33,7 +32,7 @@ from saga.errors import (
     SessionParked,
     StepStateError,
 )
-from saga.keys import JsonValue, check_json, operation_key, request_hash
+from saga.keys import JsonValue, call_operation_name, check_json, operation_key, request_hash
 from saga.operator import actor_or_os_user
 from saga.session import LEDGER_PREFIX
 
@@ -126,11 +125,6 @@ class _Asked(BaseModel):
     max_attempts: int
 
 
-def call_name(tool: str, key: str) -> str:
-    """The operation name of a call: its tool and a digest of its key."""
-    return f"{tool}.{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-
-
 def _asked(
     owner: str,
     channel: str,
@@ -182,7 +176,7 @@ def _asked(
         tenant=tenant,
         key=key,
         tool=tool,
-        step=call_name(tool, key),
+        step=call_operation_name(tool, key),
         idempotency_key=operation_key(CHANNEL_SAGA, 1, tenant, channel, key, "action"),
         request_hash=request_hash(fingerprint),
         request=request,

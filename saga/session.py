@@ -12,7 +12,6 @@ doors; `Session` and `AsyncSession` only carry them out.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import threading
 import time
 import uuid
@@ -37,7 +36,7 @@ from saga.errors import (
     StepStateError,
 )
 from saga.flow import Flows, log_events, retried
-from saga.keys import operation_key
+from saga.keys import call_operation_name, operation_key
 from saga.keys import request_hash as hash_fields
 from saga.protocol import Planner, SagaRow
 from saga.retry import RetryPolicy
@@ -291,9 +290,8 @@ def _hook(fn: Callable[..., Any], args: Any, name: str) -> Callable[..., Any]:
 
 
 def call_step_name(durable: DurableStep[Any, Any], key: str) -> str:
-    """The operation name of a call: its step's name and a digest of its key (so that a
-    step called under several keys has an operation per key)."""
-    return f"{durable.name}.{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    """The operation name of a call of `durable` under `key` (`call_operation_name`)."""
+    return call_operation_name(durable.name, key)
 
 
 class SessionFlows:
