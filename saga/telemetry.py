@@ -205,6 +205,13 @@ class _Tally:
         with self._lock:
             totals[attributes] = totals.get(attributes, 0) + 1
 
+    def add_all(self, counted: Iterable[tuple[str, tuple[tuple[str, str], ...]]]) -> None:
+        """Count one event for each (metric, attributes) pair, under one lock."""
+        with self._lock:
+            for metric, attributes in counted:
+                totals = self._totals[metric]
+                totals[attributes] = totals.get(attributes, 0) + 1
+
     def observer(self, metric: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
         """The callback of the observable counter of `metric`."""
 
@@ -536,8 +543,14 @@ def _settle_call(
         _close(watch.span, outcome, None, error_type=watch.error_type, end_ns=watch.ended_ns)
     if instruments is not None and not reconcile and watch.elapsed is not None:
         instruments.duration.record(
-            watch.elapsed, {"saga": saga.name, "step": step, "kind": op.kind, "outcome": outcome}
+            watch.elapsed, _duration_attributes(saga.name, step, op.kind, outcome)
         )
+
+
+@lru_cache(maxsize=4096)
+def _duration_attributes(saga: str, step: str, kind: str, outcome: str) -> dict[str, str]:
+    # One dict per label set, made once: the SDK only reads it. Callers never change it.
+    return {"saga": saga, "step": step, "kind": kind, "outcome": outcome}
 
 
 def _call_outcome(after: Planner, op: OpRow, reconcile: bool) -> str:
@@ -565,10 +578,11 @@ def _close(
 ) -> None:
     """Set a span's outcome (and error type: never the message, which may carry personal
     data) and end it."""
-    span.set_attribute("saga.outcome", outcome)
     kind = _error_type(failure) if failure is not None else error_type
-    if kind is not None:
-        span.set_attribute("error.type", kind)
+    if kind is None:
+        span.set_attribute("saga.outcome", outcome)
+    else:
+        span.set_attributes({"saga.outcome": outcome, "error.type": kind})
     if outcome in _ERROR_OUTCOMES:
         span.set_status(_trace.Status(_trace.StatusCode.ERROR, outcome))
     span.end(end_time=end_ns)
@@ -608,15 +622,17 @@ def record_events(saga: str, events: Sequence[Event], *, session: bool = False) 
     if instruments is None:
         return
     claimed = any(e.event == "lease_acquired" for e in events)
+    counted: list[tuple[str, tuple[tuple[str, str], ...]]] = []
     for event in ends:
         outcome = _ATTEMPT_OUTCOMES[event.event]
         if event.event == "attempt_failed" and event.detail.get("retryable"):
             outcome = "retry"
         metric = COMPENSATIONS if event.kind == "compensation" else STEP_ATTEMPTS
         step = step_label(str(event.step), session=session)
-        instruments.tally.add(metric, ("saga", saga), ("step", step), ("outcome", outcome))
+        counted.append((metric, (("saga", saga), ("step", step), ("outcome", outcome))))
         if claimed and event.event == "outcome_unknown":
-            instruments.tally.add(LEASE_EXPIRATIONS, ("saga", saga))
+            counted.append((LEASE_EXPIRATIONS, (("saga", saga),)))
+    instruments.tally.add_all(counted)
 
 
 # ----- gauges read from the database -------------------------------------------------------
