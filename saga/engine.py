@@ -376,6 +376,16 @@ class Engine:
         if not wait_seconds >= 0:
             raise ValueError(f"wait_seconds must not be negative, got {wait_seconds!r}")
         deadline = time.monotonic() + wait_seconds
+        parsed = parse_id(saga_id)
+        if parsed is None:
+            raise SagaNotFound(saga_id)
+        # Claim first: a runnable saga nobody holds (`start()` then `run()`, the common
+        # case) is claimed with its first move recorded in one transaction, unread
+        # before. A saga the claim cannot take (terminal, parked, awaiting a confirmation,
+        # leased, or unknown) is read and handled below.
+        driven = yield from flows.claim_and_drive(self.definition, str(parsed))
+        if driven is not None:
+            return driven
         state = yield from self._get_flow(saga_id)
         definition = self.definition(state.saga, state.version)
         if state.status == SagaStatus.AWAITING_CONFIRMATION:

@@ -142,7 +142,9 @@ class Flows:
 
     # ----- entry points ------------------------------------------------------------------
 
-    def claim_and_drive(self, definition: Saga[Any], saga_id: str) -> Flow[SagaState | None]:
+    def claim_and_drive(
+        self, definition: Saga[Any] | Lookup, saga_id: str
+    ) -> Flow[SagaState | None]:
         """Claim one saga and drive it until it stops; None when it could not be claimed
         (or was lost to another owner on the way)."""
         claimed = yield from self.claim(definition, saga_id)
@@ -150,21 +152,28 @@ class Flows:
             return None
         return (yield from self.drive(*claimed))
 
-    def claim(self, definition: Saga[Any], saga_id: str) -> Flow[tuple[Planner, Next] | None]:
+    def claim(
+        self, definition: Saga[Any] | Lookup, saga_id: str
+    ) -> Flow[tuple[Planner, Next] | None]:
         """Claim one saga and plan (and record) its first move; None when it is not
         runnable or another owner's lease is live.
+
+        `definition` is the saga's definition, or a lookup by the claimed row's name and
+        version (for a caller that has not read the saga before claiming it); an error
+        the lookup raises (`NotRegistered`) rolls the claim back.
 
         A claim whose reply was lost is recognised by the token of its first write: the
         retry then carries on with the saga it holds instead of finding it leased (to
         itself) and giving up."""
+        lookup = _lookup_of(definition)
         token = new_token()
         tried = [False]
 
         def once() -> Flow[tuple[Planner, Next] | None]:
-            claimed = (yield from self._reclaim(definition, saga_id, token)) if tried[0] else None
+            claimed = (yield from self._reclaim(lookup, saga_id, token)) if tried[0] else None
             tried[0] = True
             if claimed is None:
-                claimed = yield from self._claim_by_id(definition, saga_id, token)
+                claimed = yield from self._claim_by_id(lookup, saga_id, token)
             return claimed
 
         return (yield from retried("claim_saga", once))
@@ -177,14 +186,17 @@ class Flows:
         return (yield from self._transact(planner, outcome))
 
     def _claim_by_id(
-        self, definition: Saga[Any], saga_id: str, token: str
+        self, lookup: Lookup, saga_id: str, token: str
     ) -> Flow[tuple[Planner, Next] | None]:
         yield Begin()
         loaded = yield db("claim_txn", saga_id, owner=self.owner, lease_seconds=self.lease_seconds)
         if loaded is None:
             yield Commit()
             return None
-        planner, nxt, events, read = yield from self._begin_txn(definition, loaded, token)
+        row = loaded[0]
+        planner, nxt, events, read = yield from self._begin_txn(
+            lookup(row.name, row.version), loaded, token
+        )
         yield Commit()
         if read is not None:
             planner.final_state = yield Fetch(read)
@@ -204,8 +216,8 @@ class Flows:
             if tried[0]:
                 own = yield db("own_claim", owner=self.owner, token=token)
                 if own is not None:
-                    saga_id, name, version = own
-                    reclaimed = yield from self._reclaim(lookup(name, version), saga_id, token)
+                    saga_id, _name, _version = own
+                    reclaimed = yield from self._reclaim(lookup, saga_id, token)
                     if reclaimed is not None:
                         return reclaimed
             tried[0] = True
@@ -239,7 +251,7 @@ class Flows:
         return planner, nxt
 
     def _reclaim(
-        self, definition: Saga[Any], saga_id: str, token: str
+        self, lookup: Lookup, saga_id: str, token: str
     ) -> Flow[tuple[Planner, Next] | None]:
         """The saga our claim took, when that claim landed although its reply was lost
         (its first write carries `token` and the lease is still ours); None otherwise.
@@ -252,7 +264,7 @@ class Flows:
         loaded = yield from self._load(saga_id)
         if loaded is None:
             return None
-        planner = self._planner(definition, loaded)
+        planner = self._planner(lookup(loaded[0].name, loaded[0].version), loaded)
         _log.info("claim_landed", saga_id=saga_id, fence=planner.saga.fence)
         started = [o for o in planner.ops if o.status == OperationStatus.RUNNING]
         if started:
@@ -790,6 +802,15 @@ class _Unsure(Exception):
 
 # Longest traceback kept in an audit event (characters; its last lines are kept).
 _MAX_TRACEBACK_CHARS = 8000
+
+
+def _lookup_of(definition: Saga[Any] | Lookup) -> Lookup:
+    """A lookup of definitions by (name, version): `definition` itself, or one that gives
+    the definition whatever the claimed saga's name."""
+    if isinstance(definition, Saga):
+        fixed = definition
+        return lambda name, version: fixed
+    return definition
 
 
 def traceback_of(exc: BaseException) -> str:
