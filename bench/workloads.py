@@ -195,8 +195,12 @@ def ours_sequential(args: Result) -> Result:
     With `"otel": true`, the OpenTelemetry SDK is configured first, as an application
     would: spans through a BatchSpanProcessor to an in-memory exporter, metrics to an
     in-memory reader (collected at the end), and each execute() inside a request span of
-    its own, whose trace context the saga stores."""
+    its own, whose trace context the saga stores.
+
+    With `"start_run": true`, each saga is started with start() and then driven with
+    run(id) in this process: the production door, without a worker in between."""
     saga = noop_saga()
+    start_run = bool(args.get("start_run"))
     n = int(args["n"])
     latencies: list[float] = []
     trips = RoundTrips() if args.get("count_round_trips") else None
@@ -210,7 +214,10 @@ def ours_sequential(args: Result) -> Result:
         for i in range(n):
             t0 = time.perf_counter()
             with otel.request() if otel is not None else contextlib.nullcontext():
-                state = orch.execute(saga, Item(id=f"seq-{i}"))
+                if start_run:
+                    state = orch.run(orch.start(saga, Item(id=f"seq-{i}")).id)
+                else:
+                    state = orch.execute(saga, Item(id=f"seq-{i}"))
             latencies.append(time.perf_counter() - t0)
             if state.status != "completed":
                 raise RuntimeError(f"saga {state.id} ended {state.status}")
