@@ -20,6 +20,7 @@ from psycopg_pool import AsyncConnectionPool
 from saga.agroup import GroupCommit
 from saga.errors import StepStateError
 from saga.protocol import ConfirmationRow, Event, OpRow, SagaRow, Write
+from saga.roles import RoleKind, check_privileges, privileges_query
 from saga.state import Confirmation, HistoryEvent, SagaState, WorkerInfo
 from saga.store import (
     DatabaseGauges,
@@ -300,6 +301,15 @@ class AsyncStore:
             cur = await conn.execute(_q("database_gauges"))
             rows = await cur.fetchall()
         return gauges_of(rows)
+
+    async def check_privileges(self, kind: RoleKind) -> None:
+        """Raise `InsufficientPrivilege` when the connected role lacks what `kind` needs
+        (see `Store.check_privileges`)."""
+        query, params = privileges_query(kind)
+        async with self._connection() as conn:
+            cur = await conn.execute(query, params)
+            rows = await cur.fetchall()
+        check_privileges(rows, kind, self._conninfo)
 
     # ----- the ledger ------------------------------------------------------------------
 

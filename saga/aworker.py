@@ -138,6 +138,8 @@ class AsyncWorker:
         kinds = [f"{s.name}:{s.version}" for s in orch.registered()]
         if not kinds:
             raise ValueError("the orchestrator has no registered saga; register one first")
+        # A role that may not drive sagas fails here, naming what it lacks.
+        await (await orch.store()).check_privileges("worker")
         self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         self._wake = asyncio.Event()

@@ -16,6 +16,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, NoReturn, TypeVar, cast
 
+import psycopg
 import pydantic
 import structlog
 
@@ -27,13 +28,16 @@ from saga.database import ENV_URL, check_connection, describe_url, resolve_datab
 from saga.durable import registered_step, registered_step_names
 from saga.errors import (
     DatabaseUnavailable,
+    InsufficientPrivilege,
     NotRegistered,
     SagaError,
+    SchemaMissing,
     StepStateError,
 )
 from saga.migrate import migrate_database
 from saga.orchestrator import ENV_APPROVAL_PUBLIC_KEY, ENV_CONFIRMATION_KEY, Orchestrator
 from saga.redact import scrub
+from saga.roles import ROLE_KINDS, grant, role_kind
 from saga.session import SESSION_PREFIX
 from saga.state import SagaState, SagaStatus
 from saga.store import Store
@@ -191,6 +195,15 @@ def _parser() -> argparse.ArgumentParser:
         )
 
     add("migrate", "apply pending schema migrations (idempotent, safe from two hosts at once)")
+
+    granting = add(
+        "grant",
+        "give an existing role the privileges of a reader (list, show, the dashboard), a "
+        "worker (drive sagas; no DDL) or an operator (every verb but migrate), on the saga "
+        "schema now and on what later migrations create; run as the schema's owner",
+    )
+    granting.add_argument("kind", choices=ROLE_KINDS, help="which privileges")
+    granting.add_argument("role", metavar="ROLE", help="the role to grant them to")
 
     worker = add("worker", "run a worker until SIGTERM or SIGINT, then stop gracefully", app)
     worker.add_argument("--concurrency", type=_positive, default=4, help="sagas at once (4)")
@@ -712,6 +725,27 @@ def _migrate(args: argparse.Namespace) -> int:
         print(f"applied migrations: {', '.join(f'{v:04d}' for v in applied)}")
     else:
         print("schema is up to date")
+    return EXIT_OK
+
+
+def _grant(args: argparse.Namespace) -> int:
+    url = resolve_database_url(args.database_url)
+    check_connection(url)
+    kind = role_kind(args.kind)
+    with psycopg.connect(url, autocommit=True) as conn:
+        try:
+            grant(conn, kind, args.role)
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise InsufficientPrivilege(
+                f"role {conn.info.user!r} may not grant on the saga schema "
+                f"({exc.diag.message_primary or exc}): run `saga grant` as its owner",
+                sqlstate=exc.sqlstate,
+            ) from None
+        except psycopg.errors.InvalidSchemaName:
+            raise SchemaMissing(
+                "the saga schema is missing from the database: run `saga migrate` first"
+            ) from None
+    print(f"granted {kind} privileges on the saga schema to {args.role}")
     return EXIT_OK
 
 
@@ -1285,6 +1319,7 @@ def _dashboard(args: argparse.Namespace) -> int:
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "migrate": _migrate,
+    "grant": _grant,
     "worker": _worker,
     "list": _list,
     "show": _show,

@@ -68,4 +68,3 @@ class StepContext:
     def spent(self) -> float:
         """What this attempt reported with `spend()` so far."""
         return sum(self._spent)
-

@@ -69,6 +69,11 @@ class DatabaseError(SagaError):
         self.sqlstate = sqlstate
 
 
+class InsufficientPrivilege(DatabaseError):
+    """The role connected lacks a privilege the work needs (SQLSTATE 42501); the message
+    says which and how the owner of the saga schema grants it (`saga grant`)."""
+
+
 class StepStateError(SagaError, ValueError):
     """An operator request does not fit the saga's current state (e.g. resolving a settled step)."""
 

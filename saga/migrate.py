@@ -23,7 +23,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from saga.errors import SchemaTooNew
+from saga.errors import InsufficientPrivilege, SchemaTooNew
 from saga.logs import get_logger
 
 _log = get_logger("saga.migrate")
@@ -70,19 +70,25 @@ def load_migrations(directory: Path | None = None) -> list[Migration]:
 
 
 def apply_migrations(conn: psycopg.Connection[Any]) -> list[int]:
-    """Apply pending migrations in one transaction; returns the versions applied."""
+    """Apply pending migrations in one transaction; returns the versions applied.
+
+    Nothing but reads is run when none is pending, so a role without DDL rights (a
+    worker's, `saga grant worker`) may call this on an up-to-date schema; a role that may
+    not apply a pending migration gets `InsufficientPrivilege` saying who may."""
+    try:
+        return _apply_pending(conn)
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise _may_not_migrate(conn, exc) from None
+
+
+def _apply_pending(conn: psycopg.Connection[Any]) -> list[int]:
+    """`apply_migrations`, its errors as PostgreSQL raised them."""
     applied: list[int] = []
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_ADVISORY_LOCK_ID,))
-        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(_SCHEMA))
-        conn.execute(
-            sql.SQL(
-                "CREATE TABLE IF NOT EXISTS {}.schema_migrations ("
-                " version integer PRIMARY KEY,"
-                " name text NOT NULL,"
-                " applied_at timestamptz NOT NULL DEFAULT now())"
-            ).format(_SCHEMA)
-        )
+        row = conn.execute("SELECT to_regclass('saga.schema_migrations') IS NOT NULL").fetchone()
+        if not (row is not None and row[0]):
+            _create_migrations_table(conn)
         cursor = conn.execute(sql.SQL("SELECT version FROM {}.schema_migrations").format(_SCHEMA))
         done = {int(row[0]) for row in cursor.fetchall()}
         migrations = load_migrations()
@@ -100,6 +106,36 @@ def apply_migrations(conn: psycopg.Connection[Any]) -> list[int]:
             applied.append(migration.version)
             _log.info("migration_applied", version=migration.version, name=migration.name)
     return applied
+
+
+def _create_migrations_table(conn: psycopg.Connection[Any]) -> None:
+    """Create the saga schema, when it does not exist, and its table of migrations.
+
+    The schema is created only when missing: CREATE SCHEMA needs the CREATE privilege on
+    the database even when the schema exists, and a DBA may have created it for the
+    owner (`CREATE SCHEMA saga AUTHORIZATION owner`) without giving that."""
+    row = conn.execute("SELECT to_regnamespace('saga') IS NOT NULL").fetchone()
+    if not (row is not None and row[0]):
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(_SCHEMA))
+    conn.execute(
+        sql.SQL(
+            "CREATE TABLE IF NOT EXISTS {}.schema_migrations ("
+            " version integer PRIMARY KEY,"
+            " name text NOT NULL,"
+            " applied_at timestamptz NOT NULL DEFAULT now())"
+        ).format(_SCHEMA)
+    )
+
+
+def _may_not_migrate(conn: psycopg.Connection[Any], exc: psycopg.Error) -> InsufficientPrivilege:
+    """The error for a role that may not apply the migrations, naming it and who may."""
+    said = " ".join(str(exc.diag.message_primary or exc).split())
+    return InsufficientPrivilege(
+        f"role {conn.info.user!r} may not migrate the saga schema ({said}): run `saga "
+        "migrate` as the role that owns the schema saga (or a role with CREATE on the "
+        "database, which then owns it); workers and operators need no DDL",
+        sqlstate=exc.sqlstate,
+    )
 
 
 def check_not_newer(applied: set[int], migrations: list[Migration]) -> None:

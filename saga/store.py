@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from decimal import Decimal
-from importlib import resources
 from typing import Any, LiteralString, cast
 
 import psycopg
@@ -23,6 +21,7 @@ from saga.dbretry import is_transient
 from saga.errors import (
     DatabaseError,
     DatabaseInterrupted,
+    InsufficientPrivilege,
     LeaseLost,
     SagaError,
     SchemaMissing,
@@ -30,6 +29,8 @@ from saga.errors import (
 )
 from saga.protocol import ConfirmationChange, ConfirmationRow, Event, OpRow, SagaRow, Write
 from saga.redact import scrub
+from saga.roles import RoleKind, check_privileges, privileges_query
+from saga.sqlfiles import load_queries
 from saga.state import (
     Confirmation,
     HistoryEvent,
@@ -49,18 +50,6 @@ FENCE_SQLSTATE = "SG001"
 # SQLSTATE raised by saga.write_saga_v4 when a confirmation cannot be written as asked: an
 # approval that expired, or that has released an attempt already.
 CONFIRMATION_SQLSTATE = "SG002"
-_HEADER = re.compile(r"^-- ([a-z_]+) --$", re.MULTILINE)
-
-
-def load_queries() -> dict[str, LiteralString]:
-    """Named queries: each `-- name --` header, a description comment, then the SQL."""
-    text = (resources.files("saga") / "sql" / "queries.sql").read_text(encoding="utf-8")
-    parts = _HEADER.split(text)
-    queries: dict[str, LiteralString] = {}
-    for name, body in zip(parts[1::2], parts[2::2], strict=True):
-        # The file is part of the package, never user input: it is a literal in spirit.
-        queries[name] = cast(LiteralString, body.strip())
-    return queries
 
 
 QUERIES = load_queries()
@@ -100,6 +89,12 @@ def translate(exc: psycopg.Error, conninfo: str) -> SagaError:
     if is_transient(exc):
         reason = said or type(exc).__name__
         return DatabaseInterrupted(f"database work at {where} was cut off: {reason}")
+    if isinstance(exc, psycopg.errors.InsufficientPrivilege):
+        return InsufficientPrivilege(
+            f"the role connected to {where} lacks a privilege: {said}; the owner of the saga "
+            "schema grants a role what it needs with `saga grant reader|worker|operator ROLE`",
+            sqlstate=exc.sqlstate,
+        )
     code = f" [SQLSTATE {exc.sqlstate}]" if exc.sqlstate else ""
     return DatabaseError(
         f"PostgreSQL at {where} refused a statement{code}: {said or type(exc).__name__}",
@@ -418,6 +413,14 @@ class Store:
         with self._connection() as conn:
             rows = conn.execute(_q("database_gauges")).fetchall()
         return gauges_of(rows)
+
+    def check_privileges(self, kind: RoleKind) -> None:
+        """Raise `InsufficientPrivilege` when the connected role lacks what `kind` needs
+        (`saga.roles`), naming what it lacks and the `saga grant` that gives it."""
+        query, params = privileges_query(kind)
+        with self._connection() as conn:
+            rows = conn.execute(query, params).fetchall()
+        check_privileges(rows, kind, self._conninfo)
 
     # ----- the ledger ------------------------------------------------------------------
 

@@ -137,6 +137,9 @@ class Worker:
         kinds = [f"{s.name}:{s.version}" for s in orch.registered()]
         if not kinds:
             raise ValueError("the orchestrator has no registered saga; register one first")
+        # A role that may not drive sagas fails here, naming what it lacks, rather than at
+        # its first claim (where a worker would keep retrying).
+        orch.store.check_privileges("worker")
         # Each saga in flight may hold two connections (its transaction and its heartbeat).
         orch.ensure_pool_size(2 * self.concurrency + 2)
         options = orch.runner_options(max_inline_sleep=self.short_wait_seconds)

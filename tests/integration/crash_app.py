@@ -262,9 +262,7 @@ CAPPED = _build_compensated("crash_capped", ceilings=Ceilings(max_side_effects=2
 RETRIED = _build_compensated("crash_retried", max_attempts=2)
 
 
-def _build_spending(
-    name: str, *, max_cost: float | None, budget: float | None
-) -> Saga[CrashOrder]:
+def _build_spending(name: str, *, max_cost: float | None, budget: float | None) -> Saga[CrashOrder]:
     """reserve, then an idempotent charge that reports a spend of 10 with ctx.spend()
     before it charges (and blocks, as `_charge` says)."""
     ceilings = Ceilings(spend_budget=budget) if budget is not None else None

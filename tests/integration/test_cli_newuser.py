@@ -112,7 +112,14 @@ def test_resolve_succeeded_without_result_warns_when_a_compensation_gets_null(
     assert "null" in warned.stderr and "--result" in warned.stderr
 
     quiet = saga_cmd(
-        *base, "--app", "cli_app", given, "charge", "--succeeded", "--result", '{"c": 1}',
+        *base,
+        "--app",
+        "cli_app",
+        given,
+        "charge",
+        "--succeeded",
+        "--result",
+        '{"c": 1}',
         app_dir=app_dir,
     )
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
@@ -135,8 +142,14 @@ def test_batch_commands_write_json_lines_with_a_summary(
     app = ["--app", "cli_app", "--database-url", database_url]
 
     dry = saga_cmd(
-        "compensate", *app, "--status", "needs_review", "--include-unknown", "--dry-run",
-        "--json", app_dir=app_dir,
+        "compensate",
+        *app,
+        "--status",
+        "needs_review",
+        "--include-unknown",
+        "--dry-run",
+        "--json",
+        app_dir=app_dir,
     )
     assert dry.returncode == 0, dry.stderr
     *planned, dry_summary = _json_lines(dry.stdout)
@@ -146,7 +159,12 @@ def test_batch_commands_write_json_lines_with_a_summary(
     assert dry_summary["selected"] == 2
 
     comp = saga_cmd(
-        "compensate", *app, "--status", "needs_review", "--include-unknown", "--json",
+        "compensate",
+        *app,
+        "--status",
+        "needs_review",
+        "--include-unknown",
+        "--json",
         app_dir=app_dir,
     )
     assert comp.returncode == 0, comp.stdout + comp.stderr
@@ -156,15 +174,29 @@ def test_batch_commands_write_json_lines_with_a_summary(
     )
     assert {o["saga"] for o in outcomes} == {"shop v1"}
     assert summary == {
-        "summary": True, "command": "compensate", "selected": 2, "done": 2, "parked": 0,
-        "skipped": 0, "not_handled": 0, "interrupted": False,
+        "summary": True,
+        "command": "compensate",
+        "selected": 2,
+        "done": 2,
+        "parked": 0,
+        "skipped": 0,
+        "not_handled": 0,
+        "interrupted": False,
     }
 
     rec = saga_cmd("reconcile", *app, "--json", app_dir=app_dir)
     assert rec.returncode == 0, rec.stderr
     assert _json_lines(rec.stdout) == [
-        {"summary": True, "command": "reconcile", "selected": 0, "done": 0, "parked": 0,
-         "skipped": 0, "not_handled": 0, "interrupted": False}
+        {
+            "summary": True,
+            "command": "reconcile",
+            "selected": 0,
+            "done": 0,
+            "parked": 0,
+            "skipped": 0,
+            "not_handled": 0,
+            "interrupted": False,
+        }
     ]
 
     with psycopg.connect(database_url, autocommit=True) as conn:
@@ -202,7 +234,13 @@ def test_reconcile_limit_counts_sagas_not_operations(
             "WHERE step = 'charge' AND kind = 'compensation'"
         )
     result = saga_cmd(
-        "reconcile", "--app", "cli_app", "--database-url", database_url, "--limit", "2",
+        "reconcile",
+        "--app",
+        "cli_app",
+        "--database-url",
+        database_url,
+        "--limit",
+        "2",
         app_dir=app_dir,
     )
     *outcomes, summary = result.stdout.splitlines()
@@ -252,8 +290,16 @@ def test_commands_take_unique_id_prefixes(
     assert short.returncode == 2 and "at least 4" in _one_line_error(short)
 
     cancelled = saga_cmd(
-        "cancel", "--app", "cli_app", "--database-url", database_url, "abcd2",
-        "--reason", "r", "--include-unknown", app_dir=app_dir,
+        "cancel",
+        "--app",
+        "cli_app",
+        "--database-url",
+        database_url,
+        "abcd2",
+        "--reason",
+        "r",
+        "--include-unknown",
+        app_dir=app_dir,
     )
     assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
     assert f"cancelled saga {second}" in cancelled.stdout
@@ -285,7 +331,12 @@ def test_versions_lists_sagas_in_flight_per_version(
     _park_letter(orch, "o-v4")
 
     as_json = saga_cmd(
-        "versions", "--app", "cli_app", "--database-url", database_url, "--json",
+        "versions",
+        "--app",
+        "cli_app",
+        "--database-url",
+        database_url,
+        "--json",
         app_dir=app_dir,
     )
     assert as_json.returncode == 0, as_json.stderr
@@ -300,7 +351,8 @@ def test_versions_lists_sagas_in_flight_per_version(
     header, *lines = text.stdout.splitlines()
     assert header.split()[:3] == ["SAGA", "VERSION", "PENDING"] and "REGISTERED" not in header
     assert [line.split()[:2] for line in lines if line[:1] != " "][:2] == [
-        ["letter", "1"], ["shop", "1"]
+        ["letter", "1"],
+        ["shop", "1"],
     ]
 
     with_app = saga_cmd(

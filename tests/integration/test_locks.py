@@ -145,7 +145,8 @@ def test_an_operator_verb_on_a_locked_saga_says_it_is_busy(
             _bounded(lambda: orch.cancel(saga_id, reason="now", actor="ops"))
         holder.rollback()
     assert orch.get(saga_id).status == "pending"
-    assert scalar(
-        orch.database_url, "SELECT count(*) FROM saga.events WHERE saga_id = %s", (saga_id,)
-    ) == 1
+    assert (
+        scalar(orch.database_url, "SELECT count(*) FROM saga.events WHERE saga_id = %s", (saga_id,))
+        == 1
+    )
     assert orch.cancel(saga_id, reason="now", actor="ops").status == "compensating"

@@ -328,13 +328,16 @@ def test_spend_reported_before_a_sigkill_is_counted_after_it(
     spent: float,
 ) -> None:
     saga_id = _crash_after_charging(app_url, children, saga)
-    assert float(
-        scalar(
-            app_url,
-            "SELECT attempt_spend FROM saga.operations WHERE saga_id = %s AND step = 'charge'",
-            (saga_id,),
+    assert (
+        float(
+            scalar(
+                app_url,
+                "SELECT attempt_spend FROM saga.operations WHERE saga_id = %s AND step = 'charge'",
+                (saga_id,),
+            )
         )
-    ) == 10.0  # persisted when it was reported, before the kill
+        == 10.0
+    )  # persisted when it was reported, before the kill
     orch = make_orch(*crash_app.ALL_SAGAS)
     wait_until(lambda: lease_expired(app_url, saga_id), timeout=15)
     state = orch.run(saga_id)

@@ -141,9 +141,7 @@ def test_a_step_function_with_the_compensation_shape_is_refused_as_a_step() -> N
 
 @pytest.mark.parametrize("hook", ["reconcile", "prepare"])
 @pytest.mark.parametrize("fn", [only_ctx, three, keyword_only, async_only_ctx])
-def test_reconcile_and_prepare_hooks_take_ctx_and_input(
-    hook: str, fn: Callable[..., Any]
-) -> None:
+def test_reconcile_and_prepare_hooks_take_ctx_and_input(hook: str, fn: Callable[..., Any]) -> None:
     saga = _saga()
     step = _ok_step(saga)
     with pytest.raises(SagaDefinitionError) as caught:
