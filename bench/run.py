@@ -853,6 +853,69 @@ def async_report(b: dict[str, Row]) -> tuple[list[str], dict[str, float]]:
     return notes, ratios
 
 
+@dataclass(frozen=True)
+class Target:
+    """One throughput target of the table in the README, as measured."""
+
+    label: str
+    value: float
+    want: float
+    unit: str  # "x" (a ratio), " ms", "" (a count) or "%"
+    more_is_better: bool = True
+    ratio: str = ""  # its key among the report's ratios, if it is one
+
+    @property
+    def met(self) -> bool:
+        return self.value >= self.want if self.more_is_better else self.value <= self.want
+
+    def __str__(self) -> str:
+        def shown(v: float) -> str:
+            return f"{v:.0%}" if self.unit == "%" else f"{v:.2f}{self.unit}"
+
+        how = "met" if self.met else f"MISSED by {abs(1 - self.value / self.want):.0%}"
+        return f"{self.label}: {shown(self.value)} (want {shown(self.want)}) {how}"
+
+
+def throughput_targets(b: dict[str, Row]) -> list[Target]:
+    """The throughput targets whose rows ran (best of rounds, by key)."""
+    out: list[Target] = []
+    dbos_seq, dbos_c8 = b.get("dbos_seq"), b.get("dbos_c8")
+    if dbos_seq is not None:
+        for key, label, want, ratio in (
+            ("ours_seq", "sagas/s sequential execute() >= 5x DBOS", 5.0, "sequential_vs_dbos"),
+            (
+                "run_seq",
+                "sagas/s sequential start() then run() >= 4x DBOS",
+                4.0,
+                "start_run_vs_dbos",
+            ),
+        ):
+            if key in b:
+                value = b[key].per_second / dbos_seq.per_second
+                out.append(Target(label, value, want, "x", ratio=ratio))
+    workers = [b[k] for k in ("w2x4", "w1x8", "aw1x8") if k in b]
+    if workers:
+        # start() then workers at total concurrency 8: the best of the sync and async shapes.
+        top = max(workers, key=lambda r: r.per_second)
+        if dbos_c8 is not None:
+            value = top.per_second / dbos_c8.per_second
+            label = f"sagas/s start() then workers at concurrency 8 ({top.mode}) >= 6x DBOS"
+            out.append(Target(label, value, 6.0, "x", ratio="c8_vs_dbos"))
+        label = f"commits/saga at concurrency 8 ({top.mode}) <= n + 1"
+        out.append(Target(label, top.commits_per_saga or 0.0, STEPS + 1.0, "", False))
+        label = f"p99 latency through workers at concurrency 8 ({top.mode}) <= 20 ms"
+        out.append(Target(label, top.p99_ms or 0.0, 20.0, " ms", False))
+    if "aw1x64" in b and dbos_c8 is not None:
+        value = b["aw1x64"].per_second / dbos_c8.per_second
+        label = "sagas/s one AsyncWorker at concurrency 64 >= 8x DBOS 8 threads"
+        out.append(Target(label, value, 8.0, "x", ratio="async_c64_vs_dbos_c8"))
+    if "ours_seq" in b and "pg1" in b:
+        value = b["ours_seq"].per_second / (b["pg1"].per_second / (STEPS + 1))
+        label = "sequential >= 50% of pgbench 1-client tps / (n+1)"
+        out.append(Target(label, value, 0.5, "%"))
+    return out
+
+
 def cpu_lines(b: dict[str, Row]) -> list[str]:
     """CPU milliseconds per saga of this project's rows, client and server (best round)."""
     cpu: list[str] = []
@@ -892,6 +955,10 @@ def partial_report(
     otel_notes, otel_ratios = otel_report(b)
     notes += otel_notes
     ratios.update(otel_ratios)
+    targets = throughput_targets(b)
+    ratios.update({t.ratio: t.value for t in targets if t.ratio})
+    if targets:
+        notes += ["", "targets:", *(f"  {t}" for t in targets)]
     out = [
         f"N = {report['n']} sagas of {STEPS} no-op steps, best of {report['rounds']} "
         f"interleaved rounds; rows {', '.join(k for k in ROW_ORDER if k in b)}; "
@@ -1062,67 +1129,16 @@ def main() -> None:
     ceiling = pg1.per_second / (STEPS + 1)
     ratios = {
         "sequential_vs_dbos": ours_seq.per_second / dbos_seq.per_second,
-        "start_run_vs_dbos": b["run_seq"].per_second / dbos_seq.per_second,
         "c8_vs_dbos": best_workers.per_second / dbos_c8.per_second,
         "sequential_vs_ceiling": ours_seq.per_second / ceiling,
         "c8_vs_ceiling_8_clients": best_workers.per_second / (pg8.per_second / (STEPS + 1)),
         "sequential_vs_psycopg_floor": ours_seq.per_second / b["floor"].per_second,
     }
-    if "aw1x64" in b:
-        ratios["async_c64_vs_dbos_c8"] = b["aw1x64"].per_second / dbos_c8.per_second
     best_c32 = max((b[k] for k in ("w4x8", "aw1x32") if k in b), key=lambda r: r.per_second)
     ratios["c32_vs_dbos_c32"] = best_c32.per_second / b["dbos_c32"].per_second
     growth = (claim["after_ms"] / claim["before_ms"] - 1.0) * 100.0
-    # (label, value, wanted, unit, whether more is better)
-    targets: list[tuple[str, float, float, str, bool]] = [
-        ("sagas/s sequential execute() >= 5x DBOS", ratios["sequential_vs_dbos"], 5.0, "x", True),
-        (
-            "sagas/s sequential start() then run() >= 4x DBOS",
-            ratios["start_run_vs_dbos"],
-            4.0,
-            "x",
-            True,
-        ),
-        (
-            f"sagas/s start() then workers at concurrency 8 ({best_workers.mode}) >= 6x DBOS",
-            ratios["c8_vs_dbos"],
-            6.0,
-            "x",
-            True,
-        ),
-        (
-            f"commits/saga at concurrency 8 ({best_workers.mode}) <= n + 1",
-            best_workers.commits_per_saga or 0.0,
-            float(STEPS + 1),
-            "",
-            False,
-        ),
-        (
-            f"p99 ms through workers at concurrency 8 ({best_workers.mode}) <= 20",
-            best_workers.p99_ms or 0.0,
-            20.0,
-            " ms",
-            False,
-        ),
-        (
-            "sequential >= 50% of pgbench 1-client tps / (n+1)",
-            ratios["sequential_vs_ceiling"],
-            0.5,
-            "%",
-            True,
-        ),
-    ]
-    if "aw1x64" in b:
-        targets.insert(
-            4,
-            (
-                "sagas/s one AsyncWorker at concurrency 64 >= 8x DBOS 8 threads",
-                ratios["async_c64_vs_dbos_c8"],
-                8.0,
-                "x",
-                True,
-            ),
-        )
+    targets = throughput_targets(b)
+    ratios.update({t.ratio: t.value for t in targets if t.ratio})
 
     out: list[str] = []
     out.append(
@@ -1168,7 +1184,6 @@ def main() -> None:
     out.append("")
     out.append(
         f"ratios: sequential ours/DBOS = {ratios['sequential_vs_dbos']:.2f}x; "
-        f"start() then run() ours/DBOS sequential = {ratios['start_run_vs_dbos']:.2f}x; "
         f"concurrency 8 ours/DBOS = {ratios['c8_vs_dbos']:.2f}x; "
         f"sequential / (pgbench 1-client tps / {STEPS + 1} = {ceiling:,.0f}) = "
         f"{ratios['sequential_vs_ceiling']:.0%}; "
@@ -1206,13 +1221,9 @@ def main() -> None:
     out.append("")
     out.append("targets:")
     met_all = True
-    for label, value, want, unit, more_is_better in targets:
-        met = value >= want if more_is_better else value <= want
-        met_all &= met
-        how = "met" if met else f"MISSED by {abs(1 - value / want):.0%}"
-        shown = f"{value:.0%}" if unit == "%" else f"{value:.2f}{unit}"
-        wanted = f"{want:.0%}" if unit == "%" else f"{want:g}{unit}"
-        out.append(f"  {label}: {shown} (want {wanted}) {how}")
+    for target in targets:
+        met_all &= target.met
+        out.append(f"  {target}")
     claim_met = growth < 20.0
     met_all &= claim_met
     out.append(f"  claim latency growth < 20%: {growth:+.1f}% {'met' if claim_met else 'MISSED'}")
