@@ -136,6 +136,13 @@ class AsyncRunner:
         """Claim the longest-waiting runnable saga of these kinds and plan its first move."""
         return await self.run(self.flows.claim_next(kinds, lookup))
 
+    async def claim_batch(
+        self, kinds: Sequence[str], lookup: Callable[[str, int], Saga[Any]], limit: int
+    ) -> list[tuple[Planner, Next]]:
+        """Claim up to `limit` runnable sagas of these kinds in one statement and one commit,
+        each with its first move planned and recorded; in run_after order."""
+        return await self.run(self.flows.claim_batch(kinds, lookup, limit))
+
     async def drive(self, planner: Planner, nxt: Next) -> SagaState | None:
         """Carry out `nxt` and every move after it until the saga stops or is handed back."""
         return await self.run(self.flows.drive(planner, nxt))

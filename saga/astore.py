@@ -18,7 +18,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from saga.agroup import GroupCommit
-from saga.errors import StepStateError
+from saga.errors import SagaError, StepStateError
 from saga.protocol import ConfirmationRow, Event, OpRow, SagaRow, Write
 from saga.roles import RoleKind, check_privileges, privileges_query
 from saga.state import Confirmation, HistoryEvent, SagaState, WorkerInfo
@@ -33,8 +33,11 @@ from saga.store import (
     _state,
     _write,
     approval_params,
+    batch_answers,
+    batch_params,
     gauges_of,
     ledger_params,
+    loaded_batch,
     loaded_from_rows,
     refusal_of,
     start_params,
@@ -127,6 +130,44 @@ class AsyncStore:
         return loaded_from_rows(
             await claim.fetchone(), await ops.fetchall(), await confirmations.fetchall()
         )
+
+    async def claim_batch_txn(
+        self, conn: AConn, *, kinds: Sequence[str], owner: str, lease_seconds: float, limit: int
+    ) -> list[Loaded]:
+        """Take the leases of up to `limit` runnable sagas of these kinds, and read what
+        each has (see `Store.claim_batch_txn`)."""
+        claim = await conn.execute(
+            _q("claim_saga_batch"),
+            {"kinds": list(kinds), "owner": owner, "lease_seconds": lease_seconds, "limit": limit},
+        )
+        ops = await conn.execute(_q("claimed_batch_operations"))
+        confirmations = await conn.execute(_q("claimed_batch_confirmations"))
+        pipeline = conn._pipeline
+        if isinstance(pipeline, psycopg.AsyncPipeline):
+            await pipeline.sync()
+        return loaded_batch(
+            await claim.fetchall(), await ops.fetchall(), await confirmations.fetchall()
+        )
+
+    async def save_batch_txn(
+        self,
+        conn: AConn,
+        writes: Sequence[tuple[Write, str]],
+        *,
+        owner: str,
+        lease_seconds: float,
+    ) -> Callable[[], Awaitable[list[SagaState | SagaError | None]]]:
+        """Queue the first moves of a batch claim's sagas in one statement (see
+        `Store.save_batch_txn`); returns the read of the answers, to await once the
+        transaction committed."""
+        params = batch_params(writes, owner=owner, lease_seconds=lease_seconds)
+        written = await conn.execute(_q("write_sagas"), {"writes": params})
+        conninfo = self._conninfo
+
+        async def read() -> list[SagaState | SagaError | None]:
+            return batch_answers(await written.fetchone(), conninfo)
+
+        return read
 
     async def renew_leases(
         self, held: Collection[tuple[str, int]], *, owner: str, lease_seconds: float
@@ -294,6 +335,12 @@ class AsyncStore:
             cur = await conn.execute(_q("own_claim"), {"owner": owner, "token": token})
             row = await cur.fetchone()
         return None if row is None else (row["id"], row["name"], int(row["version"]))
+
+    async def own_claims(self, *, owner: str, tokens: Sequence[str]) -> dict[str, str]:
+        """Token by saga id of the sagas a batch claim whose reply was lost took."""
+        async with self._connection() as conn:
+            cur = await conn.execute(_q("own_claims"), {"owner": owner, "tokens": list(tokens)})
+            return {row["id"]: row["write_token"] for row in await cur.fetchall()}
 
     async def database_gauges(self) -> list[DatabaseGauges]:
         """What the telemetry's gauges report of the database, per saga name."""

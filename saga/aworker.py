@@ -24,7 +24,7 @@ from saga.flow import describe_error
 from saga.logs import get_logger
 from saga.protocol import Next, Planner
 from saga.store import DatabaseGauges
-from saga.worker import CHANNEL, check_settings
+from saga.worker import CHANNEL, MAX_CLAIM_BATCH, check_settings
 
 _log = get_logger("saga.worker")
 
@@ -52,8 +52,6 @@ class AsyncWorkerEngine(Protocol):
     ) -> AsyncRunner: ...
 
 
-# Most claims a worker has in flight at once (each holds a connection while it runs).
-_PARALLEL_CLAIMS = 4
 # Longest wait (seconds) between two attempts to LISTEN again after the listener failed.
 _LISTEN_RETRY_MAX_SECONDS = 5.0
 
@@ -209,28 +207,17 @@ class AsyncWorker:
             await self._sleep(timeout)
 
     async def _claim_some(self, runner: AsyncRunner, kinds: list[str]) -> bool:
-        """Claim sagas for the free slots, several claims at once (each its own
-        transaction, SKIP LOCKED keeping them apart), and start driving each one claimed;
-        whether every claim found a saga (there may be more to claim).
+        """Claim sagas for the free slots in one statement and one commit (a batch claim,
+        `MAX_CLAIM_BATCH` at most), and start driving each one claimed; whether the claim
+        took all it asked for (there may be more to claim).
 
-        One claim at a time would leave the slots to fill at the pace of one round trip and
+        One claim a saga would leave the slots to fill at the pace of one round trip and
         commit each, slower than short sagas end."""
-        wanted = min(self.concurrency - self.in_flight, _PARALLEL_CLAIMS)
-        lookup = self.orchestrator.definition
-
-        async def claim() -> bool:
-            # Each saga is driven as soon as its own claim committed, not once all are in.
-            claimed = await runner.claim_next(kinds, lookup)
-            if claimed is not None:
-                self._spawn(runner, *claimed)
-            return claimed is not None
-
-        results = await asyncio.gather(*(claim() for _ in range(wanted)), return_exceptions=True)
-        failure = next((r for r in results if isinstance(r, BaseException)), None)
-        if failure is not None:
-            # The sagas the other claims took are driven; the error goes to the loop.
-            raise failure
-        return all(result is True for result in results)
+        wanted = min(self.concurrency - self.in_flight, MAX_CLAIM_BATCH)
+        claimed = await runner.claim_batch(kinds, self.orchestrator.definition, wanted)
+        for planner, nxt in claimed:
+            self._spawn(runner, planner, nxt)
+        return len(claimed) >= wanted
 
     async def _sleep(self, seconds: float) -> None:
         assert self._wake is not None

@@ -250,6 +250,122 @@ class Flows:
         log_events(planner, events)
         return planner, nxt
 
+    def claim_batch(
+        self, kinds: Sequence[str], lookup: Lookup, limit: int
+    ) -> Flow[list[tuple[Planner, Next]]]:
+        """Claim up to `limit` of the longest-waiting runnable sagas of these name:version
+        kinds in one statement, and plan and record the first move of each, all in one
+        transaction and one commit; each saga has its own lease, fence and first write.
+        The sagas claimed, in run_after order, to be driven each by a driver of its own
+        (none when there was nothing to claim). A limit of 1 is `claim_next`.
+
+        A transient database error is retried. A claim that had landed although its reply
+        was lost is found again by the tokens of its first writes (one per saga it could
+        take): every saga it holds is carried on, none is left to its lease's expiry. A
+        saga whose first write alone is refused is parked with the reason; the others of
+        the batch are driven."""
+        if limit <= 1:
+            one = yield from self.claim_next(kinds, lookup)
+            return [] if one is None else [one]
+        tokens = [new_token() for _ in range(limit)]
+        tried = [False]
+        # Sagas of a landed claim carried on so far, by id: a retry after an error in the
+        # middle of carrying them on does not look for them again.
+        carried: dict[str, tuple[Planner, Next] | None] = {}
+
+        def once() -> Flow[list[tuple[Planner, Next]]]:
+            if tried[0]:
+                owned: dict[str, str] = yield db("own_claims", owner=self.owner, tokens=tokens)
+                for saga_id, token in sorted(owned.items(), key=lambda item: tokens.index(item[1])):
+                    if saga_id not in carried:
+                        carried[saga_id] = yield from self._reclaim_one(lookup, saga_id, token)
+                reclaimed = [c for c in carried.values() if c is not None]
+                if carried:
+                    return reclaimed
+            tried[0] = True
+            return (yield from self._claim_batch_once(kinds, lookup, tokens))
+
+        try:
+            return (yield from retried("claim_saga_batch", once, interruptible=True))
+        except Exception as exc:
+            if is_transient(exc) and (yield Stopping()):
+                return [c for c in carried.values() if c is not None]
+            raise
+
+    def _reclaim_one(
+        self, lookup: Lookup, saga_id: str, token: str
+    ) -> Flow[tuple[Planner, Next] | None]:
+        """`_reclaim` of one saga of a batch claim: what it raises (other than a transient
+        error, retried) is that saga's alone, which is then left to the next owner once
+        its lease expires; the other sagas of the claim are carried on."""
+        try:
+            return (yield from self._reclaim(lookup, saga_id, token))
+        except Exception as exc:
+            if is_transient(exc):
+                raise
+            _log.error("reclaim_failed", saga_id=saga_id, error=_describe_error(exc))
+            return None
+
+    def _claim_batch_once(
+        self, kinds: Sequence[str], lookup: Lookup, tokens: Sequence[str]
+    ) -> Flow[list[tuple[Planner, Next]]]:
+        yield Begin()
+        batch: list[Loaded] = yield db(
+            "claim_batch_txn",
+            kinds=kinds,
+            owner=self.owner,
+            lease_seconds=self.lease_seconds,
+            limit=len(tokens),
+        )
+        planned: list[tuple[Planner, Next, Write, str]] = []
+        unplanned: list[SagaRow] = []
+        for loaded, token in zip(batch, tokens, strict=False):
+            row = loaded[0]
+            try:
+                definition = lookup(row.name, row.version)
+            except Exception as exc:
+                if is_transient(exc):
+                    raise
+                # The claim reads only registered kinds: a registry changed meanwhile.
+                _log.error("saga_not_plannable", saga_id=row.id, error=_describe_error(exc))
+                unplanned.append(row)
+                continue
+            planner = self._new_planner(definition, *loaded)
+            nxt = yield from self._advance(planner)
+            planned.append((planner, nxt, self._write(planner, nxt), token))
+        read = None
+        if planned:
+            read = yield db(
+                "save_batch_txn",
+                [(write, token) for _, _, write, token in planned],
+                owner=self.owner,
+                lease_seconds=self.lease_seconds,
+            )
+            for _, nxt, _, _ in planned:
+                if isinstance(nxt, Invoke):
+                    faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
+        yield Commit()
+        for row in unplanned:
+            yield from self.release_after_error(row)
+        if read is None:
+            return []
+        answers: list[SagaState | Exception | None] = yield Fetch(read)
+        claimed: list[tuple[Planner, Next]] = []
+        for (planner, nxt, write, _), answer in zip(planned, answers, strict=True):
+            if isinstance(answer, Exception):
+                # One bad saga never stops the others: it alone is parked, with the reason.
+                try:
+                    yield from self._park_broken(planner, answer)
+                except Exception:
+                    _log.exception("saga_park_failed", saga_id=planner.saga.id)
+                    yield from self.release_after_error(planner.saga)
+                continue
+            if write.release:
+                planner.final_state = answer
+            log_events(planner, write.events)
+            claimed.append((planner, nxt))
+        return claimed
+
     def _reclaim(
         self, lookup: Lookup, saga_id: str, token: str
     ) -> Flow[tuple[Planner, Next] | None]:

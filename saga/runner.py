@@ -81,6 +81,13 @@ class Runner:
         """Claim the longest-waiting runnable saga of these kinds and plan its first move."""
         return self.run(self.flows.claim_next(kinds, lookup))
 
+    def claim_batch(
+        self, kinds: Sequence[str], lookup: Callable[[str, int], Saga[Any]], limit: int
+    ) -> list[tuple[Planner, Next]]:
+        """Claim up to `limit` runnable sagas of these kinds in one statement and one commit,
+        each with its first move planned and recorded; in run_after order."""
+        return self.run(self.flows.claim_batch(kinds, lookup, limit))
+
     def drive(self, planner: Planner, nxt: Next) -> SagaState | None:
         """Carry out `nxt` and every move after it until the saga stops or is handed back."""
         return self.run(self.flows.drive(planner, nxt))

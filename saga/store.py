@@ -243,6 +243,43 @@ class Store:
         _sync(conn)
         return _loaded(claim, *reads)
 
+    def claim_batch_txn(
+        self, conn: Conn, *, kinds: Sequence[str], owner: str, lease_seconds: float, limit: int
+    ) -> list[Loaded]:
+        """Take the leases of up to `limit` runnable sagas of the given name:version kinds,
+        the longest-waiting first, and read what each has (saga.claim_batch, migration
+        0019): one statement, and with its reads one round trip. In run_after order."""
+        claim = conn.execute(
+            _q("claim_saga_batch"),
+            {"kinds": list(kinds), "owner": owner, "lease_seconds": lease_seconds, "limit": limit},
+        )
+        ops = conn.execute(_q("claimed_batch_operations"))
+        confirmations = conn.execute(_q("claimed_batch_confirmations"))
+        _sync(conn)
+        return loaded_batch(claim.fetchall(), ops.fetchall(), confirmations.fetchall())
+
+    def save_batch_txn(
+        self,
+        conn: Conn,
+        writes: Sequence[tuple[Write, str]],
+        *,
+        owner: str,
+        lease_seconds: float,
+    ) -> Callable[[], list[SagaState | SagaError | None]]:
+        """Queue the first moves of the sagas a batch claim took, each (write, its token),
+        in one statement (saga.write_sagas_v1): each write is applied on its own, so one
+        that is refused (its error is its answer) leaves the others and every claim in the
+        transaction. Returns the read of the answers, in order, to call once the
+        transaction has committed: a saga's state when its write gave the lease back."""
+        params = batch_params(writes, owner=owner, lease_seconds=lease_seconds)
+        written = conn.execute(_q("write_sagas"), {"writes": params})
+        conninfo = self._conninfo
+
+        def read() -> list[SagaState | SagaError | None]:
+            return batch_answers(written.fetchone(), conninfo)
+
+        return read
+
     def renew_leases(
         self, held: Collection[tuple[str, int]], *, owner: str, lease_seconds: float
     ) -> set[tuple[str, int]]:
@@ -404,6 +441,13 @@ class Store:
         with self._connection() as conn:
             row = conn.execute(_q("own_claim"), {"owner": owner, "token": token}).fetchone()
         return None if row is None else (row["id"], row["name"], int(row["version"]))
+
+    def own_claims(self, *, owner: str, tokens: Sequence[str]) -> dict[str, str]:
+        """Token by saga id of the runnable sagas leased to `owner` whose last write
+        carries one of `tokens`: what a batch claim whose reply was lost took."""
+        with self._connection() as conn:
+            rows = conn.execute(_q("own_claims"), {"owner": owner, "tokens": list(tokens)})
+            return {row["id"]: row["write_token"] for row in rows.fetchall()}
 
     def database_gauges(self) -> list[DatabaseGauges]:
         """What the telemetry's gauges report of the database, per saga name that has
@@ -676,6 +720,51 @@ def loaded_from_rows(
         [_op_row(r) for r in ops],
         [_confirmation_row(r) for r in confirmations],
     )
+
+
+def loaded_batch(
+    rows: Sequence[dict[str, Any]],
+    ops: Sequence[dict[str, Any]],
+    confirmations: Sequence[dict[str, Any]],
+) -> list[Loaded]:
+    """The sagas a batch claim took, as their lease holder reads them, in run_after order,
+    from the claimed rows and the operations and confirmations of all of them."""
+    ops_of: dict[str, list[dict[str, Any]]] = {}
+    for op in ops:
+        ops_of.setdefault(str(op["saga_id"]), []).append(op)
+    confirmations_of: dict[str, list[dict[str, Any]]] = {}
+    for confirmation in confirmations:
+        confirmations_of.setdefault(str(confirmation["saga_id"]), []).append(confirmation)
+    batch: list[Loaded] = []
+    for row in sorted(rows, key=lambda r: (r["run_after"], str(r["id"]))):
+        saga_id = str(row["id"])
+        loaded = loaded_from_rows(row, ops_of.get(saga_id, []), confirmations_of.get(saga_id, []))
+        assert loaded is not None
+        batch.append(loaded)
+    return batch
+
+
+def batch_params(writes: Sequence[tuple[Write, str]], *, owner: str, lease_seconds: float) -> Jsonb:
+    """The argument of saga.write_sagas_v1 for lease holders' writes, each with its token."""
+    return Jsonb(
+        [
+            _write(write, owner=owner, lease_seconds=lease_seconds, token=token).obj
+            for write, token in writes
+        ],
+        dumps=_dumps,
+    )
+
+
+def batch_answers(row: dict[str, Any] | None, conninfo: str) -> list[SagaState | SagaError | None]:
+    """What saga.write_sagas_v1 answered for each write, in order: the saga's state (None
+    unless the write asked for it), or the error that refused that write alone."""
+    assert row is not None
+    return [
+        refusal_of(result["sqlstate"], result["message"], conninfo)
+        if "sqlstate" in result
+        else state_of(result["state"])
+        for result in row["results"]
+    ]
 
 
 def _confirmation_row(row: dict[str, Any]) -> ConfirmationRow:

@@ -69,6 +69,8 @@ class WorkerEngine(Protocol):
 
 
 CHANNEL = "saga_runnable"
+# Most sagas one claim takes (one statement and one commit), for as many idle drivers.
+MAX_CLAIM_BATCH = 32
 
 
 class Worker:
@@ -183,10 +185,13 @@ class Worker:
                     )
                     announced = time.monotonic()
                 while self.in_flight < self.concurrency and not self._stopping.is_set():
-                    claimed = runner.claim_next(kinds, self.orchestrator.definition)
-                    if claimed is None:
+                    # The idle drivers' sagas in one claim: one statement, one commit.
+                    wanted = min(self.concurrency - self.in_flight, MAX_CLAIM_BATCH)
+                    claimed = runner.claim_batch(kinds, self.orchestrator.definition, wanted)
+                    for planner, nxt in claimed:
+                        self._spawn(runner, planner, nxt)
+                    if len(claimed) < wanted:
                         break
-                    self._spawn(runner, *claimed)
                 if self.in_flight >= self.concurrency:
                     self._wake.wait(self.poll_seconds)
                     continue

@@ -74,6 +74,33 @@ RETURNING *, set_config('saga.claimed', id::text, true) AS claimed
 -- The claimed saga is named in saga.claimed, as by claim_saga (see migration 0009).
 SELECT * FROM saga.claim_next(%(kinds)s::text[], %(owner)s, %(lease_seconds)s::float8)
 
+-- claim_saga_batch --
+-- Take the leases of up to `limit` runnable sagas among the given (name:version) pairs,
+-- those that have waited longest first, in one statement (migration 0019); the claimed
+-- sagas are named in saga.claimed_batch for the reads below.
+SELECT * FROM saga.claim_batch(%(kinds)s::text[], %(owner)s, %(lease_seconds)s::float8,
+                               %(limit)s::integer)
+
+-- claimed_batch_operations --
+-- get_operations of every saga the current transaction has just claimed with
+-- claim_saga_batch, saga by saga; none when nothing was claimed.
+SELECT *
+FROM saga.operations
+WHERE saga_id = ANY(string_to_array(
+          NULLIF(current_setting('saga.claimed_batch', true), ''), ',')::uuid[])
+ORDER BY saga_id, kind = 'compensation',
+         CASE WHEN kind = 'action' THEN position ELSE -position END
+
+-- claimed_batch_confirmations --
+-- get_confirmations of every saga the current transaction has just claimed with
+-- claim_saga_batch.
+SELECT saga_id, step, request_hash, preview, requested_at, expires_at, approved_by,
+       approved_at, consumed_attempt, consumed_at, approval
+FROM saga.confirmations
+WHERE saga_id = ANY(string_to_array(
+          NULLIF(current_setting('saga.claimed_batch', true), ''), ',')::uuid[])
+ORDER BY saga_id, requested_at
+
 -- next_claimable_at --
 -- When the earliest saga of these kinds becomes claimable (backoff over, lease expired).
 SELECT min(GREATEST(run_after, COALESCE(lease_expires_at, run_after))) AS at
@@ -260,6 +287,17 @@ FROM saga.sagas
 WHERE status IN ('pending', 'running', 'compensating')
   AND lease_owner = %(owner)s
   AND write_token = %(token)s::uuid
+
+-- own_claims --
+-- The sagas this owner's batch claim took, found by the tokens of their first writes
+-- (one token per saga the claim could take): a worker whose claim reply was lost learns
+-- which sagas it holds (none when the claim did not land, or their first moves already
+-- gave the leases back).
+SELECT id::text AS id, write_token::text AS write_token
+FROM saga.sagas
+WHERE status IN ('pending', 'running', 'compensating')
+  AND lease_owner = %(owner)s
+  AND write_token = ANY(%(tokens)s::uuid[])
 
 -- write_token --
 -- The token of a saga's last write and its lease owner: whether a write whose reply was
