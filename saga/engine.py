@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from saga import approvals, faults, inputs, interventions, telemetry
-from saga.database import describe_url, resolve_database_url
+from saga.database import Route, describe_url, prepared_statements_setting, resolve_database_url
 from saga.definition import Saga
 from saga.effects import Begin, Commit, Fetch, Flow, Pause, Stopping, db
 from saga.errors import (
@@ -95,6 +95,7 @@ class Engine:
         | Iterable[approvals.PublicKeyLike]
         | None = None,
         telemetry_keys: bool | None = None,
+        prepared_statements: bool | None = None,
     ) -> None:
         if not lease_seconds > 0:
             raise ValueError(f"lease_seconds must be positive, got {lease_seconds!r}")
@@ -114,6 +115,9 @@ class Engine:
         self.auto_migrate = auto_migrate
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._pool_size = pool_size
+        self.prepared_statements = prepared_statements_setting(prepared_statements)
+        # What the first connection told of the way to the server (None until connected).
+        self.route: Route | None = None
         if not retention_days >= 0:
             raise ValueError(f"retention_days must not be negative, got {retention_days!r}")
         self.retention_days = float(retention_days)

@@ -90,7 +90,11 @@ class ChangeFeed:
                 delay = 0.25
 
     async def _listen(self) -> None:
-        conn = await psycopg.AsyncConnection.connect(self._url, autocommit=True)
+        # No prepared statement: the marker query runs every poll, and the URL may be a
+        # transaction pooler's, whose server sessions do not keep them for us.
+        conn = await psycopg.AsyncConnection.connect(
+            self._url, autocommit=True, prepare_threshold=None
+        )
         async with conn:
             await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(CHANNEL)))
             self.listening = True
