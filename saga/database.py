@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,26 +135,55 @@ def unavailable(url: str, exc: BaseException) -> DatabaseUnavailable:
     return DatabaseUnavailable(f"cannot reach PostgreSQL at {where}: {reason}")
 
 
-def check_connection(url: str, *, timeout_seconds: float = 5.0) -> Route:
+def check_connection(
+    url: str, *, timeout_seconds: float = 5.0, restart_seconds: float = 20.0
+) -> Route:
     """Open and close one connection, turning any failure into `DatabaseUnavailable`; a
     malformed URL is refused before any connection is tried. Returns what the connection
-    told of the way to the server (`Route`), at the cost of one statement."""
+    told of the way to the server (`Route`), at the cost of one statement.
+
+    A server that answers it is restarting (or a pooler that says its server is) is asked
+    again for up to `restart_seconds`; a server that does not answer, or refuses, is
+    reported at once."""
     if _malformed(url):
         try:
             conninfo_to_dict(url)
         except Exception as exc:
             raise unavailable(url, exc) from None
         raise unavailable(url, ValueError("its pieces do not parse as written"))
-    try:
-        with psycopg.connect(
-            url,
-            connect_timeout=max(1, int(timeout_seconds)),
-            autocommit=True,
-            prepare_threshold=None,
-        ) as conn:
-            return Route(pooled=behind_pooler(conn))
-    except (psycopg.Error, OSError) as exc:
-        raise unavailable(url, exc) from None
+    deadline = time.monotonic() + restart_seconds
+    delay = 0.05
+    while True:
+        try:
+            with psycopg.connect(
+                url,
+                connect_timeout=max(1, int(timeout_seconds)),
+                autocommit=True,
+                prepare_threshold=None,
+            ) as conn:
+                return Route(pooled=behind_pooler(conn))
+        except (psycopg.Error, OSError) as exc:
+            if not restarting(exc) or time.monotonic() + delay > deadline:
+                raise unavailable(url, exc) from None
+        time.sleep(delay)
+        delay = min(delay * 2, 1.0)
+
+
+# What a server that is restarting says at login, and what PgBouncer says for it while it
+# waits out `server_login_retry` after a failed login to the server (15 s by default).
+_RESTARTING = (
+    "the database system is starting up",
+    "the database system is shutting down",
+    "the database system is not yet accepting connections",
+    "server login has been failing",
+)
+
+
+def restarting(exc: BaseException) -> bool:
+    """Whether a failed connection was turned away by a server that is restarting, or by
+    a pooler in front of one: it answered, and will take the connection shortly."""
+    text = str(exc)
+    return any(marker in text for marker in _RESTARTING)
 
 
 @dataclass(frozen=True, slots=True)
