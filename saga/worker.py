@@ -100,8 +100,8 @@ def warn_polling(url: str, source: str, poll_seconds: float) -> None:
         reason="a connection pooler answers on this URL, and LISTEN needs a session of its "
         "own on the server",
         polling_seconds=poll_seconds,
-        fix=f"give the worker a direct URL to LISTEN on: listen_url=, {ENV_LISTEN_URL} or "
-        "`saga worker --listen-url`",
+        fix=f"give the worker a direct URL for its wake-ups: listen_url=, {ENV_LISTEN_URL} "
+        "or `saga worker --listen-url`",
     )
 
 
