@@ -75,3 +75,19 @@ def test_a_restarting_server_or_its_pooler_is_told_apart_from_an_unreachable_one
     )
     assert not restarting(OSError("Connection refused"))
     assert not restarting(OSError('FATAL:  password authentication failed for user "x"'))
+
+
+def test_statements_cut_by_the_server_are_transient() -> None:
+    """statement_timeout, lock_timeout and an idle transaction ended by the server are
+    retried like a lost connection; a constraint violation is not."""
+    from psycopg import errors
+
+    from saga.dbretry import is_transient
+
+    for cut in (
+        errors.QueryCanceled,
+        errors.LockNotAvailable,
+        errors.IdleInTransactionSessionTimeout,
+    ):
+        assert is_transient(cut("cut")), cut
+    assert not is_transient(errors.UniqueViolation("no"))
