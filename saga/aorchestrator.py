@@ -100,10 +100,12 @@ class AsyncOrchestrator(Engine):
         )
 
     async def ensure_pool_size(self, connections: int) -> None:
-        """Grow the connection pool to at least `connections` (workers call this)."""
+        """Size the connection pool for a worker that needs `connections` (see
+        `Orchestrator.ensure_pool_size`)."""
         store = await self.store()
         await store.pool.resize(
-            min_size=store.pool.min_size, max_size=max(store.pool.max_size, connections)
+            min_size=store.pool.min_size,
+            max_size=self.pool_size_for(connections, store.pool.max_size),
         )
 
     async def lease_keeper(self) -> AsyncLeaseKeeper:

@@ -76,7 +76,11 @@ class Orchestrator(Engine):
             third of the lease).
         auto_migrate: Apply pending migrations on first use.
         owner: Name of this lease owner in the database (defaults to host:pid:random).
-        pool_size: Most database connections this orchestrator holds at once.
+        pool_size: Most database connections this orchestrator holds at once. Not given,
+            10, until a worker sizes the pool for its concurrency: `2 * concurrency + 2`
+            for a `Worker` (a transaction and a heartbeat per saga in flight, the claim
+            loop), `concurrency + 2` for an `AsyncWorker`. Given, a worker only ever grows
+            it to that need.
         confirmation_key: HMAC key that signs and verifies approval tokens
             (`approval`, `confirm`); else `SAGA_CONFIRMATION_KEY`. The weaker mode: the
             token is checked once, by `confirm`, and workers then trust the stored
@@ -148,11 +152,10 @@ class Orchestrator(Engine):
 
     @sync_only()
     def ensure_pool_size(self, connections: int) -> None:
-        """Grow the connection pool to at least `connections` (workers call this)."""
-        self.store.pool.resize(
-            min_size=self.store.pool.min_size,
-            max_size=max(self.store.pool.max_size, connections),
-        )
+        """Size the connection pool for a worker that needs `connections` (workers call
+        this): to exactly that when `pool_size` was not given, else at least that."""
+        pool = self.store.pool
+        pool.resize(min_size=pool.min_size, max_size=self.pool_size_for(connections, pool.max_size))
 
     def close(self) -> None:
         """Stop the heartbeat and close the connection pool."""
