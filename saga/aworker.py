@@ -18,6 +18,7 @@ from psycopg import sql
 from saga import telemetry
 from saga.adriver import AsyncRunner
 from saga.astore import AsyncStore
+from saga.database import behind_pooler_async
 from saga.dbretry import is_transient
 from saga.definition import Saga
 from saga.flow import describe_error
@@ -305,7 +306,7 @@ class AsyncWorker:
                     url, autocommit=True, prepare_threshold=None
                 )
                 async with conn:
-                    if await _behind_pooler(conn):
+                    if await behind_pooler_async(conn):
                         warn_polling(url, source, self.poll_seconds)
                         return
                     await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(CHANNEL)))
@@ -370,13 +371,6 @@ def _gauges_reader(
         return future.result(timeout=_GAUGES_TIMEOUT_SECONDS)
 
     return read
-
-
-async def _behind_pooler(conn: psycopg.AsyncConnection[Any]) -> bool:
-    """`saga.database.behind_pooler` on an async connection."""
-    cur = await conn.execute("SELECT pg_backend_pid()")
-    row = await cur.fetchone()
-    return row is None or int(row[0]) != conn.info.backend_pid
 
 
 def _in_main_thread() -> bool:

@@ -214,6 +214,13 @@ def behind_pooler(conn: psycopg.Connection[Any]) -> bool:
     return row is None or int(row[0]) != conn.info.backend_pid
 
 
+async def behind_pooler_async(conn: psycopg.AsyncConnection[Any]) -> bool:
+    """`behind_pooler` on an async connection."""
+    cur = await conn.execute("SELECT pg_backend_pid()")
+    row = await cur.fetchone()
+    return row is None or int(row[0]) != conn.info.backend_pid
+
+
 def prepared_statements_setting(explicit: bool | None = None) -> bool | None:
     """Whether the orchestrator's connections use server-side prepared statements: the
     explicit choice, else `SAGA_PREPARED_STATEMENTS` (`on`, `off` or `auto`), else None

@@ -363,3 +363,31 @@ def test_a_short_soak_behind_the_pooler() -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert "sagas=150" in last and "duplicates=0 lost=0" in last, last
+
+
+def test_the_dashboard_feed_polls_behind_the_pooler(pooled_url: str) -> None:
+    """The dashboard's change feed does not LISTEN through the pooler (it says so once)
+    and still sees a change, by its marker's polling, within a few polls."""
+    from saga.web.live import ChangeFeed
+
+    async def scenario() -> tuple[bool, int, int]:
+        feed = ChangeFeed(pooled_url, poll_seconds=0.2)
+        task = asyncio.create_task(feed.run())
+        try:
+            seen = await feed.wait(0, 5.0)  # the first bump, once connected
+            await asyncio.sleep(0.5)
+            seen = feed.generation
+            with Orchestrator(pooled_url, sagas=app.ALL_SAGAS) as orch:
+                saga, data = app.make_input(24, 0, prefix="feed")
+                await asyncio.to_thread(orch.start, saga, data)
+            changed = await feed.wait(seen, 5.0)
+            return feed.listening, seen, changed
+        finally:
+            await feed.close()
+            await asyncio.wait_for(task, 10)
+
+    with capture_logs() as logs:
+        listening, seen, changed = asyncio.run(scenario())
+    assert listening is False
+    assert changed > seen
+    assert [e["event"] for e in logs].count("dashboard_listen_unavailable") == 1
