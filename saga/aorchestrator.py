@@ -21,7 +21,7 @@ from saga.ledger import AsyncLedger
 from saga.logs import get_logger
 from saga.migrate import migrate_database
 from saga.operator import actor_or_os_user, check_actor
-from saga.orchestrator import session_options
+from saga.orchestrator import connection_kwargs, transaction_settings
 from saga.session import AsyncSession
 from saga.state import Confirmation, HistoryEvent, SagaHandle, SagaState, SagaStatus, WorkerInfo
 
@@ -78,14 +78,14 @@ class AsyncOrchestrator(Engine):
     async def _connect(self) -> AsyncStore:
         # Resolving the URL may start the embedded server: blocking work, off the loop.
         url = await asyncio.to_thread(lambda: self.database_url)
-        await asyncio.to_thread(check_connection, url)
+        self.route = route = await asyncio.to_thread(check_connection, url)
         if self.auto_migrate:
             await asyncio.to_thread(migrate_database, url)
         pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
             url,
             min_size=1,
             max_size=self._pool_size,
-            kwargs={"autocommit": True, "options": session_options(url, self.lease_seconds)},
+            kwargs=connection_kwargs(url, self.lease_seconds, route, self.prepared_statements),
             open=False,
             name=f"saga-async-{self.owner}",
         )
@@ -95,13 +95,17 @@ class AsyncOrchestrator(Engine):
             await pool.close()
             raise unavailable(url, exc) from None
         self._pool = pool
-        return AsyncStore(pool)
+        return AsyncStore(
+            pool, transaction_settings=transaction_settings(route, self.lease_seconds)
+        )
 
     async def ensure_pool_size(self, connections: int) -> None:
-        """Grow the connection pool to at least `connections` (workers call this)."""
+        """Size the connection pool for a worker that needs `connections` (see
+        `Orchestrator.ensure_pool_size`)."""
         store = await self.store()
         await store.pool.resize(
-            min_size=store.pool.min_size, max_size=max(store.pool.max_size, connections)
+            min_size=store.pool.min_size,
+            max_size=self.pool_size_for(connections, store.pool.max_size),
         )
 
     async def lease_keeper(self) -> AsyncLeaseKeeper:
@@ -426,6 +430,7 @@ class AsyncOrchestrator(Engine):
         poll_seconds: float = 1.0,
         grace_seconds: float = 10.0,
         short_wait_seconds: float = 1.0,
+        listen_url: str | None = None,
     ) -> AsyncWorker:
         """An `AsyncWorker` that claims and drives this orchestrator's registered sagas as
         tasks on the loop that runs it. See `AsyncWorker` for each setting."""
@@ -437,4 +442,5 @@ class AsyncOrchestrator(Engine):
             poll_seconds=poll_seconds,
             grace_seconds=grace_seconds,
             short_wait_seconds=short_wait_seconds,
+            listen_url=listen_url,
         )

@@ -62,8 +62,12 @@ class AsyncStore:
     """Reads and writes sagas, operations and events for the asyncio door (autocommit
     connections, as `Store`)."""
 
-    def __init__(self, pool: AsyncConnectionPool[Any]) -> None:
+    def __init__(
+        self, pool: AsyncConnectionPool[Any], *, transaction_settings: dict[str, str] | None = None
+    ) -> None:
         self.pool = pool
+        # Through a transaction pooler: the timeouts each transaction sets for itself.
+        self.transaction_settings = transaction_settings
         # The pool's URL, for errors that say which database (never its password).
         self._conninfo = pool.conninfo if isinstance(pool.conninfo, str) else ""
         self.group: GroupCommit[Jsonb, SagaState | None] = GroupCommit(
@@ -80,12 +84,20 @@ class AsyncStore:
     async def transaction(self) -> AsyncIterator[AConn]:
         """A connection inside one transaction, committed when the block exits cleanly."""
         async with self._connection() as conn, conn.transaction():
+            await self._set_timeouts(conn)
             yield conn
+
+    async def _set_timeouts(self, conn: AConn) -> None:
+        """The transaction's own timeouts, when the connection may not carry them (see
+        `Store.transaction_settings`); queued without a round trip in a pipeline."""
+        if self.transaction_settings is not None:
+            await conn.execute(_q("transaction_settings"), self.transaction_settings)
 
     @asynccontextmanager
     async def pipelined(self) -> AsyncIterator[AConn]:
         """One transaction sent in a pipeline (see `Store.pipelined`)."""
         async with self._connection() as conn, conn.pipeline(), conn.transaction():
+            await self._set_timeouts(conn)
             yield conn
 
     # ----- leases ----------------------------------------------------------------------

@@ -18,13 +18,21 @@ from psycopg import sql
 from saga import telemetry
 from saga.adriver import AsyncRunner
 from saga.astore import AsyncStore
+from saga.database import behind_pooler_async
 from saga.dbretry import is_transient
 from saga.definition import Saga
 from saga.flow import describe_error
 from saga.logs import get_logger
 from saga.protocol import Next, Planner
 from saga.store import DatabaseGauges
-from saga.worker import CHANNEL, MAX_CLAIM_BATCH, check_settings
+from saga.worker import (
+    CHANNEL,
+    MAX_CLAIM_BATCH,
+    check_settings,
+    listen_target,
+    orchestrator_route,
+    warn_polling,
+)
 
 _log = get_logger("saga.worker")
 
@@ -73,6 +81,9 @@ class AsyncWorker:
             still held after it are released and their tasks cancelled.
         short_wait_seconds: Retry backoffs up to this long are waited out under the
             lease; longer ones are persisted as `run_after` and the lease released.
+        listen_url: A direct URL of the same database for `LISTEN`, as `Worker` takes
+            it (else `SAGA_LISTEN_URL`, else the orchestrator's URL; polling, with one
+            warning, where a pooler answers).
     """
 
     def __init__(
@@ -83,6 +94,7 @@ class AsyncWorker:
         poll_seconds: float = 1.0,
         grace_seconds: float = 10.0,
         short_wait_seconds: float = 1.0,
+        listen_url: str | None = None,
     ) -> None:
         check_settings(concurrency, poll_seconds, grace_seconds, short_wait_seconds)
         self.orchestrator = orchestrator
@@ -90,6 +102,7 @@ class AsyncWorker:
         self.poll_seconds = poll_seconds
         self.grace_seconds = grace_seconds
         self.short_wait_seconds = short_wait_seconds
+        self.listen_url = listen_url
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
@@ -152,7 +165,10 @@ class AsyncWorker:
         if handle_signals is None:
             handle_signals = _in_main_thread()
         _log.info("worker_started", owner=orch.owner, concurrency=self.concurrency, kinds=kinds)
-        listener = asyncio.create_task(self._listen(orch.database_url), name="saga-listener")
+        url, source = listen_target(self.listen_url, orch.database_url, orchestrator_route(orch))
+        if url is None:
+            warn_polling(orch.database_url, source, self.poll_seconds)
+        listener = asyncio.create_task(self._listen(url, source), name="saga-listener")
         # While it runs, the metrics' gauges read the database this worker drives.
         unwatch = telemetry.watch_database(
             orch.database_url,
@@ -267,14 +283,22 @@ class AsyncWorker:
 
     # ----- wake-ups --------------------------------------------------------------------------
 
-    async def _listen(self, url: str) -> None:
-        """LISTEN for runnable sagas; reconnects with bounded backoff while the worker runs."""
+    async def _listen(self, url: str | None, source: str) -> None:
+        """LISTEN for runnable sagas; reconnects with bounded backoff while the worker runs.
+        Returns at once when there is nowhere to LISTEN (polling finds the work)."""
         assert self._stopping is not None and self._wake is not None
+        if url is None:
+            return
         delay = 0.05
         while not self._stopping.is_set():
             try:
-                conn = await psycopg.AsyncConnection.connect(url, autocommit=True)
+                conn = await psycopg.AsyncConnection.connect(
+                    url, autocommit=True, prepare_threshold=None
+                )
                 async with conn:
+                    if await behind_pooler_async(conn):
+                        warn_polling(url, source, self.poll_seconds)
+                        return
                     await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(CHANNEL)))
                     self._wake.set()  # catch up on anything missed while not listening
                     delay = 0.05

@@ -208,6 +208,13 @@ def _parser() -> argparse.ArgumentParser:
     worker = add("worker", "run a worker until SIGTERM or SIGINT, then stop gracefully", app)
     worker.add_argument("--concurrency", type=_positive, default=4, help="sagas at once (4)")
     worker.add_argument(
+        "--listen-url",
+        metavar="URL",
+        help="a direct PostgreSQL URL of the same database for LISTEN wake-ups, when the "
+        "database URL is a transaction pooler's (else SAGA_LISTEN_URL; else the database URL "
+        "itself, polling with one warning where a pooler answers)",
+    )
+    worker.add_argument(
         "--metrics-port",
         type=_listen_address,
         metavar="[HOST:]PORT",
@@ -754,7 +761,7 @@ def _worker(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         _serve_metrics(*args.metrics_port)
     if isinstance(orch, AsyncOrchestrator):
-        return asyncio.run(_async_worker(orch, args.concurrency))
+        return asyncio.run(_async_worker(orch, args.concurrency, args.listen_url))
     with orch:
         kinds = ", ".join(f"{s.name} v{s.version}" for s in orch.registered())
         _ = orch.store  # connect (and migrate) now: a bad database fails before we announce
@@ -764,7 +771,7 @@ def _worker(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        orch.worker(concurrency=args.concurrency).run()
+        orch.worker(concurrency=args.concurrency, listen_url=args.listen_url).run()
     print(f"worker {orch.owner}: stopped", file=sys.stderr)
     return EXIT_OK
 
@@ -784,7 +791,9 @@ def _serve_metrics(host: str, port: int) -> None:
     print(f"metrics for Prometheus at http://{shown}:{bound}/metrics", file=sys.stderr, flush=True)
 
 
-async def _async_worker(orch: AsyncOrchestrator, concurrency: int) -> int:
+async def _async_worker(
+    orch: AsyncOrchestrator, concurrency: int, listen_url: str | None = None
+) -> int:
     """`saga worker` for an AsyncOrchestrator app: an AsyncWorker on this loop, stopped
     gracefully by SIGTERM or SIGINT; the orchestrator is closed before the loop ends."""
     try:
@@ -797,7 +806,7 @@ async def _async_worker(orch: AsyncOrchestrator, concurrency: int) -> int:
             file=sys.stderr,
             flush=True,
         )
-        await orch.worker(concurrency=concurrency).run(handle_signals=True)
+        await orch.worker(concurrency=concurrency, listen_url=listen_url).run(handle_signals=True)
     finally:
         await orch.close()
     print(f"worker {orch.owner}: stopped", file=sys.stderr)

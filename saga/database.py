@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote
 
 import psycopg
@@ -14,6 +17,12 @@ from saga.redact import redact_url, scrub
 
 ENV_URL = "SAGA_DATABASE_URL"
 ENV_EMBEDDED_DIR = "SAGA_EMBEDDED_DIR"
+ENV_PREPARED_STATEMENTS = "SAGA_PREPARED_STATEMENTS"
+# psycopg's own default: a statement is prepared on the server at its sixth execution.
+_PREPARE_THRESHOLD = 5
+_ON = ("on", "1", "true", "yes")
+_OFF = ("off", "0", "false", "no")
+_AUTO = ("auto", "")
 
 
 def resolve_database_url(explicit: str | None = None) -> str:
@@ -126,18 +135,115 @@ def unavailable(url: str, exc: BaseException) -> DatabaseUnavailable:
     return DatabaseUnavailable(f"cannot reach PostgreSQL at {where}: {reason}")
 
 
-def check_connection(url: str, *, timeout_seconds: float = 5.0) -> None:
+def check_connection(
+    url: str, *, timeout_seconds: float = 5.0, restart_seconds: float = 20.0
+) -> Route:
     """Open and close one connection, turning any failure into `DatabaseUnavailable`; a
-    malformed URL is refused before any connection is tried."""
+    malformed URL is refused before any connection is tried. Returns what the connection
+    told of the way to the server (`Route`), at the cost of one statement.
+
+    A server that answers it is restarting (or a pooler that says its server is) is asked
+    again for up to `restart_seconds`; a server that does not answer, or refuses, is
+    reported at once."""
     if _malformed(url):
         try:
             conninfo_to_dict(url)
         except Exception as exc:
             raise unavailable(url, exc) from None
         raise unavailable(url, ValueError("its pieces do not parse as written"))
-    try:
-        # Connecting is the whole check: no statement, so no transaction is counted.
-        with psycopg.connect(url, connect_timeout=max(1, int(timeout_seconds))):
-            pass
-    except (psycopg.Error, OSError) as exc:
-        raise unavailable(url, exc) from None
+    deadline = time.monotonic() + restart_seconds
+    delay = 0.05
+    while True:
+        try:
+            with psycopg.connect(
+                url,
+                connect_timeout=max(1, int(timeout_seconds)),
+                autocommit=True,
+                prepare_threshold=None,
+            ) as conn:
+                return Route(pooled=behind_pooler(conn))
+        except (psycopg.Error, OSError) as exc:
+            if not restarting(exc) or time.monotonic() + delay > deadline:
+                raise unavailable(url, exc) from None
+        time.sleep(delay)
+        delay = min(delay * 2, 1.0)
+
+
+# What a server that is restarting says at login, and what PgBouncer says for it while it
+# waits out `server_login_retry` after a failed login to the server (15 s by default).
+_RESTARTING = (
+    "the database system is starting up",
+    "the database system is shutting down",
+    "the database system is not yet accepting connections",
+    "server login has been failing",
+)
+
+
+def restarting(exc: BaseException) -> bool:
+    """Whether a failed connection was turned away by a server that is restarting, or by
+    a pooler in front of one: it answered, and will take the connection shortly."""
+    text = str(exc)
+    return any(marker in text for marker in _RESTARTING)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """What a first connection tells about the way from this client to PostgreSQL.
+
+    `pooled`: a connection pooler (PgBouncer, or a managed service's pooler) answers on the
+    URL rather than PostgreSQL itself. Through a pooler in transaction mode, consecutive
+    transactions of one client connection may run on different server sessions: nothing
+    may rely on session state (server-side prepared statements, session settings, LISTEN,
+    session advisory locks)."""
+
+    pooled: bool
+
+
+def behind_pooler(conn: psycopg.Connection[Any]) -> bool:
+    """Whether a pooler stands between `conn` and the server that answers it.
+
+    A pooler serves one client connection with whichever server session is free, so the
+    backend key it hands the client at login is its own: the process id in it is not that
+    of the backend running the statement (`pg_backend_pid()`). A TCP proxy that only
+    forwards bytes (an SSH tunnel, HAProxy, a container's port mapping) keeps the server's
+    key, and keeps the session too, so it is rightly taken for a direct connection. A
+    pooler that forwards the real backend key of a session it then shares is not
+    detected: give such a URL `prepared_statements=False` (`SAGA_PREPARED_STATEMENTS=off`)
+    and a direct `listen_url` (README, "Running in production")."""
+    row = conn.execute("SELECT pg_backend_pid()").fetchone()
+    return row is None or int(row[0]) != conn.info.backend_pid
+
+
+async def behind_pooler_async(conn: psycopg.AsyncConnection[Any]) -> bool:
+    """`behind_pooler` on an async connection."""
+    cur = await conn.execute("SELECT pg_backend_pid()")
+    row = await cur.fetchone()
+    return row is None or int(row[0]) != conn.info.backend_pid
+
+
+def prepared_statements_setting(explicit: bool | None = None) -> bool | None:
+    """Whether the orchestrator's connections use server-side prepared statements: the
+    explicit choice, else `SAGA_PREPARED_STATEMENTS` (`on`, `off` or `auto`), else None
+    (auto: on when the connection is direct, off through a pooler)."""
+    if explicit is not None:
+        return explicit
+    value = os.environ.get(ENV_PREPARED_STATEMENTS, "").strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    if value in _AUTO:
+        return None
+    raise ValueError(f"{ENV_PREPARED_STATEMENTS} must be on, off or auto, got {value!r}")
+
+
+def prepare_threshold(setting: bool | None, route: Route) -> int | None:
+    """psycopg's `prepare_threshold` for connections on `route` (None: never prepare).
+
+    Through a pooler in transaction mode, a statement psycopg prepared on one server
+    session is missing from the next (`InvalidSqlStatementName`), or a name it prepares
+    is taken there already (`DuplicatePreparedStatement`): auto leaves them off. A pooler
+    that keeps prepared statements across its sessions (PgBouncer 1.21 and later with
+    `max_prepared_statements`, with psycopg 3.2 and libpq 17) may be given `True`."""
+    use = (not route.pooled) if setting is None else setting
+    return _PREPARE_THRESHOLD if use else None

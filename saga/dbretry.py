@@ -21,11 +21,17 @@ DEFAULT_RETRY_SECONDS = 30.0
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Connection lost, server shutting down, serialization failure, deadlock, pool timeout:
-    as psycopg raises them, or as the store translates them (`DatabaseInterrupted`)."""
+    """Connection lost, server shutting down, serialization failure, deadlock, pool timeout,
+    a statement cut by the server (`statement_timeout`, `lock_timeout`, an idle transaction
+    ended): as psycopg raises them, or as the store translates them
+    (`DatabaseInterrupted`)."""
     if isinstance(exc, DatabaseInterrupted):
         return True
     if isinstance(exc, errors.SerializationFailure | errors.DeadlockDetected):
+        return True
+    # The server ended a session idle in a transaction (SQLSTATE 25P03, an InternalError to
+    # psycopg): the connection is gone and the transaction rolled back, as when it is lost.
+    if isinstance(exc, errors.IdleInTransactionSessionTimeout):
         return True
     if isinstance(exc, PoolTimeout):
         return True

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from saga import approvals, faults, inputs, interventions, telemetry
-from saga.database import describe_url, resolve_database_url
+from saga.database import Route, describe_url, prepared_statements_setting, resolve_database_url
 from saga.definition import Saga
 from saga.effects import Begin, Commit, Fetch, Flow, Pause, Stopping, db
 from saga.errors import (
@@ -47,6 +47,9 @@ ENV_APPROVAL_PUBLIC_KEY = approvals.ENV_APPROVAL_PUBLIC_KEY
 # run(wait_seconds=...) claims again this long after the holder's lease should end, and at
 # least this often meanwhile (seconds).
 LEASE_POLL_SECONDS = 0.05
+# Most connections of an orchestrator's pool when `pool_size` is not given and no worker
+# has sized it for its concurrency.
+DEFAULT_POOL_SIZE = 10
 MAX_LEASE_POLL_SECONDS = 0.5
 
 
@@ -88,13 +91,14 @@ class Engine:
         heartbeat_seconds: float | None = None,
         auto_migrate: bool = True,
         owner: str | None = None,
-        pool_size: int = 10,
+        pool_size: int | None = None,
         confirmation_key: str | bytes | None = None,
         retention_days: float = 30.0,
         approval_public_key: approvals.PublicKeyLike
         | Iterable[approvals.PublicKeyLike]
         | None = None,
         telemetry_keys: bool | None = None,
+        prepared_statements: bool | None = None,
     ) -> None:
         if not lease_seconds > 0:
             raise ValueError(f"lease_seconds must be positive, got {lease_seconds!r}")
@@ -105,7 +109,7 @@ class Engine:
                 f"heartbeat_seconds must be positive and below lease_seconds "
                 f"({lease_seconds!r}), got {heartbeat_seconds!r}"
             )
-        if pool_size < 2:
+        if pool_size is not None and pool_size < 2:
             raise ValueError(f"pool_size must be at least 2, got {pool_size!r}")
         self._explicit_url = database_url
         self._url: str | None = None
@@ -113,7 +117,12 @@ class Engine:
         self.heartbeat_seconds = float(heartbeat_seconds)
         self.auto_migrate = auto_migrate
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._pool_size = pool_size
+        # Not given: DEFAULT_POOL_SIZE until a worker sizes the pool for its concurrency.
+        self._pool_size = DEFAULT_POOL_SIZE if pool_size is None else pool_size
+        self._pool_size_given = pool_size is not None
+        self.prepared_statements = prepared_statements_setting(prepared_statements)
+        # What the first connection told of the way to the server (None until connected).
+        self.route: Route | None = None
         if not retention_days >= 0:
             raise ValueError(f"retention_days must not be negative, got {retention_days!r}")
         self.retention_days = float(retention_days)
@@ -127,6 +136,14 @@ class Engine:
         self._unconnected()
         # Crash tests arm a fault point in a child process through SAGA_FAULT.
         faults.arm_from_environment()
+
+    def pool_size_for(self, connections: int, current: int) -> int:
+        """The pool's new `max_size` when a worker needs `connections`: exactly that when
+        `pool_size` was not given (the pool follows the worker's concurrency), else the
+        larger of the given size and the need (and never below `current` there)."""
+        if not self._pool_size_given:
+            return max(2, connections)
+        return max(current, self._pool_size, connections)
 
     def _unconnected(self) -> None:
         """Set the driver's connection state to "not connected yet" (each door has its own)."""

@@ -387,7 +387,14 @@ class Flows:
             # Every attempt running before the claim was marked unknown by its first move:
             # a running one now is the attempt that move started.
             return planner, Invoke(started[0])
-        return (yield from self._transact(planner, None))
+        try:
+            return (yield from self._transact(planner, None))
+        except LeaseLost:
+            # The lease ran out while the lost reply was being recovered (a slow reconnect,
+            # a pooler waiting for its server) and another owner holds the saga now: it is
+            # theirs to drive, and this claim has nothing.
+            _log.info("claim_taken_over", saga_id=saga_id, fence=planner.saga.fence)
+            return None
 
     def _load(self, saga_id: str) -> Flow[Loaded | None]:
         yield Begin()

@@ -8,6 +8,14 @@ the old one is dropped one release later, once no supported release calls it. Co
 added nullable or with a default, never dropped or retyped in the release that stops using
 them. tests/integration/test_upgrade.py checks this against the previous release's tree.
 
+The advisory lock is transaction-scoped (`pg_advisory_xact_lock`) and every migration
+runs in the one transaction that holds it, so migrating through a pooler in transaction
+mode is as safe as on a direct connection: the lock and the DDL it guards share one server
+session, and the lock ends with the transaction that took it, never left on a server
+session the pooler hands to someone else. A direct URL is still the one to migrate with
+(`saga migrate --database-url DIRECT`): a pooler's `query_timeout` or the server's
+`statement_timeout` for the pooled role can cut a long migration short.
+
 The other direction is refused: a package that finds the database at a migration newer
 than the newest file it ships raises `SchemaTooNew` instead of running or migrating.
 """
@@ -159,7 +167,8 @@ def migrate_database(url: str) -> list[int]:
 
     try:
         for attempt in retrying("migrate"):
-            with attempt, psycopg.connect(url, autocommit=True) as conn:
+            # No prepared statement: the URL may be a transaction pooler's (see above).
+            with attempt, psycopg.connect(url, autocommit=True, prepare_threshold=None) as conn:
                 return apply_migrations(conn)
     except psycopg.OperationalError as exc:
         raise unavailable(url, exc) from None

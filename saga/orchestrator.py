@@ -15,7 +15,7 @@ from psycopg_pool import ConnectionPool
 from pydantic import BaseModel
 
 from saga import inputs
-from saga.database import check_connection, unavailable
+from saga.database import Route, check_connection, prepare_threshold, unavailable
 from saga.definition import Saga
 from saga.engine import (
     ENV_APPROVAL_PUBLIC_KEY,
@@ -47,7 +47,14 @@ if TYPE_CHECKING:
 
 _log = get_logger("saga")
 
-__all__ = ["ENV_APPROVAL_PUBLIC_KEY", "ENV_CONFIRMATION_KEY", "Orchestrator", "session_options"]
+__all__ = [
+    "ENV_APPROVAL_PUBLIC_KEY",
+    "ENV_CONFIRMATION_KEY",
+    "Orchestrator",
+    "connection_kwargs",
+    "session_options",
+    "transaction_settings",
+]
 
 
 class Orchestrator(Engine):
@@ -69,7 +76,11 @@ class Orchestrator(Engine):
             third of the lease).
         auto_migrate: Apply pending migrations on first use.
         owner: Name of this lease owner in the database (defaults to host:pid:random).
-        pool_size: Most database connections this orchestrator holds at once.
+        pool_size: Most database connections this orchestrator holds at once. Not given,
+            10, until a worker sizes the pool for its concurrency: `2 * concurrency + 2`
+            for a `Worker` (a transaction and a heartbeat per saga in flight, the claim
+            loop), `concurrency + 2` for an `AsyncWorker`. Given, a worker only ever grows
+            it to that need.
         confirmation_key: HMAC key that signs and verifies approval tokens
             (`approval`, `confirm`); else `SAGA_CONFIRMATION_KEY`. The weaker mode: the
             token is checked once, by `confirm`, and workers then trust the stored
@@ -85,6 +96,15 @@ class Orchestrator(Engine):
             releases, the approval stored with it is verified again: a confirmation row
             written by anything else releases nothing. Give it to every worker; the
             private key stays with the approvers.
+        prepared_statements: Whether connections use server-side prepared statements
+            (psycopg prepares a statement at its sixth execution); else
+            `SAGA_PREPARED_STATEMENTS` (`on`, `off`, `auto`). Auto (None, the default)
+            uses them on a direct connection and never through a connection pooler,
+            detected at the first connection (`route`): a pooler in transaction mode
+            hands a prepared statement's name to another client's session. Behind a
+            pooler the timeouts of each transaction are set in it (`SET LOCAL`), and
+            workers wake on `LISTEN` only on a direct `listen_url` (README, "Running in
+            production").
         telemetry_keys: OpenTelemetry spans carry the saga's key and tenant, and each
             operation's idempotency key and request hash (they can carry personal data,
             so they are left out by default); else `SAGA_OTEL_INCLUDE_KEYS=1`. Traces
@@ -111,14 +131,14 @@ class Orchestrator(Engine):
 
     def _connect(self) -> Store:
         url = self.database_url
-        check_connection(url)
+        self.route = route = check_connection(url)
         if self.auto_migrate:
             migrate_database(url)
         pool: ConnectionPool[Any] = ConnectionPool(
             url,
             min_size=1,
             max_size=self._pool_size,
-            kwargs={"autocommit": True, "options": session_options(url, self.lease_seconds)},
+            kwargs=connection_kwargs(url, self.lease_seconds, route, self.prepared_statements),
             open=False,
             name=f"saga-{self.owner}",
         )
@@ -128,15 +148,14 @@ class Orchestrator(Engine):
             pool.close()
             raise unavailable(url, exc) from None
         self._pool = pool
-        return Store(pool)
+        return Store(pool, transaction_settings=transaction_settings(route, self.lease_seconds))
 
     @sync_only()
     def ensure_pool_size(self, connections: int) -> None:
-        """Grow the connection pool to at least `connections` (workers call this)."""
-        self.store.pool.resize(
-            min_size=self.store.pool.min_size,
-            max_size=max(self.store.pool.max_size, connections),
-        )
+        """Size the connection pool for a worker that needs `connections` (workers call
+        this): to exactly that when `pool_size` was not given, else at least that."""
+        pool = self.store.pool
+        pool.resize(min_size=pool.min_size, max_size=self.pool_size_for(connections, pool.max_size))
 
     def close(self) -> None:
         """Stop the heartbeat and close the connection pool."""
@@ -580,6 +599,7 @@ class Orchestrator(Engine):
         poll_seconds: float = 1.0,
         grace_seconds: float = 10.0,
         short_wait_seconds: float = 1.0,
+        listen_url: str | None = None,
     ) -> Worker:
         """A worker that claims and drives this orchestrator's registered sagas.
 
@@ -593,6 +613,7 @@ class Orchestrator(Engine):
             poll_seconds=poll_seconds,
             grace_seconds=grace_seconds,
             short_wait_seconds=short_wait_seconds,
+            listen_url=listen_url,
         )
 
 
@@ -614,3 +635,29 @@ def session_options(url: str, lease_seconds: float) -> str:
     milliseconds = max(1, math.ceil(lease_seconds * 1000.0))
     ours = f"-c idle_in_transaction_session_timeout={milliseconds} -c lock_timeout={milliseconds}"
     return f"{existing} {ours}".strip()
+
+
+def connection_kwargs(
+    url: str, lease_seconds: float, route: Route, prepared_statements: bool | None
+) -> dict[str, Any]:
+    """Arguments of the pool's connections on `route`: autocommit, psycopg's
+    `prepare_threshold` (`prepare_threshold`), and, on a direct connection, the
+    `session_options`. Through a pooler the timeouts are set by each transaction instead
+    (`transaction_settings`): PgBouncer refuses `options` as a startup parameter, and a
+    session setting there would stay on a server session other clients share."""
+    kwargs: dict[str, Any] = {
+        "autocommit": True,
+        "prepare_threshold": prepare_threshold(prepared_statements, route),
+    }
+    if not route.pooled:
+        kwargs["options"] = session_options(url, lease_seconds)
+    return kwargs
+
+
+def transaction_settings(route: Route, lease_seconds: float) -> dict[str, str] | None:
+    """Through a pooler, the timeouts of `session_options` as each transaction of the
+    store sets them for itself (`SET LOCAL`); None on a direct connection."""
+    if not route.pooled:
+        return None
+    milliseconds = str(max(1, math.ceil(lease_seconds * 1000.0)))
+    return {"idle_ms": milliseconds, "lock_ms": milliseconds}

@@ -173,8 +173,12 @@ class Store:
     single statement commits on its own, and `transaction` or `pipelined` group several.
     """
 
-    def __init__(self, pool: ConnectionPool[Any]) -> None:
+    def __init__(
+        self, pool: ConnectionPool[Any], *, transaction_settings: dict[str, str] | None = None
+    ) -> None:
         self.pool = pool
+        # Through a transaction pooler: the timeouts each transaction sets for itself.
+        self.transaction_settings = transaction_settings
         # The pool's URL, for errors that say which database (never its password).
         self._conninfo = pool.conninfo if isinstance(pool.conninfo, str) else ""
 
@@ -182,7 +186,14 @@ class Store:
     def transaction(self) -> Iterator[Conn]:
         """A connection inside one transaction, committed when the block exits cleanly."""
         with self._connection() as conn, conn.transaction():
+            self._set_timeouts(conn)
             yield conn
+
+    def _set_timeouts(self, conn: Conn) -> None:
+        """The transaction's own timeouts, when the connection may not carry them
+        (`transaction_settings`); queued without a round trip in a pipeline."""
+        if self.transaction_settings is not None:
+            conn.execute(_q("transaction_settings"), self.transaction_settings)
 
     @contextmanager
     def _connection(self) -> Iterator[Conn]:
@@ -201,6 +212,7 @@ class Store:
         (`assert_fence_txn`, or a fenced `save_txn`) becomes `LeaseLost`, with everything
         queued rolled back."""
         with self._connection() as conn, conn.pipeline(), conn.transaction():
+            self._set_timeouts(conn)
             yield conn
 
     def assert_fence_txn(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import threading
 import time
@@ -16,6 +17,7 @@ import psycopg
 from psycopg import sql
 
 from saga import telemetry
+from saga.database import Route, behind_pooler, describe_url
 from saga.dbretry import is_transient, retrying
 from saga.definition import Saga
 from saga.leases import LeaseKeeper
@@ -71,6 +73,38 @@ class WorkerEngine(Protocol):
 CHANNEL = "saga_runnable"
 # Most sagas one claim takes (one statement and one commit), for as many idle drivers.
 MAX_CLAIM_BATCH = 32
+ENV_LISTEN_URL = "SAGA_LISTEN_URL"
+
+
+def listen_target(
+    explicit: str | None, database_url: str, route: Route | None
+) -> tuple[str | None, str]:
+    """Where a worker LISTENs: the explicit `listen_url`, else `SAGA_LISTEN_URL`, else the
+    database URL itself unless the orchestrator's first connection found a pooler there
+    (None: no LISTEN, polling only); with where the URL came from, for the log."""
+    if explicit:
+        return explicit, "listen_url"
+    from_env = os.environ.get(ENV_LISTEN_URL)
+    if from_env:
+        return from_env, ENV_LISTEN_URL
+    if route is not None and route.pooled:
+        return None, "database_url"
+    return database_url, "database_url"
+
+
+def warn_polling(url: str, source: str, poll_seconds: float) -> None:
+    """The one log line of a worker that cannot LISTEN on `url` (a pooler answers there)
+    and finds work by polling instead."""
+    _log.warning(
+        "listen_unavailable",
+        url=describe_url(url),
+        source=source,
+        reason="a connection pooler answers on this URL, and LISTEN needs a session of its "
+        "own on the server",
+        polling_seconds=poll_seconds,
+        fix=f"give the worker a direct URL for its wake-ups: listen_url=, {ENV_LISTEN_URL} "
+        "or `saga worker --listen-url`",
+    )
 
 
 class Worker:
@@ -91,6 +125,11 @@ class Worker:
             become unknown to the next owner, and their late writes are fenced out).
         short_wait_seconds: Retry backoffs up to this long are waited out under the
             lease; longer ones are persisted as `run_after` and the lease released.
+        listen_url: A direct URL of the same database for `LISTEN` (which needs a
+            session of its own), when the orchestrator's URL is a transaction pooler's;
+            else `SAGA_LISTEN_URL`; else the orchestrator's URL. Where a pooler answers
+            (detected as `Orchestrator` detects it), the worker logs one warning
+            (`listen_unavailable`) and polls every `poll_seconds` instead.
     """
 
     def __init__(
@@ -101,6 +140,7 @@ class Worker:
         poll_seconds: float = 1.0,
         grace_seconds: float = 10.0,
         short_wait_seconds: float = 1.0,
+        listen_url: str | None = None,
     ) -> None:
         check_settings(concurrency, poll_seconds, grace_seconds, short_wait_seconds)
         self.orchestrator = orchestrator
@@ -108,6 +148,7 @@ class Worker:
         self.poll_seconds = poll_seconds
         self.grace_seconds = grace_seconds
         self.short_wait_seconds = short_wait_seconds
+        self.listen_url = listen_url
         self._stopping = threading.Event()
         self._wake = threading.Event()
         # By (saga id, fence): an attempt fenced out by a newer lease of this worker on the
@@ -148,8 +189,11 @@ class Worker:
         runner = Runner(orch.store, options, keeper=orch.lease_keeper, stopping=self._stopping)
         if handle_signals is None:
             handle_signals = threading.current_thread() is threading.main_thread()
+        url, source = listen_target(self.listen_url, orch.database_url, orchestrator_route(orch))
+        if url is None:
+            warn_polling(orch.database_url, source, self.poll_seconds)
         listener = threading.Thread(
-            target=self._listen, args=(orch.database_url,), name="saga-listener", daemon=True
+            target=self._listen, args=(url, source), name="saga-listener", daemon=True
         )
         _log.info("worker_started", owner=orch.owner, concurrency=self.concurrency, kinds=kinds)
         # While it runs, the metrics' gauges read the database this worker drives.
@@ -249,11 +293,20 @@ class Worker:
 
     # ----- wake-ups --------------------------------------------------------------------------
 
-    def _listen(self, url: str) -> None:
-        """LISTEN for runnable sagas; reconnects with bounded backoff while the worker runs."""
+    def _listen(self, url: str | None, source: str) -> None:
+        """LISTEN for runnable sagas; reconnects with bounded backoff while the worker runs.
+        Returns at once when there is nowhere to LISTEN (polling finds the work)."""
+        if url is None:
+            return
         try:
             for attempt in retrying("listen", seconds=math.inf, until=self._stopping):
-                with attempt, psycopg.connect(url, autocommit=True) as conn:
+                with (
+                    attempt,
+                    psycopg.connect(url, autocommit=True, prepare_threshold=None) as conn,
+                ):
+                    if behind_pooler(conn):
+                        warn_polling(url, source, self.poll_seconds)
+                        return
                     conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(CHANNEL)))
                     self._wake.set()  # catch up on anything missed while not listening
                     while not self._stopping.is_set():
@@ -282,3 +335,9 @@ class Worker:
         finally:
             for number, handler in previous.items():
                 signal.signal(number, handler)
+
+
+def orchestrator_route(orch: object) -> Route | None:
+    """The orchestrator's `route` (what its first connection found), when it has one."""
+    route = getattr(orch, "route", None)
+    return route if isinstance(route, Route) else None

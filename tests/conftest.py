@@ -140,3 +140,25 @@ def empty_database_url(server_url: str) -> Iterator[str]:
         yield make_conninfo(server_url, dbname=name)
     finally:
         _drop_database(server_url, name)
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(server_url: str) -> Iterator[Any]:
+    """A real PgBouncer (`faults.pgbouncer.PgBouncer`) in transaction mode in front of this
+    session's server. Skipped when pgbouncer is not installed, unless
+    `SAGA_TEST_REQUIRE_PGBOUNCER=1` (as `.ci/run` sets it), which fails instead."""
+    from faults.pgbouncer import ENV_REQUIRE, PgBouncer, find_pgbouncer
+
+    if find_pgbouncer() is None:
+        reason = "pgbouncer is not installed (Debian: apt-get install pgbouncer)"
+        if os.environ.get(ENV_REQUIRE) == "1":
+            pytest.fail(f"{reason}, and {ENV_REQUIRE}=1 requires it")
+        pytest.skip(reason)
+    with PgBouncer(server_url) as bouncer:
+        yield bouncer
+
+
+@pytest.fixture
+def pooled_url(pgbouncer: Any, database_url: str) -> str:
+    """`database_url` as reached through the session's PgBouncer in transaction mode."""
+    return str(pgbouncer.url_for(database_url))

@@ -401,3 +401,11 @@ FROM saga.ledger_settle(%(saga_id)s::uuid, %(step)s, %(owner)s, %(fence)s::bigin
 -- End a ledger channel whose calls are all settled (see migration 0016).
 SELECT *
 FROM saga.ledger_close(%(tenant)s, %(name)s, %(channel)s, %(actor)s)
+
+-- transaction_settings --
+-- The connections' timeouts for this transaction only, its first statement through a
+-- transaction pooler (which refuses them as startup options, and would carry a session
+-- setting over to other clients): a frozen client's transaction is ended once it has
+-- waited a lease, and a wait for a row lock ends after a lease too.
+SELECT set_config('idle_in_transaction_session_timeout', %(idle_ms)s, true),
+       set_config('lock_timeout', %(lock_ms)s, true)

@@ -22,6 +22,7 @@ import psycopg
 import structlog
 from psycopg import sql
 
+from saga.database import behind_pooler_async
 from saga.worker import CHANNEL
 
 _log = structlog.get_logger("saga.web")
@@ -47,6 +48,7 @@ class ChangeFeed:
         self.poll_seconds = poll_seconds
         self.generation = 0
         self.listening = False
+        self._said_polling = False
         self.closed = False
         self._changed = asyncio.Condition()
         self._marker = _MARKER
@@ -90,10 +92,26 @@ class ChangeFeed:
                 delay = 0.25
 
     async def _listen(self) -> None:
-        conn = await psycopg.AsyncConnection.connect(self._url, autocommit=True)
+        # No prepared statement: the marker query runs every poll, and the URL may be a
+        # transaction pooler's, whose server sessions do not keep them for us.
+        conn = await psycopg.AsyncConnection.connect(
+            self._url, autocommit=True, prepare_threshold=None
+        )
         async with conn:
-            await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(CHANNEL)))
-            self.listening = True
+            if await behind_pooler_async(conn):
+                # A transaction pooler keeps no session for LISTEN: the marker's polling
+                # alone tells the pages when to refresh (the feed says "polling").
+                if not self._said_polling:
+                    self._said_polling = True
+                    _log.warning(
+                        "dashboard_listen_unavailable",
+                        reason="a connection pooler answers on the database URL; the "
+                        "pages refresh by polling",
+                        polling_seconds=self.poll_seconds,
+                    )
+            else:
+                await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(CHANNEL)))
+                self.listening = True
             marker = await self._read_marker(conn)
             await self._bump()  # anything missed while not listening
             # A sequence value is taken before its transaction commits: after a change,

@@ -17,6 +17,10 @@ process; `1`, an `AsyncWorker` (an `AsyncOrchestrator` on an event loop) in ever
 process; `half`, async in every other slot of the fleet (a replacement keeps its slot's
 kind), so both drivers share the same sagas under the same faults.
 
+`SOAK_PGBOUNCER=1` puts a PgBouncer in transaction mode (`faults.pgbouncer`) between the
+proxy and the sagas' server: the workers then reach PostgreSQL as they do behind a
+transaction pooler in production.
+
 Run it as `make soak`, or `PYTHONPATH=tests python -m faults.soak`.
 """
 
@@ -43,6 +47,7 @@ from faults.harness import (
     start_sagas,
     terminate_worker_backends,
 )
+from faults.pgbouncer import PgBouncer
 from faults.proxy import LostReplyProxy
 from saga.testing import FAULT_POINTS
 
@@ -80,17 +85,20 @@ def main() -> int:
     lost_reply_every = int(_env("SOAK_LOST_REPLY_EVERY", "50"))
     timeout = float(_env("SOAK_TIMEOUT_SECONDS", "7200"))
     asyncs = async_slots(_env("SOAK_ASYNC", "0"), n_workers)
+    pooled = _env("SOAK_PGBOUNCER", "0") == "1"
     rng = random.Random(seed)
     started_at = time.monotonic()
 
     with tempfile.TemporaryDirectory(prefix="saga-soak-") as tmp:
         root = Path(tmp)
         os.chmod(root, 0o755)  # the embedded server may run as another system user
-        with (
-            private_postgres(root / "sagas") as pg,
-            private_postgres(root / "provider") as prov,
-            LostReplyProxy(pg.url, seed=seed) as proxy,
-        ):
+        with contextlib.ExitStack() as stack:
+            pg = stack.enter_context(private_postgres(root / "sagas"))
+            prov = stack.enter_context(private_postgres(root / "provider"))
+            upstream = pg.url
+            if pooled:
+                upstream = stack.enter_context(PgBouncer(pg.url)).url_for(pg.url)
+            proxy = stack.enter_context(LostReplyProxy(upstream, seed=seed))
             if lost_reply_every > 0:
                 for statement in LOST_REPLY_WRITES:
                     proxy.lose_reply(statement, times=None, probability=1 / lost_reply_every)
@@ -98,7 +106,8 @@ def main() -> int:
             os.environ[app.ENV_PROVIDER_URL] = prov.url
             print(
                 f"soak: starting {sagas} sagas (seed {seed}); workers: "
-                f"{asyncs.count(False)} sync, {asyncs.count(True)} asyncio",
+                f"{asyncs.count(False)} sync, {asyncs.count(True)} asyncio"
+                + (", behind PgBouncer" if pooled else ""),
                 flush=True,
             )
             keys = start_sagas(pg.url, sagas, seed, prefix="soak")

@@ -491,7 +491,9 @@ def test_cancelling_a_compensating_saga_again_changes_nothing(
 class Worker:
     """A `saga worker` subprocess."""
 
-    def __init__(self, database_url: str, app_dir: Path, **env: str) -> None:
+    out = ""  # its stdout, once it has exited
+
+    def __init__(self, database_url: str, app_dir: Path, *flags: str, **env: str) -> None:
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -504,6 +506,7 @@ class Worker:
                 database_url,
                 "--concurrency",
                 "2",
+                *flags,
             ],
             env=_env(app_dir, **env),
             stdout=subprocess.PIPE,
@@ -517,7 +520,7 @@ class Worker:
 
     def wait(self, timeout: float = 30.0) -> tuple[int, str]:
         try:
-            _, err = self.proc.communicate(timeout=timeout)
+            self.out, err = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             _, err = self.proc.communicate()
@@ -580,6 +583,29 @@ def test_sigterm_releases_the_lease_and_another_worker_finishes(
     assert pids["label"] == first.proc.pid
     assert pids["dispatch"] == second.proc.pid
     assert [c[0] for c in cli_app.calls()].count("pack") == 1
+
+
+def test_a_worker_behind_pgbouncer_listens_on_listen_url_else_polls_and_says_so(
+    make_orch: OrchestratorFactory,
+    database_url: str,
+    pooled_url: str,
+    app_dir: Path,
+    workers: list[Worker],
+) -> None:
+    """`saga worker --database-url POOLER --listen-url DIRECT` drives sagas started after
+    it and never says it polls; without `--listen-url` it says so once, on stderr (stdout
+    stays empty), and drives them all the same."""
+    orch = make_orch(*cli_app.SAGAS)
+    for flags, order_id in ((("--listen-url", database_url), "o-l"), ((), "o-p")):
+        worker = Worker(pooled_url, app_dir, *flags)
+        workers.append(worker)
+        time.sleep(1.5)  # started, idle
+        saga_id = orch.start(cli_app.parcel, Job(order_id=order_id)).id
+        wait_until(lambda saga_id=saga_id: orch.get(saga_id).status == "completed", timeout=30)
+        code, err = worker.stop()
+        assert code == 0, err
+        assert worker.out == ""
+        assert err.count("listen_unavailable") == (0 if flags else 1), err
 
 
 def test_reconcile_settles_what_it_can_and_parks_the_rest(

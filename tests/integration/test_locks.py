@@ -91,14 +91,21 @@ def _row_locked(url: str, saga_id: str) -> bool:
 
 
 @pytest.mark.crash
+@pytest.mark.parametrize("through", ["direct", "pgbouncer"])
 def test_a_worker_frozen_in_a_cost_function_does_not_block_cancel(
-    make_orch: OrchestratorFactory, database_url: str, frozen: list[_Frozen]
+    make_orch: OrchestratorFactory,
+    database_url: str,
+    frozen: list[_Frozen],
+    through: str,
+    request: pytest.FixtureRequest,
 ) -> None:
     """A child process is frozen (SIGSTOP) inside a cost function while its claim holds the
     saga row locked. `cancel()` returns within a bounded time (the server ends the frozen
     transaction once it has idled a lease), and after SIGKILL nothing of the frozen claim
-    is left: no attempt, no lease event."""
-    child = _Frozen(database_url, "o-1")
+    is left: no attempt, no lease event. Behind PgBouncer in transaction mode too, where
+    the timeout is the claim transaction's own (`SET LOCAL`), not its connection's."""
+    url = database_url if through == "direct" else str(request.getfixturevalue("pooled_url"))
+    child = _Frozen(url, "o-1")
     frozen.append(child)
     saga_id = child.expect("STARTED").split()[2]
     child.expect("IN_COST")
