@@ -19,8 +19,8 @@ from async_support import SHAPES, Calls, event_rows, operation_rows
 from faults.proxy import LostReplyProxy
 from support import Order, order_saga
 
-from saga import AsyncOrchestrator, LeaseLost, Orchestrator, SagaState, StepContext, inputs
-from saga.protocol import Invoke
+from saga import AsyncOrchestrator, LeaseLost, Orchestrator, Saga, SagaState, StepContext, inputs
+from saga.protocol import Invoke, Next, Planner, Write
 from saga.runner import Runner
 
 HANG_SECONDS = 60.0
@@ -33,14 +33,7 @@ def test_gathered_sagas_of_every_shape_write_what_they_write_one_by_one(
     outcomes, reconcile, a park, a timeout), gathered in one loop so that their writes
     share statements: each ends as the same saga driven alone by the sync door, with the
     same operations, audit trail and calls, and writes did go out together."""
-    calls = Calls()
-    sagas = {shape: factory(calls) for shape, (factory, _) in SHAPES.items()}
-    reference: dict[str, tuple[SagaState, list[Any]]] = {}
-    with Orchestrator(database_url, sagas=list(sagas.values())) as orch:
-        for shape, saga in sagas.items():
-            state = orch.execute(saga, Order(order_id=f"{shape}-alone"))
-            reference[shape] = (state, orch.history(state.id))
-
+    calls, sagas, reference = _driven_alone(database_url)
     copies = [(shape, f"{shape}-{n}") for shape in sagas for n in range(4)]
 
     async def main() -> tuple[list[SagaState], list[list[Any]], int, int]:
@@ -56,15 +49,42 @@ def test_gathered_sagas_of_every_shape_write_what_they_write_one_by_one(
             return states, histories, group.largest, group.batches
 
     states, histories, largest, batches = asyncio.run(main())
+    _as_alone(calls, reference, copies, states, histories)
+    assert largest >= 2, "no two transitions were ever written together"
+    assert batches < sum(len(h) for h in histories)
+
+
+Reference = dict[str, tuple[SagaState, list[Any]]]
+
+
+def _driven_alone(database_url: str) -> tuple[Calls, dict[str, Saga[Order]], Reference]:
+    """Every saga shape, and one saga of each driven alone by the sync door: its final
+    state and audit trail, by shape."""
+    calls = Calls()
+    sagas = {shape: factory(calls) for shape, (factory, _) in SHAPES.items()}
+    reference: Reference = {}
+    with Orchestrator(database_url, sagas=list(sagas.values())) as orch:
+        for shape, saga in sagas.items():
+            state = orch.execute(saga, Order(order_id=f"{shape}-alone"))
+            reference[shape] = (state, orch.history(state.id))
+    return calls, sagas, reference
+
+
+def _as_alone(
+    calls: Calls,
+    reference: Reference,
+    copies: list[tuple[str, str]],
+    states: list[SagaState],
+    histories: list[list[Any]],
+) -> None:
+    """Each copy ended as its shape's saga driven alone: status, operations, audit trail
+    and calls."""
     for (shape, key), state, history in zip(copies, states, histories, strict=True):
         alone, alone_history = reference[shape]
         assert state.status == SHAPES[shape][1], (key, state.error)
         assert operation_rows(state) == operation_rows(alone), key
         assert event_rows(history, key) == event_rows(alone_history, f"{shape}-alone"), key
         assert calls.sequence(key) == calls.sequence(f"{shape}-alone"), key
-    assert largest >= 2, "no two transitions were ever written together"
-    transitions = sum(len(h) for h in histories)
-    assert batches < transitions
 
 
 def _steal(url: str, saga_id: str) -> None:
@@ -98,37 +118,56 @@ def test_a_lost_lease_fails_its_own_write_and_not_the_others_in_the_statement(
             for order_id in ("kept", "stolen"):
                 ids[order_id] = (await orch.start(saga, Order(order_id=order_id))).id
             runner = await orch.runner()
-            claimed = {}
-            for _ in range(2):
-                found = await runner.claim_next(["grouped:1"], orch.definition)
-                assert found is not None
-                planner, nxt = found
-                assert isinstance(nxt, Invoke) and nxt.op.step == "reserve"
-                claimed[planner.saga.id] = planner
+            claimed = [await runner.claim_next(["grouped:1"], orch.definition) for _ in ids]
             await asyncio.to_thread(_steal, database_url, ids["stolen"])
-            now = datetime.now(UTC)
-            writes = []
-            for saga_id in (ids["kept"], ids["stolen"]):
-                planner = claimed[saga_id]
-                inputs.apply(planner, inputs.Returned("reserve", "action", {}), now)
-                writes.append(planner.write(planner.advance(now), owner=orch.owner))
+            writes = _reserve_recorded(claimed, ids, orch.owner)
             store = await orch.store()
             results = await asyncio.gather(
                 *(
                     store.apply_transition(
-                        w, owner=orch.owner, lease_seconds=orch.lease_seconds, token=token
+                        writes[name],
+                        owner=orch.owner,
+                        lease_seconds=orch.lease_seconds,
+                        token=tokens[name],
                     )
-                    for w, token in zip(writes, tokens, strict=True)
+                    for name in ("kept", "stolen")
                 ),
                 return_exceptions=True,
             )
             return results, store.group.largest, ids
 
-    tokens = [str(uuid.uuid4()), str(uuid.uuid4())]
+    tokens = {name: str(uuid.uuid4()) for name in ("kept", "stolen")}
     results, largest, ids = asyncio.run(main())
     assert largest == 2
     assert not isinstance(results[0], BaseException)
     assert isinstance(results[1], LeaseLost)
+    _only_the_stolen_write_was_refused(database_url, saga, ids, tokens)
+
+
+def _reserve_recorded(
+    claimed: list[tuple[Planner, Next] | None], ids: dict[str, str], owner: str
+) -> dict[str, Write]:
+    """The write that records `reserve`'s success, for each claimed saga (by name)."""
+    planners = {}
+    for found in claimed:
+        assert found is not None
+        planner, nxt = found
+        assert isinstance(nxt, Invoke) and nxt.op.step == "reserve"
+        planners[planner.saga.id] = planner
+    now = datetime.now(UTC)
+    writes = {}
+    for name, saga_id in ids.items():
+        planner = planners[saga_id]
+        inputs.apply(planner, inputs.Returned("reserve", "action", {}), now)
+        writes[name] = planner.write(planner.advance(now), owner=owner)
+    return writes
+
+
+def _only_the_stolen_write_was_refused(
+    database_url: str, saga: Saga[Order], ids: dict[str, str], tokens: dict[str, str]
+) -> None:
+    """Every saga's write but "stolen"'s landed (its token is the saga's); the stolen
+    saga's left nothing, and its lease is still the thief's."""
     with Orchestrator(database_url, sagas=[saga]) as orch:
         kept, stolen = orch.get(ids["kept"]), orch.get(ids["stolen"])
         assert kept.operation("reserve").status == "succeeded"
@@ -143,8 +182,8 @@ def test_a_lost_lease_fails_its_own_write_and_not_the_others_in_the_statement(
                 (list(ids.values()),),
             ).fetchall()
         )
-    assert written[ids["kept"]] == tokens[0]
-    assert written[ids["stolen"]] != tokens[1]
+    for name, saga_id in ids.items():
+        assert (written[saga_id] == tokens[name]) == (name != "stolen"), name
 
 
 def test_a_statement_whose_reply_was_lost_is_found_landed_by_each_saga(
@@ -185,6 +224,14 @@ def test_a_statement_whose_reply_was_lost_is_found_landed_by_each_saga(
         states = asyncio.run(main(proxy.url))
         lost = proxy.lost_replies("write_sagas_v1")
     assert lost, "no grouped write lost its reply"
+    _each_once_and_none_unknown(database_url, saga, calls, keys, states)
+
+
+def _each_once_and_none_unknown(
+    database_url: str, saga: Saga[Order], calls: Calls, keys: list[str], states: list[SagaState]
+) -> None:
+    """Every saga completed, each of its steps called once, and no attempt was ever taken
+    for unknown."""
     assert [s.status for s in states] == ["completed"] * len(keys)
     for key in keys:
         assert calls.of(key) == {"reserve": 1, "charge": 1, "ship": 1}
@@ -202,14 +249,7 @@ def test_threads_driving_sagas_of_every_shape_write_what_they_write_one_by_one(
     """Four copies of each saga shape, driven by eight threads of one sync Orchestrator so
     that their writes share statements: each ends as the same saga driven alone, with the
     same operations, audit trail and calls, and writes did go out together."""
-    calls = Calls()
-    sagas = {shape: factory(calls) for shape, (factory, _) in SHAPES.items()}
-    reference: dict[str, tuple[SagaState, list[Any]]] = {}
-    with Orchestrator(database_url, sagas=list(sagas.values())) as orch:
-        for shape, saga in sagas.items():
-            state = orch.execute(saga, Order(order_id=f"{shape}-alone"))
-            reference[shape] = (state, orch.history(state.id))
-
+    calls, sagas, reference = _driven_alone(database_url)
     copies = [(shape, f"{shape}-{n}") for shape in sagas for n in range(4)]
     with Orchestrator(database_url, sagas=list(sagas.values()), pool_size=24) as orch:
         with ThreadPoolExecutor(max_workers=8) as pool:
@@ -221,15 +261,9 @@ def test_threads_driving_sagas_of_every_shape_write_what_they_write_one_by_one(
         histories = [orch.history(s.id) for s in states]
         group = orch.store.group
         largest, batches = group.largest, group.batches
-    for (shape, key), state, history in zip(copies, states, histories, strict=True):
-        alone, alone_history = reference[shape]
-        assert state.status == SHAPES[shape][1], (key, state.error)
-        assert operation_rows(state) == operation_rows(alone), key
-        assert event_rows(history, key) == event_rows(alone_history, f"{shape}-alone"), key
-        assert calls.sequence(key) == calls.sequence(f"{shape}-alone"), key
+    _as_alone(calls, reference, copies, states, histories)
     assert largest >= 2, "no two transitions were ever written together"
-    transitions = sum(len(h) for h in histories)
-    assert batches < transitions
+    assert batches < sum(len(h) for h in histories)
 
 
 def test_a_lost_lease_fails_its_own_write_and_not_the_others_in_a_threads_batch(
@@ -254,20 +288,9 @@ def test_a_lost_lease_fails_its_own_write_and_not_the_others_in_a_threads_batch(
     with Orchestrator(database_url, sagas=[saga], pool_size=12) as orch:
         ids = {name: orch.start(saga, Order(order_id=name)).id for name in names}
         runner = Runner(orch.store, orch.runner_options(), keeper=orch.lease_keeper)
-        claimed = {}
-        for _ in names:
-            found = runner.claim_next(["grouped_sync:1"], orch.definition)
-            assert found is not None
-            planner, nxt = found
-            assert isinstance(nxt, Invoke) and nxt.op.step == "reserve"
-            claimed[planner.saga.id] = planner
+        claimed = [runner.claim_next(["grouped_sync:1"], orch.definition) for _ in names]
         _steal(database_url, ids["stolen"])
-        now = datetime.now(UTC)
-        writes = {}
-        for name in names:
-            planner = claimed[ids[name]]
-            inputs.apply(planner, inputs.Returned("reserve", "action", {}), now)
-            writes[name] = planner.write(planner.advance(now), owner=orch.owner)
+        writes = _reserve_recorded(claimed, ids, orch.owner)
         store = orch.store
         results: dict[str, Any] = {}
 
@@ -296,22 +319,7 @@ def test_a_lost_lease_fails_its_own_write_and_not_the_others_in_a_threads_batch(
         assert not isinstance(results["held"], BaseException)
         assert not isinstance(results["kept"], BaseException)
         assert isinstance(results["stolen"], LeaseLost)
-        kept, stolen = orch.get(ids["kept"]), orch.get(ids["stolen"])
-        assert kept.operation("reserve").status == "succeeded"
-        assert kept.operation("ship").status == "running"
-        assert stolen.operation("reserve").status == "running"
-        assert stolen.lease_owner == "thief"
-        assert "attempt_succeeded" not in [e.event for e in orch.history(ids["stolen"])]
-    with psycopg.connect(database_url) as conn:
-        written = dict(
-            conn.execute(
-                "SELECT id::text, write_token::text FROM saga.sagas WHERE id = ANY(%s::uuid[])",
-                (list(ids.values()),),
-            ).fetchall()
-        )
-    assert written[ids["kept"]] == tokens["kept"]
-    assert written[ids["held"]] == tokens["held"]
-    assert written[ids["stolen"]] != tokens["stolen"]
+    _only_the_stolen_write_was_refused(database_url, saga, ids, tokens)
 
 
 def test_a_threads_statement_whose_reply_was_lost_is_found_landed_by_each_saga(
@@ -341,12 +349,7 @@ def test_a_threads_statement_whose_reply_was_lost_is_found_landed_by_each_saga(
             states = [future.result(timeout=HANG_SECONDS) for future in running]
         lost = proxy.lost_replies("write_sagas_v1")
     assert lost, "no grouped write lost its reply"
-    assert [s.status for s in states] == ["completed"] * len(keys)
-    for key in keys:
-        assert calls.of(key) == {"reserve": 1, "charge": 1, "ship": 1}
-    with Orchestrator(database_url, sagas=[saga]) as orch:
-        for state in states:
-            assert not [e for e in orch.history(state.id) if "unknown" in e.event], state.id
+    _each_once_and_none_unknown(database_url, saga, calls, keys, states)
 
 
 def _until(condition: Callable[[], bool]) -> None:

@@ -27,7 +27,8 @@ class Wire:
         self.gate = threading.Event()
         self.gate.set()
         self.on_wire = threading.Semaphore(0)
-        self.fail_statement: BaseException | None = None
+        # Statements (by their number, from 0) that fail as a whole, with what they raise.
+        self.failures: dict[int, BaseException] = {}
         self.returned = threading.Event()
 
     def one(self, params: str) -> str:
@@ -37,13 +38,14 @@ class Wire:
         return answer
 
     def many(self, batch: Sequence[str]) -> list[str | BaseException]:
+        number = len(self.sent)
         self.sent.append(list(batch))
         self.senders.append(threading.current_thread().name)
         self.on_wire.release()
         assert self.gate.wait(WAIT)
         self.returned.set()
-        if self.fail_statement is not None:
-            raise self.fail_statement
+        if number in self.failures:
+            raise self.failures[number]
         return [ValueError(f"refused {p}") if p.startswith("bad") else f"ok {p}" for p in batch]
 
 
@@ -84,6 +86,27 @@ def _queued(group: GroupCommit[Any, Any]) -> int:
         return len(group._queue)
 
 
+def _held(wire: Wire, group: GroupCommit[str, str], params: str = "a") -> Writer:
+    """A writer of `params` whose statement is on the wire, held there until the gate
+    opens."""
+    wire.gate.clear()
+    writer = Writer(group, params)
+    writer.start()
+    assert wire.on_wire.acquire(timeout=WAIT)
+    return writer
+
+
+def _queue(group: GroupCommit[str, str], *params: str) -> list[Writer]:
+    """Writers of `params`, each queued in turn behind the statement on the wire."""
+    writers: list[Writer] = []
+    for one in params:
+        queued = _queued(group) + 1
+        writers.append(Writer(group, one))
+        writers[-1].start()
+        _until(lambda queued=queued: _queued(group) == queued)
+    return writers
+
+
 def test_a_write_alone_goes_out_at_once_alone_and_in_its_own_thread() -> None:
     wire = Wire()
     group = _group(wire)
@@ -98,14 +121,8 @@ def test_a_write_alone_goes_out_at_once_alone_and_in_its_own_thread() -> None:
 def test_writes_ready_while_one_is_on_the_wire_leave_together_led_by_the_first() -> None:
     wire = Wire()
     group = _group(wire)
-    wire.gate.clear()
-    first = Writer(group, "a")
-    first.start()
-    assert wire.on_wire.acquire(timeout=WAIT)  # "a" is on the wire
-    rest = [Writer(group, p) for p in ("b", "c", "d")]
-    for writer in rest:
-        writer.start()
-        _until(lambda w=writer: _queued(group) == rest.index(w) + 1)
+    first = _held(wire, group)
+    rest = _queue(group, "b", "c", "d")
     assert wire.sent == [["a"]]
     wire.gate.set()
     assert first.result() == "ok a"
@@ -121,13 +138,8 @@ def test_nothing_is_answered_before_its_statement_returned() -> None:
     its write has returned (committed), never when its batch merely left."""
     wire = Wire()
     group = _group(wire)
-    wire.gate.clear()
-    first = Writer(group, "a")
-    first.start()
-    assert wire.on_wire.acquire(timeout=WAIT)
-    second = Writer(group, "b")
-    second.start()
-    _until(lambda: _queued(group) == 1)
+    first = _held(wire, group)
+    (second,) = _queue(group, "b")
     time.sleep(0.05)
     assert first.answer is None and second.answer is None
     wire.gate.set()
@@ -138,14 +150,8 @@ def test_nothing_is_answered_before_its_statement_returned() -> None:
 def test_a_write_refused_for_its_saga_fails_that_thread_alone() -> None:
     wire = Wire()
     group = _group(wire)
-    wire.gate.clear()
-    first = Writer(group, "a")
-    first.start()
-    assert wire.on_wire.acquire(timeout=WAIT)
-    rest = [Writer(group, p) for p in ("b", "bad-c", "d")]
-    for writer in rest:
-        writer.start()
-    _until(lambda: _queued(group) == 3)
+    first = _held(wire, group)
+    rest = _queue(group, "b", "bad-c", "d")
     wire.gate.set()
     answers = [w.result() for w in rest]
     assert answers[0] == "ok b" and answers[2] == "ok d"
@@ -158,40 +164,29 @@ def test_a_statement_that_fails_as_a_whole_fails_every_write_in_it() -> None:
     error (and finds out on its own whether its write landed); the group carries on."""
     wire = Wire()
     group = _group(wire)
-    wire.gate.clear()
-    first = Writer(group, "a")
-    first.start()
-    assert wire.on_wire.acquire(timeout=WAIT)
-    rest = [Writer(group, p) for p in ("b", "c")]
-    for writer in rest:
-        writer.start()
-    _until(lambda: _queued(group) == 2)
-    wire.fail_statement = ConnectionError("server closed the connection")
+    wire.failures[1] = ConnectionError("server closed the connection")
+    first = _held(wire, group)
+    rest = _queue(group, "b", "c")
     wire.gate.set()
-    assert [type(w.result()) for w in (first, *rest)] == [ConnectionError] * 3
-    wire.fail_statement = None
+    assert first.result() == "ok a"
+    assert [type(w.result()) for w in rest] == [ConnectionError] * 2
     assert group.write("d") == "ok d"
     assert wire.sent == [["a"], ["b", "c"], ["d"]]
 
 
 def test_a_leader_interrupted_on_the_wire_leaves_no_thread_waiting() -> None:
-    """Not only Exceptions: a BaseException raised in the leader's statement reaches every
-    write of its batch, the writes queued behind it still go out, and the group goes on."""
+    """Not only Exceptions: a BaseException raised in the leader's statement reaches the
+    writes of its batch, the writes queued behind it still go out, and the group goes on."""
     wire = Wire()
     group = _group(wire)
-    wire.gate.clear()
-    first = Writer(group, "a")
-    first.start()
-    assert wire.on_wire.acquire(timeout=WAIT)
-    second = Writer(group, "b")
-    second.start()
-    _until(lambda: _queued(group) == 1)
-    wire.fail_statement = KeyboardInterrupt()
+    wire.failures[0] = KeyboardInterrupt()
+    first = _held(wire, group)
+    second, third = _queue(group, "b", "c")
     wire.gate.set()
     assert isinstance(first.result(), KeyboardInterrupt)
-    assert isinstance(second.result(), KeyboardInterrupt)
-    wire.fail_statement = None
-    assert group.write("c") == "ok c"
+    assert (second.result(), third.result()) == ("ok b", "ok c")
+    assert wire.sent == [["a"], ["b", "c"]]
+    assert group.write("d") == "ok d"
 
 
 def test_many_threads_each_get_their_own_answer_and_every_write_goes_out_once() -> None:
@@ -227,10 +222,7 @@ def test_a_queued_thread_interrupted_while_waiting_strands_nobody(
     withdrawn; a batch already handed to that thread still goes out."""
     wire = Wire()
     group = _group(wire)
-    wire.gate.clear()
-    first = Writer(group, "a")
-    first.start()
-    assert wire.on_wire.acquire(timeout=WAIT)
+    first = _held(wire, group)
     interrupted = Writer(group, "b")
     waits: list[Any] = []
     original = threading.Event.wait
@@ -247,9 +239,7 @@ def test_a_queued_thread_interrupted_while_waiting_strands_nobody(
     interrupted.start()
     if handed_the_lead:
         _until(lambda: _queued(group) == 1)
-        third = Writer(group, "c")
-        third.start()
-        _until(lambda: _queued(group) == 2)
+        (third,) = _queue(group, "c")
         wire.gate.set()
         assert isinstance(interrupted.result(), KeyboardInterrupt)
         assert third.result() == "ok c"
