@@ -31,7 +31,6 @@ from saga.store import (
     _saga_row,
     _state,
     _write,
-    answers_of,
     approval_params,
     batch_answers,
     batch_params,
@@ -285,11 +284,11 @@ class AsyncStore:
             row = await cursor.fetchone()
         return state_of(row["state"] if row else None)
 
-    async def _write_many(self, batch: Sequence[Jsonb]) -> list[SagaState | BaseException | None]:
+    async def _write_many(self, batch: Sequence[Jsonb]) -> list[SagaState | SagaError | None]:
         async with self._connection() as conn:
             cursor = await conn.execute(_q("write_sagas"), {"writes": writes_of(batch)})
             row = await cursor.fetchone()
-        return answers_of(row, self._conninfo)
+        return batch_answers(row, self._conninfo)
 
     async def write_token(self, saga_id: str) -> tuple[str | None, str | None] | None:
         """The token of the saga's last write and its lease owner."""

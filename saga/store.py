@@ -416,10 +416,10 @@ class Store:
             row = conn.execute(_q("write_saga"), {"write": params}).fetchone()
         return state_of(row["state"] if row else None)
 
-    def _write_many(self, batch: Sequence[Jsonb]) -> list[SagaState | BaseException | None]:
+    def _write_many(self, batch: Sequence[Jsonb]) -> list[SagaState | SagaError | None]:
         with self._connection() as conn:
             row = conn.execute(_q("write_sagas"), {"writes": writes_of(batch)}).fetchone()
-        return answers_of(row, self._conninfo)
+        return batch_answers(row, self._conninfo)
 
     def write_token(self, saga_id: str) -> tuple[str | None, str | None] | None:
         """The token of the saga's last write and its lease owner; None when the saga
@@ -768,12 +768,11 @@ def loaded_batch(
 
 def batch_params(writes: Sequence[tuple[Write, str]], *, owner: str, lease_seconds: float) -> Jsonb:
     """The argument of saga.write_sagas_v1 for lease holders' writes, each with its token."""
-    return Jsonb(
+    return writes_of(
         [
-            _write(write, owner=owner, lease_seconds=lease_seconds, token=token).obj
+            _write(write, owner=owner, lease_seconds=lease_seconds, token=token)
             for write, token in writes
-        ],
-        dumps=_dumps,
+        ]
     )
 
 
@@ -958,18 +957,6 @@ def writes_of(batch: Sequence[Jsonb]) -> Jsonb:
     """The argument of saga.write_sagas_v1 (migration 0014): the `_write` arguments of
     several sagas' writes, in order."""
     return Jsonb([params.obj for params in batch], dumps=_dumps)
-
-
-def answers_of(row: dict[str, Any] | None, conninfo: str) -> list[SagaState | BaseException | None]:
-    """What saga.write_sagas_v1 answered, one per write in order: the saga's state (None
-    unless `return_state`), or the orchestrator's error for a write it refused."""
-    assert row is not None
-    return [
-        refusal_of(result["sqlstate"], result["message"], conninfo)
-        if "sqlstate" in result
-        else state_of(result["state"])
-        for result in row["results"]
-    ]
 
 
 def state_of(written: dict[str, Any] | None) -> SagaState | None:
