@@ -222,11 +222,12 @@ def test_a_worker_at_concurrency_8_commits_less_per_saga_than_one_commit_per_tra
 ) -> None:
     """Sagas started, then driven by one sync Worker of 8 threads: the threads' transitions
     that are ready together share a statement and a commit (group commit), so a saga
-    costs fewer commits than with every write committed alone (its start, its claim and
-    one commit per transition, n + 2, and more: the same worker measured the same way).
-    Everything the database committed counts: starts, claims, the worker's own polls,
-    and the empty commit of each statement's preparation on each of the pool's
-    connections (fixed costs: one by one measures about 6 per saga here, not 5)."""
+    costs fewer commits than with every write committed alone (its start, its share of a
+    batch claim that writes its first move, and one commit per later transition: at
+    least n + 1, the same worker measured the same way). Everything the database
+    committed counts: starts, claims, the worker's own polls, and the empty commit of
+    each statement's preparation on each of the pool's connections (fixed costs that
+    add about one commit per saga over 200 sagas)."""
     saga = _saga_of(3)
     states: list[str] = []
     grouped: list[int] = []
@@ -255,6 +256,6 @@ def test_a_worker_at_concurrency_8_commits_less_per_saga_than_one_commit_per_tra
         f"{together:.2f} grouped (largest batches {grouped})"
     )
     assert states == ["completed"] * (2 * TRIES * WORKER_SAGAS)
-    assert alone >= 3 + 2
+    assert alone >= 3 + 1
     assert max(grouped) >= 2
     assert together < alone
