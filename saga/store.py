@@ -768,11 +768,12 @@ def loaded_batch(
 
 def batch_params(writes: Sequence[tuple[Write, str]], *, owner: str, lease_seconds: float) -> Jsonb:
     """The argument of saga.write_sagas_v1 for lease holders' writes, each with its token."""
-    return writes_of(
+    return Jsonb(
         [
-            _write(write, owner=owner, lease_seconds=lease_seconds, token=token)
+            _write(write, owner=owner, lease_seconds=lease_seconds, token=token).obj
             for write, token in writes
-        ]
+        ],
+        dumps=_dumps,
     )
 
 
