@@ -1,30 +1,32 @@
 """Group commit for the asyncio door: the transitions that sagas driven on one event loop
 have ready while a write is on the wire go out together, in one statement and one commit.
 
-A write that finds nothing on the wire goes out at once (with the writes made ready in
-the same turn of the loop): a saga driven by itself (`execute()` in a loop) waits for
-nothing and costs what it did. Writes that arrive while a batch is on the wire queue up
-and leave as the next batch, when its reply is in. Each
-waiter gets its own answer: a write refused for its saga (a lost fence, a refused
-confirmation) fails that saga alone, and nothing is answered before the commit that made
-it durable.
+The batching is the one both doors share (`saga.group`). A write that finds nothing on
+the wire goes out at once (with the writes made ready in the same turn of the loop): a
+saga driven by itself (`execute()` in a loop) waits for nothing and costs what it did.
+Writes that arrive while a batch is on the wire queue up and leave as the next batch,
+when its reply is in. Each waiter gets its own answer: a write refused for its saga (a
+lost fence, a refused confirmation) fails that saga alone, and nothing is answered before
+the commit that made it durable.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Generic, TypeVar
+from typing import TypeVar
+
+from saga.group import Answers, Batching
 
 P = TypeVar("P")
 R = TypeVar("R")
 
 # What one statement writes for a batch: one result per write, in order, each the write's
 # answer or the error that refused it (the others' writes commit regardless).
-WriteMany = Callable[[Sequence[P]], Awaitable[Sequence[R | BaseException]]]
+WriteMany = Callable[[Sequence[P]], Awaitable[Answers[R]]]
 
 
-class GroupCommit(Generic[P, R]):
+class GroupCommit(Batching[P, R, "asyncio.Future[R]"]):
     """Batches concurrent writes of one event loop: `write_one` for a write that goes out
     alone, `write_many` for two or more.
 
@@ -32,12 +34,10 @@ class GroupCommit(Generic[P, R]):
     """
 
     def __init__(self, write_one: Callable[[P], Awaitable[R]], write_many: WriteMany[P, R]) -> None:
+        super().__init__()
         self._write_one = write_one
         self._write_many = write_many
-        self._queue: list[tuple[P, asyncio.Future[R]]] = []
         self._writer: asyncio.Task[None] | None = None
-        self.batches = 0
-        self.largest = 0
 
     async def write(self, params: P) -> R:
         """Write `params` with whatever else is ready; its answer once it committed."""
@@ -48,42 +48,37 @@ class GroupCommit(Generic[P, R]):
             self._writer = loop.create_task(self._drain(), name="saga-group-commit")
         return await done
 
-    def _count(self, size: int) -> None:
-        self.batches += 1
-        self.largest = max(self.largest, size)
-
     async def _drain(self) -> None:
         batch: list[tuple[P, asyncio.Future[R]]] = []
         try:
             while self._queue:
-                batch, self._queue = self._queue, []
-                await self._send(batch)
+                batch = self._take()
+                self._deliver(batch, await self._send(batch))
                 batch = []
         except BaseException as exc:
             # Cancelled (the loop is closing) or a bug: no waiter is left hanging.
-            for _, done in (*batch, *self._queue):
+            for _, done in (*batch, *self._take()):
                 if not done.done():
                     done.set_exception(exc)
-            self._queue = []
             raise
         finally:
             self._writer = None
 
-    async def _send(self, batch: list[tuple[P, asyncio.Future[R]]]) -> None:
-        self._count(len(batch))
+    async def _send(self, batch: list[tuple[P, asyncio.Future[R]]]) -> Answers[R] | BaseException:
+        params = self._sending(batch)
         try:
-            if len(batch) == 1:
-                answers: Sequence[R | BaseException] = [await self._write_one(batch[0][0])]
-            else:
-                answers = await self._write_many([params for params, _ in batch])
+            if len(params) == 1:
+                return [await self._write_one(params[0])]
+            return await self._write_many(params)
         except Exception as exc:
             # The statement failed as a whole (a lost connection, say): every write in it
             # is unsure in the same way, and each saga finds out whether it landed.
-            answers = [exc] * len(batch)
-        for (_, done), answer in zip(batch, answers, strict=True):
-            if done.done():  # its saga's task was cancelled meanwhile
-                continue
-            if isinstance(answer, BaseException):
-                done.set_exception(answer)
-            else:
-                done.set_result(answer)
+            return exc
+
+    def _answer(self, waiter: asyncio.Future[R], answer: R | BaseException) -> None:
+        if waiter.done():  # its saga's task was cancelled meanwhile
+            return
+        if isinstance(answer, BaseException):
+            waiter.set_exception(answer)
+        else:
+            waiter.set_result(answer)

@@ -26,7 +26,6 @@ from saga.store import (
     DatabaseGauges,
     Loaded,
     _confirmation_row,
-    _dumps,
     _op_row,
     _q,
     _saga_row,
@@ -39,11 +38,11 @@ from saga.store import (
     ledger_params,
     loaded_batch,
     loaded_from_rows,
-    refusal_of,
     start_params,
     started,
     state_of,
     translate,
+    writes_of,
 )
 
 AConn = psycopg.AsyncConnection[dict[str, Any]]
@@ -297,17 +296,11 @@ class AsyncStore:
             row = await cursor.fetchone()
         return state_of(row["state"] if row else None)
 
-    async def _write_many(self, batch: Sequence[Jsonb]) -> list[SagaState | BaseException | None]:
-        writes = Jsonb([params.obj for params in batch], dumps=_dumps)
+    async def _write_many(self, batch: Sequence[Jsonb]) -> list[SagaState | SagaError | None]:
         async with self._connection() as conn:
-            row = await (await conn.execute(_q("write_sagas"), {"writes": writes})).fetchone()
-        assert row is not None
-        return [
-            refusal_of(result["sqlstate"], result["message"], self._conninfo)
-            if "sqlstate" in result
-            else state_of(result["state"])
-            for result in row["results"]
-        ]
+            cursor = await conn.execute(_q("write_sagas"), {"writes": writes_of(batch)})
+            row = await cursor.fetchone()
+        return batch_answers(row, self._conninfo)
 
     async def write_token(self, saga_id: str) -> tuple[str | None, str | None] | None:
         """The token of the saga's last write and its lease owner."""

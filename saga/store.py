@@ -27,6 +27,7 @@ from saga.errors import (
     SchemaMissing,
     StepStateError,
 )
+from saga.group import GroupCommit
 from saga.protocol import ConfirmationChange, ConfirmationRow, Event, OpRow, SagaRow, Write
 from saga.redact import scrub
 from saga.roles import RoleKind, check_privileges, privileges_query
@@ -181,6 +182,9 @@ class Store:
         self.transaction_settings = transaction_settings
         # The pool's URL, for errors that say which database (never its password).
         self._conninfo = pool.conninfo if isinstance(pool.conninfo, str) else ""
+        self.group: GroupCommit[Jsonb, SagaState | None] = GroupCommit(
+            self._write_one, self._write_many
+        )
 
     @contextmanager
     def transaction(self) -> Iterator[Conn]:
@@ -403,13 +407,31 @@ class Store:
     def apply_transition(
         self, write: Write, *, owner: str, lease_seconds: float, token: str | None = None
     ) -> SagaState | None:
-        """Persist a lease holder's write in one statement and one round trip; the saga's
-        new state when `write.return_state`. `LeaseLost` when the fence no longer matches,
-        `StepStateError` when a confirmation cannot be written."""
+        """Persist a lease holder's write in one statement and one round trip, shared with
+        the writes other threads have ready at the same moment (group commit,
+        `saga.group`); the saga's new state when `write.return_state`. `LeaseLost` when
+        the fence no longer matches, `StepStateError` when a confirmation cannot be
+        written: either fails this saga's write alone.
+
+        A write that stores approval tokens beside it (`approval_params`) is never
+        grouped: saga.write_sagas_v1 carries write_saga_v4's arguments only."""
+        if approval_params(write):
+            with self._connection() as conn:
+                return self.save_txn(
+                    conn, write, owner=owner, lease_seconds=lease_seconds, token=token
+                )()
+        params = _write(write, owner=owner, lease_seconds=lease_seconds, token=token)
+        return self.group.write(params)
+
+    def _write_one(self, params: Jsonb) -> SagaState | None:
         with self._connection() as conn:
-            return self.save_txn(
-                conn, write, owner=owner, lease_seconds=lease_seconds, token=token
-            )()
+            row = conn.execute(_q("write_saga"), {"write": params}).fetchone()
+        return state_of(row["state"] if row else None)
+
+    def _write_many(self, batch: Sequence[Jsonb]) -> list[SagaState | SagaError | None]:
+        with self._connection() as conn:
+            row = conn.execute(_q("write_sagas"), {"writes": writes_of(batch)}).fetchone()
+        return batch_answers(row, self._conninfo)
 
     def write_token(self, saga_id: str) -> tuple[str | None, str | None] | None:
         """The token of the saga's last write and its lease owner; None when the saga
@@ -942,6 +964,12 @@ def _encode_extra(value: Any) -> Any:
 
 def _text(value: Any) -> str | None:
     return None if value is None else str(value)
+
+
+def writes_of(batch: Sequence[Jsonb]) -> Jsonb:
+    """The argument of saga.write_sagas_v1 (migration 0014): the `_write` arguments of
+    several sagas' writes, in order."""
+    return Jsonb([params.obj for params in batch], dumps=_dumps)
 
 
 def state_of(written: dict[str, Any] | None) -> SagaState | None:

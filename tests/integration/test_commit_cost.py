@@ -13,6 +13,7 @@ from psycopg.conninfo import conninfo_to_dict
 from support import Order, order_saga
 
 from saga import Orchestrator, Saga, SagaState, StepContext, durable_step
+from saga.group import GroupCommit
 
 
 def _counters(server_url: str, dbname: str) -> tuple[int, int]:
@@ -209,3 +210,52 @@ def test_a_session_costs_two_commits_per_call_plus_its_opening_and_closing(
     assert [s.status for s in states] == ["completed"] * (TRIES * (2 * WARM + 1))
     assert all([op.attempts for op in s.operations] == [1] * calls for s in states)
     assert more - warm == SESSION_COMMITS[calls] == 2 * calls + 2
+
+
+# Sagas of the worker measurement: enough that a worker at concurrency 8 keeps 8 in flight
+# for most of the run.
+WORKER_SAGAS = 200
+
+
+def test_a_worker_at_concurrency_8_commits_less_per_saga_than_one_commit_per_transition(
+    database_url: str, server_url: str
+) -> None:
+    """Sagas started, then driven by one sync Worker of 8 threads: the threads' transitions
+    that are ready together share a statement and a commit (group commit), so a saga
+    costs fewer commits than with every write committed alone (its start, its share of a
+    batch claim that writes its first move, and one commit per later transition: at
+    least n + 1, the same worker measured the same way). Everything the database
+    committed counts: starts, claims, the worker's own polls, and the empty commit of
+    each statement's preparation on each of the pool's connections (fixed costs that
+    add about one commit per saga over 200 sagas)."""
+    saga = _saga_of(3)
+    states: list[str] = []
+    grouped: list[int] = []
+
+    def work(one_by_one: bool, attempt: int) -> Callable[[], None]:
+        def run() -> None:
+            keys = [f"w-{one_by_one}-{attempt}-{i}" for i in range(WORKER_SAGAS)]
+            with Orchestrator(database_url, sagas=[saga], auto_migrate=False) as orch:
+                ids = [orch.start(saga, Order(order_id=key)).id for key in keys]
+                store = orch.store
+                if one_by_one:
+                    # The same worker with every write in a statement and a commit of its own.
+                    one = store._write_one
+                    store.group = GroupCommit(one, lambda batch: [one(p) for p in batch])
+                orch.worker(concurrency=8).run(until_idle=True)
+                states.extend(orch.get(saga_id).status for saga_id in ids)
+                if not one_by_one:
+                    grouped.append(store.group.largest)
+
+        return run
+
+    alone = _least_commits_of(server_url, database_url, lambda a: work(True, a)) / WORKER_SAGAS
+    together = _least_commits_of(server_url, database_url, lambda a: work(False, a)) / WORKER_SAGAS
+    print(
+        f"commits per saga through a worker at concurrency 8: {alone:.2f} one by one, "
+        f"{together:.2f} grouped (largest batches {grouped})"
+    )
+    assert states == ["completed"] * (2 * TRIES * WORKER_SAGAS)
+    assert alone >= 3 + 1
+    assert max(grouped) >= 2
+    assert together < alone
