@@ -19,7 +19,7 @@ from saga import telemetry
 from saga.adriver import AsyncRunner
 from saga.astore import AsyncStore
 from saga.database import behind_pooler_async
-from saga.dbretry import is_transient
+from saga.dbretry import aretrying, is_transient
 from saga.definition import Saga
 from saga.flow import describe_error
 from saga.logs import get_logger
@@ -149,8 +149,11 @@ class AsyncWorker:
         kinds = [f"{s.name}:{s.version}" for s in orch.registered()]
         if not kinds:
             raise ValueError("the orchestrator has no registered saga; register one first")
-        # A role that may not drive sagas fails here, naming what it lacks.
-        await (await orch.store()).check_privileges("worker")
+        # A role that may not drive sagas fails here, naming what it lacks; a server
+        # restarting just then is waited for, as for any database work.
+        async for attempt in aretrying("check_privileges"):
+            with attempt:
+                await (await orch.store()).check_privileges("worker")
         self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         self._wake = asyncio.Event()

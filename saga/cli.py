@@ -16,7 +16,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, NoReturn, TypeVar, cast
 
-import psycopg
 import pydantic
 import structlog
 
@@ -28,16 +27,14 @@ from saga.database import ENV_URL, check_connection, describe_url, resolve_datab
 from saga.durable import registered_step, registered_step_names
 from saga.errors import (
     DatabaseUnavailable,
-    InsufficientPrivilege,
     NotRegistered,
     SagaError,
-    SchemaMissing,
     StepStateError,
 )
 from saga.migrate import migrate_database
 from saga.orchestrator import ENV_APPROVAL_PUBLIC_KEY, ENV_CONFIRMATION_KEY, Orchestrator
 from saga.redact import scrub
-from saga.roles import ROLE_KINDS, grant, role_kind
+from saga.roles import ROLE_KINDS, grant_role, role_kind
 from saga.session import SESSION_PREFIX
 from saga.state import SagaState, SagaStatus
 from saga.store import Store
@@ -739,19 +736,7 @@ def _grant(args: argparse.Namespace) -> int:
     url = resolve_database_url(args.database_url)
     check_connection(url)
     kind = role_kind(args.kind)
-    with psycopg.connect(url, autocommit=True) as conn:
-        try:
-            grant(conn, kind, args.role)
-        except psycopg.errors.InsufficientPrivilege as exc:
-            raise InsufficientPrivilege(
-                f"role {conn.info.user!r} may not grant on the saga schema "
-                f"({exc.diag.message_primary or exc}): run `saga grant` as its owner",
-                sqlstate=exc.sqlstate,
-            ) from None
-        except psycopg.errors.InvalidSchemaName:
-            raise SchemaMissing(
-                "the saga schema is missing from the database: run `saga migrate` first"
-            ) from None
+    grant_role(url, kind, args.role)
     print(f"granted {kind} privileges on the saga schema to {args.role}")
     return EXIT_OK
 

@@ -140,8 +140,8 @@ def _may_not_migrate(conn: psycopg.Connection[Any], exc: psycopg.Error) -> Insuf
     said = " ".join(str(exc.diag.message_primary or exc).split())
     return InsufficientPrivilege(
         f"role {conn.info.user!r} may not migrate the saga schema ({said}): run `saga "
-        "migrate` as the role that owns the schema saga (or a role with CREATE on the "
-        "database, which then owns it); workers and operators need no DDL",
+        "migrate` as the role that owns the schema saga, or as one allowed to make schemas "
+        "in the database (it then owns it); workers and operators need no DDL",
         sqlstate=exc.sqlstate,
     )
 

@@ -16,7 +16,7 @@ import psycopg
 from psycopg import sql
 
 from saga.database import describe_url
-from saga.errors import InsufficientPrivilege
+from saga.errors import InsufficientPrivilege, SchemaMissing
 from saga.sqlfiles import load_queries
 
 RoleKind = Literal["reader", "worker", "operator"]
@@ -46,11 +46,29 @@ def grant(conn: psycopg.Connection[Any], kind: RoleKind, role: str) -> None:
     with conn.transaction():
         found = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone()
         if found is None:
-            raise ValueError(
-                f"role {role!r} does not exist: create it first (CREATE ROLE ... LOGIN)"
-            )
+            raise ValueError(f"role {role!r} does not exist: a DBA makes it first, as a login role")
         for section in ROLE_KINDS[: ROLE_KINDS.index(kind) + 1]:
             conn.execute(sql.SQL(_SQL[section]).format(role=sql.Identifier(role)))
+
+
+def grant_role(url: str, kind: RoleKind, role: str) -> None:
+    """Connect to `url` (as the saga schema's owner) and `grant` there; what PostgreSQL
+    refuses is raised as the orchestrator's error: `InsufficientPrivilege` for a role
+    that may not grant, `SchemaMissing` before the migrations ran."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        try:
+            grant(conn, kind, role)
+        except psycopg.errors.InsufficientPrivilege as exc:
+            said = exc.diag.message_primary or str(exc)
+            raise InsufficientPrivilege(
+                f"role {conn.info.user!r} may not grant privileges on the saga schema "
+                f"({said}): run `saga grant` as its owner",
+                sqlstate=exc.sqlstate,
+            ) from None
+        except psycopg.errors.InvalidSchemaName:
+            raise SchemaMissing(
+                "the saga schema is missing from the database: run `saga migrate` first"
+            ) from None
 
 
 def privileges_query(kind: RoleKind) -> tuple[LiteralString, dict[str, Any]]:

@@ -181,8 +181,11 @@ class Worker:
         if not kinds:
             raise ValueError("the orchestrator has no registered saga; register one first")
         # A role that may not drive sagas fails here, naming what it lacks, rather than at
-        # its first claim (where a worker would keep retrying).
-        orch.store.check_privileges("worker")
+        # its first claim (where a worker would keep retrying); a server restarting just
+        # then is waited for, as for any database work.
+        for attempt in retrying("check_privileges"):
+            with attempt:
+                orch.store.check_privileges("worker")
         # Each saga in flight may hold two connections (its transaction and its heartbeat).
         orch.ensure_pool_size(2 * self.concurrency + 2)
         options = orch.runner_options(max_inline_sleep=self.short_wait_seconds)

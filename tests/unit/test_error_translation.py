@@ -11,6 +11,7 @@ from saga import (
     DatabaseError,
     DatabaseInterrupted,
     DatabaseUnavailable,
+    InsufficientPrivilege,
     LeaseLost,
     SchemaMissing,
     StepStateError,
@@ -64,13 +65,25 @@ def test_a_missing_schema_says_to_run_saga_migrate(raised: psycopg.Error) -> Non
 
 
 def test_any_other_statement_error_names_its_sqlstate() -> None:
-    error = translate(errors.InsufficientPrivilege("permission denied for schema saga"), URL)
+    error = translate(errors.NumericValueOutOfRange("integer out of range"), URL)
     assert type(error) is DatabaseError
+    assert error.sqlstate == "22003"
+    assert not is_transient(error)
+    assert str(error) == (
+        "PostgreSQL at db.example.com:6543/orders refused a statement [SQLSTATE 22003]: "
+        "integer out of range"
+    )
+
+
+def test_a_missing_privilege_says_how_it_is_granted() -> None:
+    error = translate(errors.InsufficientPrivilege("permission denied for table sagas"), URL)
+    assert isinstance(error, InsufficientPrivilege) and isinstance(error, DatabaseError)
     assert error.sqlstate == "42501"
     assert not is_transient(error)
     assert str(error) == (
-        "PostgreSQL at db.example.com:6543/orders refused a statement [SQLSTATE 42501]: "
-        "permission denied for schema saga"
+        "the role connected to db.example.com:6543/orders lacks a privilege: permission "
+        "denied for table sagas; the owner of the saga schema grants a role what it needs "
+        "with `saga grant reader|worker|operator ROLE`"
     )
 
 

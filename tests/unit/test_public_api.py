@@ -27,6 +27,7 @@ EXPECTED_ALL = [
     "HistoryEvent",
     "IdempotencyConflict",
     "Inconclusive",
+    "InsufficientPrivilege",
     "LeaseLost",
     "Ledger",
     "NotRegistered",
