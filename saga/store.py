@@ -90,13 +90,13 @@ def translate(exc: psycopg.Error, conninfo: str) -> SagaError:
     if is_transient(exc):
         reason = said or type(exc).__name__
         return DatabaseInterrupted(f"database work at {where} was cut off: {reason}")
+    code = f" [SQLSTATE {exc.sqlstate}]" if exc.sqlstate else ""
     if isinstance(exc, psycopg.errors.InsufficientPrivilege):
         return InsufficientPrivilege(
-            f"the role connected to {where} lacks a privilege: {said}; the owner of the saga "
+            f"PostgreSQL at {where} refused a statement{code}: {said}; the owner of the saga "
             "schema grants a role what it needs with `saga grant reader|worker|operator ROLE`",
             sqlstate=exc.sqlstate,
         )
-    code = f" [SQLSTATE {exc.sqlstate}]" if exc.sqlstate else ""
     return DatabaseError(
         f"PostgreSQL at {where} refused a statement{code}: {said or type(exc).__name__}",
         sqlstate=exc.sqlstate,

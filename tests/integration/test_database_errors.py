@@ -73,5 +73,7 @@ def test_the_saga_command_prints_it_on_one_line(unprivileged_url: str) -> None:
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("saga: PostgreSQL at ")
     assert lines[0].endswith(
-        "refused a statement [SQLSTATE 42501]: permission denied for schema saga"
+        "refused a statement [SQLSTATE 42501]: permission denied for schema saga; the owner "
+        "of the saga schema grants a role what it needs with `saga grant "
+        "reader|worker|operator ROLE`"
     )

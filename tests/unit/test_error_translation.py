@@ -81,9 +81,9 @@ def test_a_missing_privilege_says_how_it_is_granted() -> None:
     assert error.sqlstate == "42501"
     assert not is_transient(error)
     assert str(error) == (
-        "the role connected to db.example.com:6543/orders lacks a privilege: permission "
-        "denied for table sagas; the owner of the saga schema grants a role what it needs "
-        "with `saga grant reader|worker|operator ROLE`"
+        "PostgreSQL at db.example.com:6543/orders refused a statement [SQLSTATE 42501]: "
+        "permission denied for table sagas; the owner of the saga schema grants a role what "
+        "it needs with `saga grant reader|worker|operator ROLE`"
     )
 
 
