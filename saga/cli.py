@@ -749,7 +749,9 @@ def _worker(args: argparse.Namespace) -> int:
         return asyncio.run(_async_worker(orch, args.concurrency, args.listen_url))
     with orch:
         kinds = ", ".join(f"{s.name} v{s.version}" for s in orch.registered())
-        _ = orch.store  # connect (and migrate) now: a bad database fails before we announce
+        # Connect (and migrate) now, and check the role may drive sagas: a bad database or
+        # a role without the privileges fails before the worker is announced.
+        orch.store.check_privileges("worker")
         print(
             f"worker {orch.owner}: driving {kinds} with concurrency {args.concurrency} "
             f"on {describe_url(orch.database_url)}; SIGTERM or Ctrl-C stops it gracefully",
@@ -783,7 +785,9 @@ async def _async_worker(
     gracefully by SIGTERM or SIGINT; the orchestrator is closed before the loop ends."""
     try:
         kinds = ", ".join(f"{s.name} v{s.version}" for s in orch.registered())
-        await orch.store()  # connect (and migrate) now: a bad database fails before we announce
+        # Connect (and migrate) now, and check the role may drive sagas: a bad database or
+        # a role without the privileges fails before the worker is announced.
+        await (await orch.store()).check_privileges("worker")
         print(
             f"worker {orch.owner}: driving {kinds} with concurrency {concurrency} "
             f"(asyncio) on {describe_url(orch.database_url)}; SIGTERM or Ctrl-C stops it "

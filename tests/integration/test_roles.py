@@ -154,6 +154,7 @@ def test_each_role_does_its_job_and_no_more(roles: Roles, app_dir: Path) -> None
     assert f"saga grant worker {roles.reader}" in refused.stderr
     assert "it lacks INSERT, UPDATE on saga.sagas" in refused.stderr
     assert "Traceback" not in refused.stderr
+    assert "driving" not in refused.stderr  # refused before the worker is announced
     with Orchestrator(roles.url(roles.reader), sagas=cli_app.SAGAS) as orch:
         with pytest.raises(InsufficientPrivilege, match="saga grant"):
             orch.execute(cli_app.shop, Job(order_id="r-1"))
