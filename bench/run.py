@@ -26,6 +26,9 @@ Environment:
     BENCH_PGBENCH_SECONDS  duration of each pgbench run (default 10)
     BENCH_FILL             finished sagas inserted for the claim-latency run (default 1000000)
     BENCH_RECOVERY         in-flight sagas of the recovery run (default 100)
+    BENCH_OTEL_PAIRS       pairs of runs without and with the OpenTelemetry SDK, one right
+                           after the other, when otel_seq runs (default 10)
+    BENCH_OTEL_SAGAS       sagas per run of those pairs (default 300)
 
 Every system gets databases of its own (CREATE DATABASE) on the one server, and every
 measured run is a process of its own (bench/workloads.py), so the commit counts
@@ -57,6 +60,7 @@ import os
 import platform
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -355,20 +359,82 @@ def ours_otel_sequential(server: Server, n: int, tag: str) -> Row:
     )
 
 
-def otel_report(b: dict[str, Row]) -> tuple[list[str], dict[str, float]]:
-    """The note and ratio of the OpenTelemetry row, beside the row without it."""
-    if "otel_seq" not in b or "ours_seq" not in b:
-        return [], {}
-    on, off = b["otel_seq"], b["ours_seq"]
-    ratio = on.per_second / off.per_second
-    return [
-        "- OpenTelemetry: the sequential execute() row with the SDK configured (spans through "
-        "a BatchSpanProcessor to an in-memory exporter, metrics to an in-memory reader, each "
-        f"execute() in a request span; {on.extra['spans_exported']:,} spans exported): "
-        f"{on.per_second:,.0f} against {off.per_second:,.0f} sagas/s without = {ratio:.2f}x; "
-        f"client CPU {on.extra['cpu_ms_per_saga']:.2f} against "
-        f"{off.extra['cpu_ms_per_saga']:.2f} ms per saga"
-    ], {"otel_sequential_vs_sequential": ratio}
+@dataclass
+class OtelPair:
+    """One pair of short sequential runs, without and with the OpenTelemetry SDK, one
+    right after the other (each in a process and a database of its own)."""
+
+    off_per_second: float
+    on_per_second: float
+    off_cpu_ms: float  # client CPU per saga
+    on_cpu_ms: float
+
+    @property
+    def ratio(self) -> float:
+        return self.on_per_second / self.off_per_second
+
+
+def otel_pairs(server: Server, pairs: int, n: int) -> list[OtelPair]:
+    """`pairs` pairs of N-saga sequential execute() runs, without and with the SDK, the
+    first of each pair alternating: load from outside that changes over minutes hits both
+    runs of a pair alike, where the best of a few long rounds compares runs minutes apart."""
+    out: list[OtelPair] = []
+    for i in range(pairs):
+        runs: dict[bool, dict[str, Any]] = {}
+        for otel in (False, True) if i % 2 == 0 else (True, False):
+            url = migrated(server, f"ours_otel_pair_{i}_{int(otel)}")
+            runs[otel] = run_child("ours_sequential", {"url": url, "n": n, "otel": otel})
+            check(runs[otel], n)
+        off, on = runs[False], runs[True]
+        pair = OtelPair(
+            n / off["elapsed"],
+            n / on["elapsed"],
+            off["cpu_s"] * 1000.0 / n,
+            on["cpu_s"] * 1000.0 / n,
+        )
+        log(
+            f"  pair {i + 1} of {pairs}: {pair.off_per_second:,.0f} without, "
+            f"{pair.on_per_second:,.0f} with the SDK = {pair.ratio:.3f}x"
+        )
+        out.append(pair)
+        server.drop_all()
+    return out
+
+
+def otel_report(
+    b: dict[str, Row], pairs: list[OtelPair] | None = None
+) -> tuple[list[str], dict[str, float]]:
+    """The notes and ratios of the OpenTelemetry rows: the best rounds side by side, and
+    the paired runs (their median ratio is the figure of the target, within 10%)."""
+    notes: list[str] = []
+    ratios: dict[str, float] = {}
+    if "otel_seq" in b and "ours_seq" in b:
+        on, off = b["otel_seq"], b["ours_seq"]
+        ratio = on.per_second / off.per_second
+        notes.append(
+            "- OpenTelemetry: the sequential execute() row with the SDK configured (spans "
+            "through a BatchSpanProcessor to an in-memory exporter, metrics to an in-memory "
+            "reader, each execute() in a request span; "
+            f"{on.extra['spans_exported']:,} spans exported): "
+            f"{on.per_second:,.0f} against {off.per_second:,.0f} sagas/s without = "
+            f"{ratio:.2f}x (best rounds); client CPU {on.extra['cpu_ms_per_saga']:.2f} "
+            f"against {off.extra['cpu_ms_per_saga']:.2f} ms per saga"
+        )
+        ratios["otel_sequential_vs_sequential"] = ratio
+    if pairs:
+        ordered = sorted(p.ratio for p in pairs)
+        median = statistics.median(ordered)
+        cpu_off = statistics.median(p.off_cpu_ms for p in pairs)
+        cpu_on = statistics.median(p.on_cpu_ms for p in pairs)
+        notes.append(
+            f"- OpenTelemetry, {len(pairs)} pairs of runs without and with the SDK, one "
+            f"right after the other: median {median:.3f}x (pairs {ordered[0]:.3f} to "
+            f"{ordered[-1]:.3f}); client CPU per saga, medians, {cpu_off:.2f} without, "
+            f"{cpu_on:.2f} with ({cpu_on - cpu_off:+.2f} ms); target: within 10% "
+            f"({'met' if median >= 0.9 else 'missed'})"
+        )
+        ratios["otel_paired_median"] = median
+    return notes, ratios
 
 
 def ours_async_sequential(server: Server, n: int, tag: str) -> Row:
@@ -945,6 +1011,7 @@ def partial_report(
     runs: dict[str, list[Row]],
     began: float,
     probes: list[dict[str, Any]],
+    pairs: list[OtelPair],
 ) -> None:
     """The table of the rows that ran (BENCH_ROWS), their notes and ratios: partial.*"""
     b = {key: best(rows) for key, rows in runs.items()}
@@ -952,7 +1019,7 @@ def partial_report(
     notes, ratios = async_report(b)
     notes += cpu_lines(b)
     notes += session_report(b)
-    otel_notes, otel_ratios = otel_report(b)
+    otel_notes, otel_ratios = otel_report(b, pairs)
     notes += otel_notes
     ratios.update(otel_ratios)
     targets = throughput_targets(b)
@@ -983,6 +1050,7 @@ def partial_report(
             "all_runs": {k: [asdict(r) for r in v] for k, v in runs.items()},
             "ratios": ratios,
             "async_memory": probes,
+            "otel_pairs": [asdict(p) for p in pairs],
             "elapsed_s": time.monotonic() - began,
         }
     )
@@ -995,6 +1063,7 @@ def main() -> None:
     pgbench_seconds = env_int("BENCH_PGBENCH_SECONDS", 10)
     fill = env_int("BENCH_FILL", 1_000_000)
     in_flight = env_int("BENCH_RECOVERY", 100)
+    otel_n = env_int("BENCH_OTEL_SAGAS", 300)
     began = time.monotonic()
     quiet_logs()
     chosen = selected_rows()
@@ -1066,8 +1135,13 @@ def main() -> None:
             log("async worker memory: 8 then 64 sagas in flight")
             probes = [async_memory(server, 8), async_memory(server, 64)]
             server.drop_all()
+        pairs: list[OtelPair] = []
+        if "otel_seq" in chosen:
+            count = env_int("BENCH_OTEL_PAIRS", 10)
+            log(f"OpenTelemetry: {count} pairs of {otel_n} sagas, without and with the SDK")
+            pairs = otel_pairs(server, count, otel_n)
         if not full:
-            partial_report(server, report, runs, began, probes)
+            partial_report(server, report, runs, began, probes, pairs)
             return
 
         log(f"recovery: SIGKILL a worker holding {in_flight} sagas (default lease)")
@@ -1179,7 +1253,7 @@ def main() -> None:
     out.extend(line for line in async_notes if line and not line.startswith("async ratios"))
     out.extend(cpu_lines(b))
     out.extend(session_report(b))
-    otel_notes, otel_ratios = otel_report(b)
+    otel_notes, otel_ratios = otel_report(b, pairs)
     out.extend(otel_notes)
     out.append("")
     out.append(
@@ -1256,6 +1330,7 @@ def main() -> None:
             "recovery_lease_2s": recovery_short,
             "claim": claim,
             "claim_growth_pct": growth,
+            "otel_pairs": [asdict(p) for p in pairs],
             "round_trips_per_saga": trips["round_trips_per_saga"],
             "elapsed_s": elapsed,
         }
