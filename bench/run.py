@@ -374,16 +374,23 @@ class OtelPair:
         return self.on_per_second / self.off_per_second
 
 
+# Sagas each run of a pair drives before its clock starts: a short run would otherwise
+# count what a process pays once (the SDK's first spans, psycopg's preparations) per saga.
+OTEL_WARMUP = 20
+
+
 def otel_pairs(server: Server, pairs: int, n: int) -> list[OtelPair]:
-    """`pairs` pairs of N-saga sequential execute() runs, without and with the SDK, the
-    first of each pair alternating: load from outside that changes over minutes hits both
-    runs of a pair alike, where the best of a few long rounds compares runs minutes apart."""
+    """`pairs` pairs of N-saga sequential execute() runs, without and with the SDK, each
+    after OTEL_WARMUP sagas off the clock, the first of each pair alternating: load from
+    outside that changes over minutes hits both runs of a pair alike, where the best of a
+    few long rounds compares runs minutes apart."""
     out: list[OtelPair] = []
     for i in range(pairs):
         runs: dict[bool, dict[str, Any]] = {}
         for otel in (False, True) if i % 2 == 0 else (True, False):
             url = migrated(server, f"ours_otel_pair_{i}_{int(otel)}")
-            runs[otel] = run_child("ours_sequential", {"url": url, "n": n, "otel": otel})
+            args = {"url": url, "n": n, "otel": otel, "warmup": OTEL_WARMUP}
+            runs[otel] = run_child("ours_sequential", args)
             check(runs[otel], n)
         off, on = runs[False], runs[True]
         pair = OtelPair(

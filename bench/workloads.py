@@ -198,7 +198,10 @@ def ours_sequential(args: Result) -> Result:
     its own, whose trace context the saga stores.
 
     With `"start_run": true`, each saga is started with start() and then driven with
-    run(id) in this process: the production door, without a worker in between."""
+    run(id) in this process: the production door, without a worker in between.
+
+    With `"warmup": k`, k sagas run before the clock starts (what a process pays once:
+    the SDK's first spans and instruments, psycopg's preparation of each statement)."""
     saga = noop_saga()
     start_run = bool(args.get("start_run"))
     n = int(args["n"])
@@ -207,6 +210,9 @@ def ours_sequential(args: Result) -> Result:
     otel = _OpenTelemetry() if args.get("otel") else None
     with Orchestrator(args["url"], sagas=[saga], auto_migrate=False) as orch:
         orch.store  # connect before the clock starts  # noqa: B018
+        for i in range(int(args.get("warmup", 0))):
+            with otel.request() if otel is not None else contextlib.nullcontext():
+                orch.execute(saga, Item(id=f"warmup-{i}"))
         if trips is not None:
             trips.count = trips.waits = 0
         profiler = _profiler(args)
