@@ -9,6 +9,7 @@ import asyncio
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -29,21 +30,22 @@ def sync_budget(workers: int, concurrency: int) -> int:
     return workers * (2 * concurrency + 2 + 1)
 
 
-def _connections(url: str) -> int:
+def _connections(conn: psycopg.Connection[Any]) -> int:
     """Client connections to this database but the sampler's and the provider's."""
-    with psycopg.connect(url, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-            " AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
-            " AND coalesce(application_name, '') <> %s",
-            (app.PROVIDER_APP_NAME,),
-        ).fetchone()
+    row = conn.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+        " AND coalesce(application_name, '') <> %s",
+        (app.PROVIDER_APP_NAME,),
+    ).fetchone()
     assert row is not None
     return int(row[0])
 
 
 class _Peak:
-    """Samples `_connections` every 20 ms in a thread; `peak` is the most it saw."""
+    """Samples `_connections` every 20 ms in a thread, on one connection of its own (a
+    connection per sample would count the previous one's backend while it exits); `peak`
+    is the most it saw."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -52,9 +54,10 @@ class _Peak:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _connections(self.url))
-            self._stop.wait(0.02)
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            while not self._stop.is_set():
+                self.peak = max(self.peak, _connections(conn))
+                self._stop.wait(0.02)
 
     def __enter__(self) -> _Peak:
         self._thread.start()
