@@ -384,12 +384,16 @@ def otel_pairs(server: Server, pairs: int, n: int) -> list[OtelPair]:
     after OTEL_WARMUP sagas off the clock, the first of each pair alternating: load from
     outside that changes over minutes hits both runs of a pair alike, where the best of a
     few long rounds compares runs minutes apart."""
+    # One database for every run, created before the first: creating one per run wrote a
+    # copy of the template to the WAL right before each short run, which the run then
+    # competed with.
+    url = migrated(server, "ours_otel_pairs")
     out: list[OtelPair] = []
     for i in range(pairs):
         runs: dict[bool, dict[str, Any]] = {}
         for otel in (False, True) if i % 2 == 0 else (True, False):
-            url = migrated(server, f"ours_otel_pair_{i}_{int(otel)}")
-            args = {"url": url, "n": n, "otel": otel, "warmup": OTEL_WARMUP}
+            prefix = f"pair{i}-{'on' if otel else 'off'}"
+            args = {"url": url, "n": n, "otel": otel, "warmup": OTEL_WARMUP, "prefix": prefix}
             runs[otel] = run_child("ours_sequential", args)
             check(runs[otel], n)
         off, on = runs[False], runs[True]
@@ -404,7 +408,7 @@ def otel_pairs(server: Server, pairs: int, n: int) -> list[OtelPair]:
             f"{pair.on_per_second:,.0f} with the SDK = {pair.ratio:.3f}x"
         )
         out.append(pair)
-        server.drop_all()
+    server.drop_all()
     return out
 
 

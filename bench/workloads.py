@@ -201,8 +201,11 @@ def ours_sequential(args: Result) -> Result:
     run(id) in this process: the production door, without a worker in between.
 
     With `"warmup": k`, k sagas run before the clock starts (what a process pays once:
-    the SDK's first spans and instruments, psycopg's preparation of each statement)."""
+    the SDK's first spans and instruments, psycopg's preparation of each statement).
+    `"prefix"` starts the sagas' keys (default `seq`): runs in one database need their
+    own."""
     saga = noop_saga()
+    prefix = str(args.get("prefix", "seq"))
     start_run = bool(args.get("start_run"))
     n = int(args["n"])
     latencies: list[float] = []
@@ -212,7 +215,7 @@ def ours_sequential(args: Result) -> Result:
         orch.store  # connect before the clock starts  # noqa: B018
         for i in range(int(args.get("warmup", 0))):
             with otel.request() if otel is not None else contextlib.nullcontext():
-                orch.execute(saga, Item(id=f"warmup-{i}"))
+                orch.execute(saga, Item(id=f"{prefix}-warmup-{i}"))
         if trips is not None:
             trips.count = trips.waits = 0
         profiler = _profiler(args)
@@ -221,9 +224,9 @@ def ours_sequential(args: Result) -> Result:
             t0 = time.perf_counter()
             with otel.request() if otel is not None else contextlib.nullcontext():
                 if start_run:
-                    state = orch.run(orch.start(saga, Item(id=f"seq-{i}")).id)
+                    state = orch.run(orch.start(saga, Item(id=f"{prefix}-{i}")).id)
                 else:
-                    state = orch.execute(saga, Item(id=f"seq-{i}"))
+                    state = orch.execute(saga, Item(id=f"{prefix}-{i}"))
             latencies.append(time.perf_counter() - t0)
             if state.status != "completed":
                 raise RuntimeError(f"saga {state.id} ended {state.status}")
