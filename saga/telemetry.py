@@ -25,6 +25,7 @@ The core (`saga.protocol`, `saga.rows`, `saga.inputs`...) never imports this mod
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import os
 import threading
@@ -240,6 +241,9 @@ class _Instruments:
 
     tally: _Tally
     duration: Histogram
+    # Whether `duration.record` takes a context (API 1.27 and later): a point recorded in
+    # the context of the call's span gives the SDK's exemplar that span, not `saga.run`.
+    duration_in_context: bool
 
 
 def _instruments() -> _Instruments | None:
@@ -297,7 +301,14 @@ def _make_instruments(meter: Any) -> _Instruments:
         unit="s",
         description="How long the longest-waiting claimable saga has waited",
     )
-    return _Instruments(_tally, duration)
+    return _Instruments(_tally, duration, _takes_context(duration.record))
+
+
+def _takes_context(record: Callable[..., None]) -> bool:
+    try:
+        return "context" in inspect.signature(record).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a record without a signature
+        return False
 
 
 # ----- trace context ------------------------------------------------------------------------
@@ -542,9 +553,13 @@ def _settle_call(
     if watch.span is not None:
         _close(watch.span, outcome, None, error_type=watch.error_type, end_ns=watch.ended_ns)
     if instruments is not None and not reconcile and watch.elapsed is not None:
-        instruments.duration.record(
-            watch.elapsed, _duration_attributes(saga.name, step, op.kind, outcome)
-        )
+        attributes = _duration_attributes(saga.name, step, op.kind, outcome)
+        if watch.span is not None and instruments.duration_in_context:
+            # In the call's span: an exemplar of this point links to the step it timed.
+            context = _trace.set_span_in_context(watch.span)
+            instruments.duration.record(watch.elapsed, attributes, context=context)
+        else:
+            instruments.duration.record(watch.elapsed, attributes)
 
 
 @lru_cache(maxsize=4096)

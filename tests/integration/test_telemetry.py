@@ -392,6 +392,8 @@ def test_counters_after_a_scripted_run_equal_what_the_audit_trail_says(
             f"{database_url}#{name}", orch.store.database_gauges, [name]
         )
         try:
+            # The first collection after the run: the SDK hands each exemplar out once.
+            durations = otel.points("saga_step_duration_seconds", name)
             gauges = {
                 metric: otel.points(metric, name)
                 for metric in (
@@ -436,9 +438,22 @@ def test_counters_after_a_scripted_run_equal_what_the_audit_trail_says(
         (str(e.kind), str(e.step)) for h in histories for e in h if e.event == "attempt_started"
     )
     timed = Counter[tuple[str, str]]()
-    for attributes, point in otel.points("saga_step_duration_seconds", name):
+    for attributes, point in durations:
         timed[(attributes["kind"], attributes["step"])] += int(point.count)
     assert timed == calls
+
+    # The exemplars the SDK keeps of the step durations link to the spans of the calls
+    # they timed (saga.step, saga.compensate), not to the drive around them.
+    calls_spans = {
+        s.context.span_id: s.name
+        for s in otel.spans.get_finished_spans()
+        if s.context is not None
+        and s.name in ("saga.step", "saga.compensate")
+        and (s.attributes or {}).get("saga.name") == name
+    }
+    exemplars = [e for _, p in durations for e in p.exemplars]
+    assert exemplars
+    assert all(e.span_id in calls_spans for e in exemplars), (exemplars, calls_spans)
 
     assert [int(p.value) for _, p in gauges["saga_needs_review"]] == [1]
     assert [int(p.value) for _, p in gauges["saga_unknown_outcomes"]] == [1]
