@@ -34,6 +34,8 @@ from saga.store import (
     approval_params,
     batch_answers,
     batch_params,
+    claim_started_params,
+    claimed_started,
     gauges_of,
     ledger_params,
     loaded_batch,
@@ -210,9 +212,12 @@ class AsyncStore:
         *,
         lease_seconds: float,
         notify: bool,
+        token: str | None = None,
     ) -> dict[str, Any]:
         """`start_saga` inside the caller's transaction."""
-        start = start_params(saga, ops, events, lease_seconds=lease_seconds, notify=notify)
+        start = start_params(
+            saga, ops, events, lease_seconds=lease_seconds, notify=notify, token=token
+        )
         row = await (await conn.execute(_q("start_saga"), {"start": start})).fetchone()
         assert row is not None
         return started(saga, ops, row["outcome"])
@@ -274,12 +279,26 @@ class AsyncStore:
         *,
         lease_seconds: float,
         notify: bool,
+        token: str | None = None,
     ) -> dict[str, Any]:
         """Create a saga, its operations and first events in one statement."""
         async with self._connection() as conn:
             return await self.start_saga_txn(
-                conn, saga, ops, events, lease_seconds=lease_seconds, notify=notify
+                conn, saga, ops, events, lease_seconds=lease_seconds, notify=notify, token=token
             )
+
+    async def claim_started(
+        self, write: Write, *, start_token: str, owner: str, lease_seconds: float, token: str
+    ) -> tuple[bool, SagaState | None]:
+        """Claim a saga as its start left it and apply its first move, in one statement
+        (see `Store.claim_started`)."""
+        claim = claim_started_params(
+            write, start_token=start_token, owner=owner, lease_seconds=lease_seconds, token=token
+        )
+        async with self._connection() as conn:
+            row = await (await conn.execute(_q("claim_started"), {"claim": claim})).fetchone()
+        assert row is not None
+        return claimed_started(row["outcome"])
 
     async def apply_transition(
         self, write: Write, *, owner: str, lease_seconds: float, token: str | None = None

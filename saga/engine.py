@@ -37,6 +37,7 @@ from saga.operator import check_actor
 from saga.protocol import Event, Next, Planner, SagaRow, new_action_rows
 from saga.rows import OpRow
 from saga.session import LEDGER_PREFIX, SESSION_PREFIX, code_first_definition
+from saga.started import Started, StartedSagas
 from saga.state import HistoryEvent, SagaHandle, SagaState, SagaStatus
 from saga.store import new_token, parse_id
 
@@ -131,6 +132,9 @@ class Engine:
         self.approval_verifier = _approval_verifier(approval_public_key)
         self.telemetry_keys = telemetry.include_keys(telemetry_keys)
         self._registry: dict[tuple[str, int], Saga[Any]] = {}
+        # Sagas started here and not yet run here, as their start wrote them: run() claims
+        # one and records its first move in one statement (`saga.started`).
+        self._started = StartedSagas()
         for saga in sagas:
             self.register(saga)
         self._unconnected()
@@ -347,9 +351,17 @@ class Engine:
 
         # A start whose reply was lost is retried; the retry that finds this very saga
         # (by its new id) knows the first one landed, and goes on as its creator.
+        start_token = None if claim else new_token()
+
         def once() -> Flow[dict[str, Any]]:
             outcome: dict[str, Any] = yield db(
-                "start_saga", row, ops, events, lease_seconds=self.lease_seconds, notify=not claim
+                "start_saga",
+                row,
+                ops,
+                events,
+                lease_seconds=self.lease_seconds,
+                notify=not claim,
+                token=start_token,
             )
             return outcome
 
@@ -360,6 +372,10 @@ class Engine:
             _log.info("saga_started", saga_id=saga_id, saga=saga.name, tenant_id=tenant, key=key)
             if claimed is not None:
                 log_events(claimed[0], events[1:])
+            elif start_token is not None and row.run_after is not None:
+                # As the start wrote it (a start retried after a lost reply has not heard
+                # the server's run_after, and is left to the usual claim).
+                self._started.add(Started(row, ops, start_token))
         else:
             claimed = None
             saga_id = _check_duplicate(saga, row, outcome)
@@ -398,8 +414,14 @@ class Engine:
             raise SagaNotFound(saga_id)
         # Claim first: a runnable saga nobody holds (`start()` then `run()`, the common
         # case) is claimed with its first move recorded in one transaction, unread
-        # before. A saga the claim cannot take (terminal, parked, awaiting a confirmation,
-        # leased, or unknown) is read and handled below.
+        # before; one this orchestrator has just started, in one statement. A saga the
+        # claim cannot take (terminal, parked, awaiting a confirmation, leased, or
+        # unknown) is read and handled below.
+        started = self._started.take(str(parsed))
+        if started is not None:
+            driven = yield from flows.claim_started_and_drive(self.definition, started)
+            if driven is not None:
+                return driven
         driven = yield from flows.claim_and_drive(self.definition, str(parsed))
         if driven is not None:
             return driven

@@ -59,6 +59,7 @@ from saga.protocol import (
     Yield,
 )
 from saga.rows import describe
+from saga.started import Started
 from saga.state import OperationStatus, SagaState
 from saga.store import Loaded, new_token
 
@@ -151,6 +152,56 @@ class Flows:
         if claimed is None:
             return None
         return (yield from self.drive(*claimed))
+
+    def claim_started_and_drive(self, lookup: Lookup, started: Started) -> Flow[SagaState | None]:
+        """`claim_started`, then drive the saga until it stops; None when it was not as
+        started (nothing was written) or was lost to another owner on the way."""
+        claimed = yield from self.claim_started(lookup, started)
+        if claimed is None:
+            return None
+        return (yield from self.drive(*claimed))
+
+    def claim_started(self, lookup: Lookup, started: Started) -> Flow[tuple[Planner, Next] | None]:
+        """Claim a saga this orchestrator has just started, with its first move planned
+        from the rows its start wrote, and record both in one statement: nothing is read
+        before the claim. None when the saga is no longer as started (claimed by another
+        owner, changed by an operator): nothing is written then, and the caller claims it
+        the usual way.
+
+        A claim whose reply was lost is recognised by the token of its write, as in
+        `claim`: the retry carries on with the saga it holds."""
+        row = started.row
+        row.fence, row.lease_owner = 1, self.owner
+        planner = self._new_planner(lookup(row.name, row.version), row, started.ops, [])
+        nxt = yield from self._advance(planner)
+        write = self._write(planner, nxt)
+        token = new_token()
+        tried = [False]
+
+        def once() -> Flow[tuple[Planner, Next] | None]:
+            if tried[0]:
+                reclaimed = yield from self._reclaim(lookup, row.id, token)
+                if reclaimed is not None:
+                    return reclaimed
+            tried[0] = True
+            if isinstance(nxt, Invoke):
+                faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
+            claimed, state = yield db(
+                "claim_started",
+                write,
+                start_token=started.start_token,
+                owner=self.owner,
+                lease_seconds=self.lease_seconds,
+                token=token,
+            )
+            if not claimed:
+                return None
+            if write.release:
+                planner.final_state = state
+            log_events(planner, write.events)
+            return planner, nxt
+
+        return (yield from retried("claim_saga", once))
 
     def claim(
         self, definition: Saga[Any] | Lookup, saga_id: str

@@ -323,9 +323,12 @@ class Store:
         *,
         lease_seconds: float,
         notify: bool,
+        token: str | None = None,
     ) -> dict[str, Any]:
         """`start_saga` inside the caller's transaction."""
-        start = start_params(saga, ops, events, lease_seconds=lease_seconds, notify=notify)
+        start = start_params(
+            saga, ops, events, lease_seconds=lease_seconds, notify=notify, token=token
+        )
         row = conn.execute(_q("start_saga"), {"start": start}).fetchone()
         assert row is not None
         return started(saga, ops, row["outcome"])
@@ -395,14 +398,33 @@ class Store:
         *,
         lease_seconds: float,
         notify: bool,
+        token: str | None = None,
     ) -> dict[str, Any]:
         """Create a saga, its operations (in their planned state) and first events in one
-        statement. Returns `{"created": True, ...}`, or, when (tenant, name, key) exists,
-        `{"created": False, "id", "version", "input_hash"}` of the existing saga."""
+        statement, `token` as its write token. Returns `{"created": True, ...}`, or, when
+        (tenant, name, key) exists, `{"created": False, "id", "version", "input_hash"}` of
+        the existing saga."""
         with self._connection() as conn:
             return self.start_saga_txn(
-                conn, saga, ops, events, lease_seconds=lease_seconds, notify=notify
+                conn, saga, ops, events, lease_seconds=lease_seconds, notify=notify, token=token
             )
+
+    def claim_started(
+        self, write: Write, *, start_token: str, owner: str, lease_seconds: float, token: str
+    ) -> tuple[bool, SagaState | None]:
+        """Claim a saga unclaimed and unchanged since the start that stored `start_token`,
+        and apply `write`, its first move planned from the rows that start wrote (at fence
+        1, for `owner`), in one statement (saga.claim_started_v1, migration 0020).
+        `(False, None)` when the saga is no longer as started: nothing was written. Else
+        `(True, its state as the write left it)`, the state None unless
+        `write.return_state`."""
+        claim = claim_started_params(
+            write, start_token=start_token, owner=owner, lease_seconds=lease_seconds, token=token
+        )
+        with self._connection() as conn:
+            row = conn.execute(_q("claim_started"), {"claim": claim}).fetchone()
+        assert row is not None
+        return claimed_started(row["outcome"])
 
     def apply_transition(
         self, write: Write, *, owner: str, lease_seconds: float, token: str | None = None
@@ -1020,10 +1042,13 @@ def start_params(
     *,
     lease_seconds: float,
     notify: bool,
+    token: str | None = None,
 ) -> Jsonb:
-    """The argument of saga.start_saga_v2 for a new saga, its operations and first events."""
+    """The argument of saga.start_saga_v3 for a new saga, its operations and first events;
+    `token` is the start's write token (migration 0020)."""
     start = {
         "lease_seconds": lease_seconds,
+        "token": token,
         "notify": f"{saga.name}:{saga.version}" if notify else None,
         "row": {
             "id": saga.id,
@@ -1051,6 +1076,29 @@ def start_params(
         "events": _event_rows(events),
     }
     return Jsonb(start, dumps=_dumps)
+
+
+def claim_started_params(
+    write: Write, *, start_token: str, owner: str, lease_seconds: float, token: str
+) -> Jsonb:
+    """The argument of saga.claim_started_v1 (migration 0020)."""
+    saga_id = write.saga.id
+    claim = {
+        "saga_id": saga_id,
+        "start_token": start_token,
+        "owner": owner,
+        "lease_seconds": lease_seconds,
+        "write": _write(write, owner=owner, lease_seconds=lease_seconds, token=token).obj,
+    }
+    return Jsonb(claim, dumps=_dumps)
+
+
+def claimed_started(outcome: dict[str, Any]) -> tuple[bool, SagaState | None]:
+    """What saga.claim_started_v1 answered: whether it claimed, and the state its write
+    returned (`return_state`)."""
+    if not outcome["claimed"]:
+        return False, None
+    return True, state_of(outcome["state"])
 
 
 def started(saga: SagaRow, ops: Sequence[OpRow], outcome: dict[str, Any]) -> dict[str, Any]:

@@ -308,8 +308,14 @@ WHERE id = %(saga_id)s
 
 -- start_saga --
 -- Create a saga with its operations and first events in one statement (migration 0008),
--- and the trace context of its starter (migration 0018).
-SELECT saga.start_saga_v2(%(start)s) AS outcome
+-- the trace context of its starter (migration 0018) and the start's write token
+-- (migration 0020).
+SELECT saga.start_saga_v3(%(start)s) AS outcome
+
+-- claim_started --
+-- Claim a saga unclaimed and unchanged since the start that stored `start_token`, and
+-- record the first move its starter planned, in one statement (migration 0020).
+SELECT saga.claim_started_v1(%(claim)s) AS outcome
 
 -- database_gauges --
 -- What the telemetry's gauges report of the database, per saga name (saga.telemetry): sagas

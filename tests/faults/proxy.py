@@ -96,6 +96,7 @@ class LostReplyProxy:
         self._rng = random.Random(seed)
         self._links: list[_Link] = []
         self.lost: list[LostReply] = []
+        self._seen: list[str] = []
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="lost-reply-proxy", daemon=True)
         self._thread.start()
@@ -127,6 +128,12 @@ class LostReplyProxy:
         """Forget every rule (replies already being lost are lost all the same)."""
         with self._lock:
             self._rules.clear()
+
+    def statements(self) -> list[str]:
+        """Every statement executed through the proxy so far, in the order the clients
+        sent them (each as `_sql_of` writes it); BEGIN and COMMIT included."""
+        with self._lock:
+            return list(self._seen)
 
     def lost_replies(self, statement: str = "") -> list[LostReply]:
         """Replies lost so far, of statements containing `statement`."""
@@ -232,6 +239,7 @@ class LostReplyProxy:
 
     def _maybe_arm(self, link: _Link, text: str, params: bytes) -> None:
         with self._lock:
+            self._seen.append(_sql_of(text))
             if link.armed is not None:
                 return
             rule = next((r for r in self._rules if r.wants(text, params, self._rng)), None)

@@ -49,8 +49,13 @@ def charge(ctx: StepContext, order: FrozenOrder) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     (order_id,) = argv
+    # Started by one orchestrator and run by another, as a request handler and a driver
+    # elsewhere: run() plans the first move inside its claim transaction, which holds
+    # the saga row locked while the cost function runs. (run() of a saga the same
+    # orchestrator has just started plans it before any statement, holding nothing.)
+    with Orchestrator(os.environ[ENV_URL], sagas=[SAGA]) as starter:
+        handle = starter.start(SAGA, FrozenOrder(order_id=order_id))
     with Orchestrator(os.environ[ENV_URL], sagas=[SAGA], lease_seconds=1.0) as orch:
-        handle = orch.start(SAGA, FrozenOrder(order_id=order_id))
         print(f"FROZEN_APP STARTED {handle.id}", flush=True)
         state = orch.run(handle.id)
         print(f"FROZEN_APP FINISHED {state.status}", flush=True)

@@ -76,14 +76,22 @@ def _unknown_events(orch: Orchestrator, saga_id: str) -> list[str]:
     return [f"{e.step}#{e.attempt}" for e in orch.history(saga_id) if e.event == "outcome_unknown"]
 
 
+@pytest.mark.parametrize("started_by", ["the same orchestrator", "another process"])
 def test_claim_of_run_whose_reply_was_lost_is_carried_on(
-    database_url: str, proxy: LostReplyProxy, calls: list[tuple[str, int]]
+    database_url: str, proxy: LostReplyProxy, calls: list[tuple[str, int]], started_by: str
 ) -> None:
-    """run()'s claim commits, its reply is lost: the retry drives the saga it holds."""
-    saga = _two_steps(database_url, "lost_claim")
+    """run()'s claim commits, its reply is lost: the retry drives the saga it holds. A
+    saga the orchestrator has just started is claimed in one statement (claim_started);
+    any other in a claim transaction whose write carries the lease_acquired event."""
+    saga = _two_steps(database_url, f"lost_claim_{started_by.split()[0]}")
     with Orchestrator(proxy.url, sagas=[saga], lease_seconds=2.0) as orch:
-        handle = orch.start(saga, Order(order_id="o-1"))
-        proxy.lose_reply("saga.write_saga", '"lease_acquired"')
+        if started_by == "another process":
+            with Orchestrator(database_url, sagas=[saga]) as starter:
+                handle = starter.start(saga, Order(order_id="o-1"))
+            proxy.lose_reply("saga.write_saga", '"lease_acquired"')
+        else:
+            handle = orch.start(saga, Order(order_id="o-1"))
+            proxy.lose_reply("saga.claim_started", '"lease_acquired"')
         state = orch.run(handle.id)
         assert len(proxy.lost_replies()) == 1 and not proxy.lost_replies()[0].failed
         assert state.status == "completed", state.error
@@ -332,7 +340,8 @@ def test_confirmation_writes_whose_replies_were_lost_are_not_applied_twice(
 
     with Orchestrator(proxy.url, sagas=[saga], confirmation_key="k" * 32) as orch:
         handle = orch.start(saga, Order(order_id="o-1"))
-        proxy.lose_reply("saga.write_saga", '"confirmation_requested"')
+        # run() of a saga it has just started claims it and asks in one statement.
+        proxy.lose_reply("saga.claim_started", '"confirmation_requested"')
         waiting = orch.run(handle.id)
         assert len(proxy.lost_replies()) == 1
         assert waiting.status == "awaiting_confirmation", waiting.error
