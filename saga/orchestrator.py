@@ -217,6 +217,11 @@ class Orchestrator(Engine):
         driven here; if the lease outlasts the wait, or the holder parks or finishes the
         saga meanwhile, its current state is returned (`lease_owner` and
         `lease_expires_at` say who holds it and until when).
+
+        A saga this orchestrator has just started (one of its newest 256 starts) is
+        claimed with its first attempt in one statement, planned from what the start
+        wrote, while the saga is still exactly as started; any other is read as it is
+        claimed.
         """
         runner = self._runner()
         return runner.run(self._run_flow(runner.flows, saga_id, wait_seconds))
