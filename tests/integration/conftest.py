@@ -8,6 +8,7 @@ from typing import Any
 
 import cli_app
 import crash_app
+import psycopg
 import pytest
 from support import ChildApp, OrchestratorFactory
 
@@ -55,3 +56,19 @@ def app_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The directory the CLI app's steps log their calls to, here and in the command."""
     monkeypatch.setenv(cli_app.ENV_DIR, str(tmp_path))
     return tmp_path
+
+
+@pytest.fixture
+def calls(database_url: str) -> Iterator[list[tuple[str, int]]]:
+    """(step, attempt) of every step call recorded with `support.record_step_call`, read
+    from the test database when asked."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE step_log (id bigserial, step text, attempt int)")
+
+    class Log(list[tuple[str, int]]):
+        def __iter__(self) -> Iterator[tuple[str, int]]:
+            with psycopg.connect(database_url) as conn:
+                rows = conn.execute("SELECT step, attempt FROM step_log ORDER BY id").fetchall()
+            return iter([(str(s), int(a)) for s, a in rows])
+
+    yield Log()

@@ -189,3 +189,13 @@ class ChildApp:
         if self.proc.stdout is not None:
             self._reader.join(timeout=30)
             self.proc.stdout.close()
+
+
+def record_step_call(url: str, ctx: Any) -> None:
+    """Record a step call (its step and attempt) for the `calls` fixture."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO step_log (step, attempt) VALUES (%s, %s)", (ctx.step, ctx.attempt)
+        )

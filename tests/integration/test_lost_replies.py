@@ -18,7 +18,7 @@ import crash_app
 import psycopg
 import pytest
 from faults.proxy import LostReplyProxy
-from support import FAST, ChildApp, Order, lease_expired, order_saga, wait_until
+from support import FAST, ChildApp, Order, lease_expired, order_saga, record_step_call, wait_until
 
 from saga import Ceilings, Orchestrator, RetryPolicy, Saga, StepContext, TransientError
 
@@ -31,26 +31,7 @@ def proxy(database_url: str) -> Iterator[LostReplyProxy]:
         yield made
 
 
-@pytest.fixture
-def calls(database_url: str) -> Iterator[list[tuple[str, int]]]:
-    """(step, attempt) of every step call, read from the test database when asked."""
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute("CREATE TABLE step_log (id bigserial, step text, attempt int)")
-
-    class Log(list[tuple[str, int]]):
-        def __iter__(self) -> Iterator[tuple[str, int]]:
-            with psycopg.connect(database_url) as conn:
-                rows = conn.execute("SELECT step, attempt FROM step_log ORDER BY id").fetchall()
-            return iter([(str(s), int(a)) for s, a in rows])
-
-    yield Log()
-
-
-def _record(url: str, ctx: StepContext) -> None:
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(
-            "INSERT INTO step_log (step, attempt) VALUES (%s, %s)", (ctx.step, ctx.attempt)
-        )
+_record = record_step_call  # the `calls` fixture (conftest) reads what it records
 
 
 def _two_steps(url: str, name: str, *, fail_first: bool = False) -> Saga[Order]:

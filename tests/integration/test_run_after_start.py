@@ -6,31 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Iterator
 from typing import Any
 
 import crash_app
 import psycopg
-import pytest
 from faults.proxy import LostReplyProxy
-from support import ChildApp, OrchestratorFactory, Order, events, lease_expired, wait_until
+from support import (
+    ChildApp,
+    OrchestratorFactory,
+    Order,
+    events,
+    lease_expired,
+    record_step_call,
+    wait_until,
+)
 
 from saga import AsyncOrchestrator, Ceilings, Orchestrator, Saga, StepContext
-
-
-@pytest.fixture
-def calls(database_url: str) -> Iterator[list[tuple[str, int]]]:
-    """(step, attempt) of every step call, read from the test database when asked."""
-    with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute("CREATE TABLE step_log (id bigserial, step text, attempt int)")
-
-    class Log(list[tuple[str, int]]):
-        def __iter__(self) -> Iterator[tuple[str, int]]:
-            with psycopg.connect(database_url) as conn:
-                rows = conn.execute("SELECT step, attempt FROM step_log ORDER BY id").fetchall()
-            return iter([(str(s), int(a)) for s, a in rows])
-
-    yield Log()
 
 
 def _two_steps(url: str, name: str, ceilings: Ceilings | None = None) -> Saga[Order]:
@@ -39,10 +30,7 @@ def _two_steps(url: str, name: str, ceilings: Ceilings | None = None) -> Saga[Or
     )
 
     def record(ctx: StepContext) -> None:
-        with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute(
-                "INSERT INTO step_log (step, attempt) VALUES (%s, %s)", (ctx.step, ctx.attempt)
-            )
+        record_step_call(url, ctx)
 
     @saga.step
     def reserve(ctx: StepContext, order: Order) -> dict[str, Any]:
