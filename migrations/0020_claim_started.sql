@@ -18,8 +18,9 @@
 --   write          the first move, as saga.write_saga_v4 (migration 0013) takes it: fenced
 --                  at fence 1 for `owner`
 -- and when the saga is unclaimed and unchanged since that start (none of its operations
--- attempted either, whatever wrote them), takes its lease (fence 0 to 1) and applies the write, both in this statement; it returns {"claimed": true,
--- "state": what write_saga_v4 returned}. Otherwise it writes nothing and returns
+-- attempted either, whatever wrote them), takes its lease (fence 0 to 1) and applies the
+-- write, both in this statement; it returns {"claimed": true, "state": what
+-- write_saga_v4 returned}. Otherwise it writes nothing and returns
 -- {"claimed": false}: the caller claims the saga as any other (reading it first).
 --
 -- Compatibility (README, "Upgrades"): new functions; nothing the previous release calls

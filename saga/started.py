@@ -4,7 +4,8 @@
 between. `run()` of a saga this orchestrator started knows what the start wrote without
 reading it: it plans the first move from those rows and sends the claim and the move as
 one statement (`saga.claim_started_v1`, migration 0020), which applies them only while the
-saga is still exactly as started (its fence 0 and its write token the start's). Anything
+saga is still exactly as started (its fence 0, its write token the start's, none of its
+operations attempted). Anything
 else (the saga claimed by a worker, changed by an operator, or started by another
 process) is claimed the usual way.
 

@@ -10,7 +10,7 @@ import psycopg
 from psycopg import sql
 from pydantic import BaseModel
 
-from saga import Orchestrator, RetryPolicy, Saga, SagaState
+from saga import Orchestrator, RetryPolicy, Saga, SagaState, StepContext
 
 T = TypeVar("T")
 
@@ -191,10 +191,8 @@ class ChildApp:
             self.proc.stdout.close()
 
 
-def record_step_call(url: str, ctx: Any) -> None:
+def record_step_call(url: str, ctx: StepContext) -> None:
     """Record a step call (its step and attempt) for the `calls` fixture."""
-    import psycopg
-
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(
             "INSERT INTO step_log (step, attempt) VALUES (%s, %s)", (ctx.step, ctx.attempt)

@@ -31,23 +31,20 @@ def proxy(database_url: str) -> Iterator[LostReplyProxy]:
         yield made
 
 
-_record = record_step_call  # the `calls` fixture (conftest) reads what it records
-
-
 def _two_steps(url: str, name: str, *, fail_first: bool = False) -> Saga[Order]:
     """`reserve` then `charge`, neither idempotent: a spurious unknown parks the saga."""
     saga = order_saga(name)
 
     @saga.step(retry=FAST)
     def reserve(ctx: StepContext, order: Order) -> dict[str, Any]:
-        _record(url, ctx)
+        record_step_call(url, ctx)
         if fail_first and ctx.attempt == 1:
             raise TransientError("provider busy")
         return {"reserved": order.order_id}
 
     @saga.step
     def charge(ctx: StepContext, order: Order) -> dict[str, Any]:
-        _record(url, ctx)
+        record_step_call(url, ctx)
         return {"charged": order.amount_cents}
 
     return saga
@@ -177,7 +174,7 @@ def _prepared_saga(url: str) -> Saga[Order]:
 
     @saga.step
     def quote(ctx: StepContext, order: Order) -> dict[str, Any]:
-        _record(url, ctx)
+        record_step_call(url, ctx)
         return {"quote": ctx.request}
 
     @quote.prepare
@@ -279,7 +276,7 @@ def test_heartbeat_whose_reply_was_lost_keeps_the_step_alive(
 
     @saga.step
     def slow(ctx: StepContext, order: Order) -> dict[str, Any]:
-        _record(database_url, ctx)
+        record_step_call(database_url, ctx)
         release.wait(3.0)
         return {"slow": True}
 
@@ -316,7 +313,7 @@ def test_confirmation_writes_whose_replies_were_lost_are_not_applied_twice(
 
     @saga.step(confirm=True)
     def payout(ctx: StepContext, order: Order) -> dict[str, Any]:
-        _record(database_url, ctx)
+        record_step_call(database_url, ctx)
         return {"paid": order.amount_cents}
 
     with Orchestrator(proxy.url, sagas=[saga], confirmation_key="k" * 32) as orch:
@@ -355,7 +352,7 @@ def test_spend_report_and_outcome_whose_replies_were_lost_count_the_spend_once(
 
     @saga.step
     def pay(ctx: StepContext, order: Order) -> dict[str, Any]:
-        _record(database_url, ctx)
+        record_step_call(database_url, ctx)
         ctx.spend(30)
         return {"paid": True}
 
@@ -381,7 +378,7 @@ def test_an_approval_releases_one_attempt_when_its_start_lost_the_reply(
 
     @saga.step(confirm=True, retry=FAST)
     def payout(ctx: StepContext, order: Order) -> dict[str, Any]:
-        _record(database_url, ctx)
+        record_step_call(database_url, ctx)
         if ctx.attempt == 1:
             raise TransientError("gateway busy")
         return {"paid": order.amount_cents}
