@@ -23,6 +23,7 @@ from typing import Any
 
 import psycopg
 import pytest
+import structlog
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
@@ -38,6 +39,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         path = Path(str(item.path)).resolve()
         if path == _INTEGRATION_DIR or _INTEGRATION_DIR in path.parents:
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(autouse=True)
+def _structlog_as_found() -> Iterator[None]:
+    """Leave structlog's configuration as the test found it: a test that runs the `saga`
+    command in-process (`saga.cli.main` configures structlog for its process) must not
+    change what the events of the tests after it go through (`capture_logs` replaces the
+    processors only, not a filtering wrapper class a configuration left behind)."""
+    was_configured = structlog.is_configured()
+    saved = structlog.get_config()
+    yield
+    if was_configured:
+        structlog.configure(**saved)
+    else:
+        structlog.reset_defaults()
 
 
 def _connect_autocommit(url: str) -> psycopg.Connection[Any]:
