@@ -106,16 +106,10 @@ def test_an_app_configuring_logging_sees_the_events_at_info(
 
 @pytest.fixture
 def structlog_defaults() -> Iterator[None]:
-    """structlog as an application that never configured it, restored afterwards."""
-    saved = structlog.get_config()
-    was_configured = structlog.is_configured()
+    """structlog as an application that never configured it (the suite's autouse
+    `_structlog_as_found` restores the configuration afterwards)."""
     structlog.reset_defaults()
-    try:
-        yield
-    finally:
-        structlog.reset_defaults()
-        if was_configured:
-            structlog.configure(**saved)
+    yield
 
 
 class _Exploding(logging.Handler):

@@ -27,7 +27,6 @@ from typing import Any
 
 import psycopg
 import pytest
-import structlog
 
 from saga import Orchestrator
 from saga.durable import isolated_steps
@@ -96,8 +95,8 @@ def saga_statuses(url: str) -> dict[str, tuple[str, int, str, str | None]]:
 @pytest.fixture
 def isolated_process_state() -> Iterator[None]:
     """What a block may change for the whole process (a Logging section configures
-    structlog and logging, a block may set environment variables) is put back after."""
-    config = structlog.get_config()
+    structlog and logging, a block may set environment variables) is put back after
+    (structlog by the suite's autouse `_structlog_as_found`)."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     environ = dict(os.environ)
@@ -106,7 +105,6 @@ def isolated_process_state() -> Iterator[None]:
         with isolated_steps():
             yield
     finally:
-        structlog.configure(**config)
         root.handlers[:] = handlers
         root.setLevel(level)
         os.environ.clear()
