@@ -28,6 +28,7 @@ from saga import (
     SessionParked,
     StepContext,
     TransientError,
+    current_context,
     durable_step,
 )
 from saga.testing import check_invariants
@@ -471,3 +472,26 @@ def test_a_durable_step_cut_off_by_a_timeout_is_called_once_and_parks_the_sessio
         book_room("room-7")
     assert list(_SESSION_HOTEL.bookings.values()) == [1]
     assert "TimeoutError: read timed out" in str(parked.value)
+
+
+_NOTES: list[int] = []
+
+
+@durable_step(name="send_note", key=lambda to: to, retry=QUICK, idempotent=True)
+def send_note(to: str) -> dict[str, str]:
+    ctx = current_context()
+    assert ctx is not None
+    _NOTES.append(ctx.attempt)
+    if ctx.attempt == 1:
+        raise ConnectionResetError(104, "Connection reset by peer")
+    return {"sent": to}
+
+
+def test_an_idempotent_durable_step_cut_off_is_retried_in_its_session(database_url: str) -> None:
+    """An idempotent durable step whose connection was reset is retried with the same key
+    inside the session, and its result returned to the caller."""
+    _NOTES.clear()
+    with Orchestrator(database_url) as orch, orch.session("ticket-2") as run:
+        assert send_note("ops@acme.test") == {"sent": "ops@acme.test"}
+    assert _NOTES == [1, 2]
+    assert run.executed == 1
