@@ -200,13 +200,16 @@ def test_asyncio_wait_for_timing_out_inside_a_step_parks_it_in_both_doors(
 @pytest.mark.parametrize("door", DOORS)
 def test_an_idempotent_step_is_retried_with_the_same_key(database_url: str, door: str) -> None:
     """Declared idempotent (the provider dedupes on the key): the ambiguous attempt is
-    unknown, then retried with the same key after the backoff, and the saga completes."""
+    unknown, then retried with the same key after the policy's backoff, and the saga
+    completes."""
     keys: list[str] = []
+    called_at: list[float] = []
     saga = order_saga("hotel_idem")
 
-    @saga.step(retry=QUICK, idempotent=True)
+    @saga.step(retry=RetryPolicy(initial_delay=0.3, max_delay=0.3, jitter=0.0), idempotent=True)
     def book_hotel(ctx: StepContext, o: Order) -> dict[str, str]:
         keys.append(ctx.idempotency_key)
+        called_at.append(time.monotonic())
         if ctx.attempt == 1:
             raise ConnectionResetError(104, "Connection reset by peer")
         return {"booking": "bk-1"}
@@ -215,6 +218,7 @@ def test_an_idempotent_step_is_retried_with_the_same_key(database_url: str, door
     (op,) = state.operations
     assert (state.status, op.status, op.attempts) == ("completed", "succeeded", 2)
     assert len(keys) == 2 and keys[0] == keys[1] == op.idempotency_key
+    assert called_at[1] - called_at[0] >= 0.3  # the policy's backoff, not at once
     assert [e.event for e in history if e.event in ("outcome_unknown", "unknown_retried")] == [
         "outcome_unknown",
         "unknown_retried",
