@@ -345,9 +345,16 @@ async def _call_bounded(
     if is_async(fn):
         if timeout_seconds is None:
             return await fn(*args)
+        # A TimeoutError is the orchestrator's only when its own deadline expired: the
+        # step's own (a read timeout of its client) is the step's outcome, classified by
+        # its policy, as in the sync door.
+        scope = asyncio.timeout(timeout_seconds)
         try:
-            return await asyncio.wait_for(fn(*args), timeout_seconds)
+            async with scope:
+                return await fn(*args)
         except TimeoutError:
+            if not scope.expired():
+                raise
             raise AttemptTimedOut(what) from None
     loop = asyncio.get_running_loop()
     done: asyncio.Future[Any] = loop.create_future()
@@ -382,9 +389,13 @@ async def _call_bounded(
         thread.start()
     except RuntimeError as exc:  # no thread could be started: nothing of the step ran
         raise NotCalledError(exc) from exc
+    scope = asyncio.timeout(timeout_seconds)
     try:
-        value = await asyncio.wait_for(asyncio.shield(done), timeout_seconds)
+        async with scope:
+            value = await asyncio.shield(done)
     except TimeoutError:
+        if not scope.expired():
+            raise  # the step's own TimeoutError, not our deadline
         if ctx is None:
             raise AttemptTimedOut(what) from None
         assert timeout_seconds is not None

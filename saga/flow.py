@@ -58,6 +58,7 @@ from saga.protocol import (
     Write,
     Yield,
 )
+from saga.retry import is_ambiguous
 from saga.rows import describe
 from saga.started import Started
 from saga.state import OperationStatus, SagaState
@@ -804,6 +805,8 @@ class Flows:
             return (yield from self._transact(planner, inputs.NotCalled(op.step, op.kind, reason)))
         except Exception as exc:
             verdict, failure = spec.retry.classify(exc), exc
+            if verdict == "unknown" and is_ambiguous(exc):
+                verdict = "retry"  # nothing was called: a cut-off reply is only transient here
         else:
             try:
                 request = spec.request_codec.encode(prepared)
@@ -873,7 +876,23 @@ class Flows:
         except Exception as exc:
             error = _describe_error(exc)
             verdict = policy.classify(exc)
-            if verdict == "unknown":
+            if verdict == "unknown" and is_ambiguous(exc):
+                # The reply was cut off, the provider may have acted: settled as unknown (a
+                # reconcile hook, a same-key retry of an idempotent operation, else a park),
+                # a retry only after the policy's backoff.
+                reason = (
+                    f"attempt {op.attempts} raised {error}, an ambiguous error (the provider "
+                    "may have acted before the reply was cut off): its outcome is unknown"
+                )
+                outcome = inputs.Raised(
+                    op.step,
+                    op.kind,
+                    reason,
+                    "unknown",
+                    policy.delay_after(op.attempts),
+                    traceback=traceback_of(exc),
+                )
+            elif verdict == "unknown":
                 # Not a verdict: the exception may come after the effect (discipline 7).
                 reason = (
                     f"attempt {op.attempts} raised {error}, which is neither a PermanentError "

@@ -32,7 +32,8 @@ class Returned:
 @dataclass(frozen=True, slots=True)
 class Raised:
     """The attempt raised `error`, classified by its retry policy: `retry` after `delay`
-    seconds, `failed` for good, or `unknown` (no verdict: it may have happened)."""
+    seconds, `failed` for good, or `unknown` (no verdict: it may have happened; a same-key
+    retry, where one is safe, waits `delay` seconds)."""
 
     step: str
     kind: str
@@ -327,7 +328,13 @@ def _apply_to(planner: Planner, op: OpRow, outcome: OpOutcome) -> None:
         planner.record_success(op, outcome.result)
     elif isinstance(outcome, Raised):
         if outcome.verdict == "unknown":
-            planner.record_unknown(op, outcome.error, park=False, traceback=outcome.traceback)
+            planner.record_unknown(
+                op,
+                outcome.error,
+                park=False,
+                traceback=outcome.traceback,
+                retry_after=outcome.delay,
+            )
         else:
             planner.record_failure(
                 op, outcome.error, retryable=outcome.verdict == "retry", delay=outcome.delay

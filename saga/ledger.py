@@ -495,7 +495,8 @@ class Ledger(_LedgerDoor):
     def fail(self, claim: Claim, error: BaseException | str, permanent: bool = True) -> None:
         """Record that the call failed: for good (`permanent`; later claims raise
         `PermanentError`), or transiently (the next claim retries it, up to its ceiling).
-        Only for a call that did not take effect: when it may have, use `unknown`."""
+        Only for a call that did not take effect: when it may have, use `unknown` (as
+        after a `ConnectionError` or `TimeoutError` that cut the provider's reply off)."""
         self._settle(claim, self._failure(claim, error, permanent))
 
     def unknown(self, claim: Claim, reason: str) -> None:

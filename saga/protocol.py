@@ -536,8 +536,13 @@ class Planner:
         park: bool,
         traceback: str | None = None,
         spend_known: bool = False,
+        retry_after: float = 0.0,
     ) -> None:
         """The attempt's outcome cannot be known (or stored); park the saga if asked.
+
+        `retry_after`: seconds before the outcome is settled by a reconcile hook or a
+        same-key retry (the backoff after an ambiguous error), for an operation that has
+        either.
 
         `traceback` (of an unclassified exception) is kept in the audit event. Whether the
         effect happened is unknown, and so is what it spent: the attempt is counted at the
@@ -557,6 +562,8 @@ class Planner:
             op.error, op.dirty = reason, True
             self.event("outcome_unknown", op, reason=reason)
         self.mark_unknown(op, reason, traceback=traceback)
+        if retry_after > 0 and (self.reconcile_fn(op) is not None or self.is_idempotent(op)):
+            op.next_attempt_at = self.now + timedelta(seconds=retry_after)
         if park:
             self.park(reason)
 

@@ -17,7 +17,22 @@ from pydantic import (
 
 from saga.errors import PermanentError, TransientError
 
-_DEFAULT_RETRY_ON: tuple[type[BaseException], ...] = (TransientError, ConnectionError, TimeoutError)
+# Only the step's own word that nothing happened is retried by default. A connection or
+# timeout error may come after the provider acted (the reply was cut off): retried only
+# where a retry is safe, as an unknown outcome (see `is_ambiguous`).
+_DEFAULT_RETRY_ON: tuple[type[BaseException], ...] = (TransientError,)
+
+# Errors that may be raised after the provider acted: the request left, the reply did not
+# come back. asyncio.TimeoutError is the builtin TimeoutError (Python 3.11 on), and
+# ConnectionResetError, BrokenPipeError, ConnectionRefusedError... are ConnectionErrors.
+AMBIGUOUS_ERRORS: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError)
+
+
+def is_ambiguous(error: BaseException) -> bool:
+    """True when `error` may have been raised after the provider acted: a `ConnectionError`
+    or `TimeoutError` (builtin, asyncio's, or a subclass) that is not a `TransientError`
+    (the step's own word that nothing happened)."""
+    return isinstance(error, AMBIGUOUS_ERRORS) and not isinstance(error, TransientError)
 
 
 class RetryPolicy(BaseModel):
@@ -29,10 +44,18 @@ class RetryPolicy(BaseModel):
         max_delay: Upper bound, in seconds, of any delay.
         multiplier: Growth factor of the delay between consecutive attempts.
         jitter: Fraction of the delay randomly added or removed (0.1 means +/-10%).
-        retry_on: Exception types that are retried up to the ceiling.
+        retry_on: Exception types that are retried up to the ceiling (by default only
+            `TransientError`, the step's word that nothing happened). A type listed here is
+            retried as listed, even a `ConnectionError` or `TimeoutError`: the user's
+            explicit word that a retry is safe.
         fail_on: Exception types that fail the operation at once, like `PermanentError`
             (compensation follows). Any exception in neither tuple may have been raised
-            after the effect, so it leaves the attempt's outcome unknown.
+            after the effect, so it leaves the attempt's outcome unknown, settled by the
+            operation's reconcile hook, else a retry with the same key when it is
+            idempotent, else a park for a human. That is the default for a
+            `ConnectionError` or `TimeoutError` (`is_ambiguous`): the reply was cut off,
+            the provider may have acted, so only a safe retry is made, after this
+            policy's backoff.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
@@ -81,8 +104,9 @@ class RetryPolicy(BaseModel):
 
     def classify(self, error: BaseException) -> Literal["failed", "retry", "unknown"]:
         """What an exception raised by an attempt says about its outcome: `failed` (fail
-        the operation), `retry` (transient), or `unknown` (it may have been raised after
-        the effect)."""
+        the operation), `retry` (transient: listed in `retry_on`), or `unknown` (it may
+        have been raised after the effect: an ambiguous `ConnectionError` or
+        `TimeoutError` not listed in `retry_on`, a bug, a parse error)."""
         if self.is_failure(error):
             return "failed"
         return "retry" if isinstance(error, self.retry_on) else "unknown"

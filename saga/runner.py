@@ -312,10 +312,14 @@ def _run_async(
     async def main() -> Any:
         nonlocal entered
         entered = True
+        # A TimeoutError is ours only when our deadline expired: the function's own is its
+        # outcome, classified by its policy.
+        scope = asyncio.timeout(timeout)
         try:
-            value = await (make() if timeout is None else asyncio.wait_for(make(), timeout))
+            async with scope:
+                value = await make()
         except TimeoutError:
-            if timeout is None:
+            if not scope.expired():
                 raise
             raise AttemptTimedOut(timed_out) from None
         returned.append(value)

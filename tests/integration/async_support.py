@@ -124,8 +124,9 @@ def happy_shape(calls: Calls, name: str = "d_happy") -> Saga[Order]:
 
 
 def transient_shape(calls: Calls, name: str = "d_transient") -> Saga[Order]:
-    """reserve (async) -> charge (sync, fails transiently twice) -> notify (async, fails
-    once, its request from a sync prepare hook asked before each attempt)."""
+    """reserve (async) -> charge (sync, fails transiently twice) -> notify (async,
+    idempotent, its connection reset once: unknown, retried with the same key; its request
+    from a sync prepare hook asked before each attempt)."""
     saga = order_saga(name)
 
     @saga.step
@@ -140,7 +141,7 @@ def transient_shape(calls: Calls, name: str = "d_transient") -> Saga[Order]:
             raise TransientError(f"gateway busy (attempt {ctx.attempt})")
         return {"charged": o.amount_cents}
 
-    @saga.step(retry=QUICK3)
+    @saga.step(retry=QUICK3, idempotent=True)  # the mailer dedupes on the key
     async def notify(ctx: StepContext, o: Order) -> dict[str, Any]:
         await asyncio.sleep(0)
         calls.hit(o, f"notify:{ctx.attempt}")

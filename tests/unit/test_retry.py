@@ -7,20 +7,22 @@ import pytest
 from pydantic import ValidationError
 
 from saga import PermanentError, RetryPolicy, TransientError
+from saga.retry import is_ambiguous
 
 # Enough draws to see both ends of the jitter range with a seeded generator.
 JITTER_SAMPLES = 2000
 
 
 def test_defaults_are_the_documented_ones() -> None:
-    """RetryPolicy() is 3 attempts, 0.25 s initial, 30 s max, x2.0, 10% jitter."""
+    """RetryPolicy() is 3 attempts, 0.25 s initial, 30 s max, x2.0, 10% jitter, and retries
+    only TransientError (an ambiguous error is settled as unknown)."""
     policy = RetryPolicy()
     assert policy.max_attempts == 3
     assert policy.initial_delay == 0.25
     assert policy.max_delay == 30.0
     assert policy.multiplier == 2.0
     assert policy.jitter == 0.1
-    assert policy.retry_on == (TransientError, ConnectionError, TimeoutError)
+    assert policy.retry_on == (TransientError,)
     assert policy.fail_on == ()
 
 
@@ -207,13 +209,56 @@ class _Both(PermanentError, TransientError):
 
 
 @pytest.mark.parametrize(
-    "error",
-    [TransientError("x"), ConnectionError("x"), TimeoutError("x"), _Flaky("x"), BrokenPipeError()],
-    ids=["transient", "connection", "timeout", "transient-subclass", "connection-subclass"],
+    "error", [TransientError("x"), _Flaky("x")], ids=["transient", "transient-subclass"]
 )
 def test_default_policy_retries_transient_errors(error: BaseException) -> None:
-    """TransientError, ConnectionError and TimeoutError (and subclasses) are retried."""
+    """TransientError (and subclasses), the step's word that nothing happened, is retried."""
     assert RetryPolicy().is_retryable(error)
+    assert RetryPolicy().classify(error) == "retry"
+
+
+class _TimedOutRead(TimeoutError):
+    pass
+
+
+class _BusyButUntouched(TransientError, ConnectionError):
+    pass
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ConnectionError("x"),
+        TimeoutError("x"),
+        BrokenPipeError(),
+        ConnectionResetError(),
+        ConnectionRefusedError(),
+        _TimedOutRead("x"),
+    ],
+    ids=["connection", "timeout", "broken-pipe", "reset", "refused", "sub"],
+)
+def test_default_policy_leaves_ambiguous_errors_unknown(error: BaseException) -> None:
+    """A ConnectionError or TimeoutError (any subclass) may come after the provider acted:
+    not retried by the policy, its outcome is unknown (settled by reconcile, a same-key
+    retry of an idempotent operation, else a park)."""
+    assert is_ambiguous(error)
+    assert not RetryPolicy().is_retryable(error)
+    assert RetryPolicy().classify(error) == "unknown"
+
+
+def test_a_transient_error_is_never_ambiguous() -> None:
+    """A TransientError that is also a ConnectionError is the step's word: retried."""
+    assert not is_ambiguous(_BusyButUntouched("x"))
+    assert RetryPolicy().classify(_BusyButUntouched("x")) == "retry"
+    assert not is_ambiguous(ValueError("x"))
+
+
+def test_an_explicit_retry_on_retries_an_ambiguous_error() -> None:
+    """Listing TimeoutError (or a base class of it) in retry_on is the user's explicit word
+    that a retry is safe: it is retried as listed."""
+    assert RetryPolicy(retry_on=(TimeoutError,)).classify(TimeoutError("x")) == "retry"
+    assert RetryPolicy(retry_on=(OSError,)).classify(ConnectionResetError()) == "retry"
+    assert RetryPolicy(retry_on=(TimeoutError,)).classify(ConnectionResetError()) == "unknown"
 
 
 @pytest.mark.parametrize(
