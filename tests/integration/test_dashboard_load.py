@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psycopg
 import pytest
 from support import wait_until
 
@@ -237,4 +238,106 @@ def test_on_another_loopback_address_it_answers_its_own_host_and_refuses_others(
     for name in ("localhost", "127.0.0.1"):
         ok = httpx.get(served.base + "/", headers={"Host": f"{name}:{served.port}"}, timeout=10)
         assert ok.status_code == 200, (name, ok.status_code)
+    assert _stop(served) < STOP_SECONDS
+
+
+# The calls of the long channel, and how many a page of it shows.
+LONG_CHANNEL = 2000
+PER_PAGE = 100
+# Between the first and last positions of a page's operations.
+DASH = "\N{EN DASH}"
+
+
+def _long_channel(url: str, calls: int) -> str:
+    """A ledger channel of `calls` settled calls; its saga id. One call is made through
+    the ledger, the others are copies of it (its operation and its events, each under a
+    step and key of its own) made in SQL: through the API, 2,000 calls take 20 s here."""
+    with Orchestrator(url) as orch:
+        call = orch.ledger.claim("long", "charge:0", "charge", {"amount_cents": 100})
+        orch.ledger.complete(call, {"charge_id": "ch-0"})
+    with psycopg.connect(url) as conn:
+        conn.execute(
+            """
+            INSERT INTO saga.operations
+            SELECT (jsonb_populate_record(o, jsonb_build_object(
+                       'step', o.step || '-' || n,
+                       'position', o.position + n,
+                       'idempotency_key', o.idempotency_key || '-' || n))).*
+            FROM saga.operations AS o, generate_series(1, %(copies)s) AS n
+            WHERE o.saga_id = %(saga_id)s
+            """,
+            {"copies": calls - 1, "saga_id": call.saga_id},
+        )
+        conn.execute(
+            """
+            INSERT INTO saga.events (saga_id, at, event, step, kind, attempt, detail)
+            SELECT e.saga_id, e.at, e.event, e.step || '-' || n, e.kind, e.attempt, e.detail
+            FROM saga.events AS e, generate_series(1, %(copies)s) AS n
+            WHERE e.saga_id = %(saga_id)s AND e.step IS NOT NULL
+            ORDER BY n, e.id
+            """,
+            {"copies": calls - 1, "saga_id": call.saga_id},
+        )
+    return call.saga_id
+
+
+def _operation_steps(html: str) -> list[str]:
+    return re.findall(r'<tr id="[^"]*" data-step="([^"]*)" data-kind="action">', html)
+
+
+def test_the_page_of_a_long_ledger_channel_shows_one_page_of_its_calls(
+    database_url: str, serve: object
+) -> None:
+    saga_id = _long_channel(database_url, LONG_CHANNEL)
+    assert callable(serve)
+    served: Served = serve(database_url)
+    started = time.monotonic()
+    first = httpx.get(f"{served.base}/sagas/{saga_id}", timeout=60)
+    took = time.monotonic() - started
+    assert first.status_code == 200, first.text[:2000]
+    # The whole channel on one page weighed 5 MB and took 3 s.
+    assert len(first.content) < 600_000, len(first.content)
+    assert took < 2.0, took
+    steps = _operation_steps(first.text)
+    assert len(steps) == PER_PAGE
+    assert f"operations 1{DASH}{PER_PAGE} of {LONG_CHANNEL}, page 1 of 20" in first.text
+    assert 'href="?page=2" rel="next"' in first.text
+    assert 'rel="prev"' not in first.text
+    # The audit trail follows the page: two events per call shown, and the saga's own.
+    assert first.text.count('class="event-row"') < 3 * PER_PAGE
+
+    last = httpx.get(f"{served.base}/sagas/{saga_id}?page=20", timeout=60)
+    assert last.status_code == 200
+    later_steps = _operation_steps(last.text)
+    assert len(later_steps) == PER_PAGE
+    assert not set(steps) & set(later_steps)
+    assert any(step.endswith(f"-{LONG_CHANNEL - 1}") for step in later_steps)
+    shown = f"operations {LONG_CHANNEL - PER_PAGE + 1}{DASH}{LONG_CHANNEL} of {LONG_CHANNEL}"
+    assert shown in last.text
+    assert 'href="?page=19" rel="prev"' in last.text
+    assert 'rel="next"' not in last.text
+
+    # A page past the last, or not a page number: said, not a stack trace.
+    past = httpx.get(f"{served.base}/sagas/{saga_id}?page=21", timeout=60)
+    assert past.status_code == 404
+    assert f"has {LONG_CHANNEL} operations on 20 pages" in past.text
+    assert httpx.get(f"{served.base}/sagas/{saga_id}?page=x", timeout=60).status_code == 400
+
+    # The page's stream keeps the page: its updates show the same calls.
+    stream_url = re.search(r'data-stream="([^"]*)"', last.text)
+    assert stream_url is not None and "page=20" in stream_url.group(1)
+
+    async def first_update() -> str:
+        stream = _Stream(served, f"/sagas/{saga_id}/stream?page=20")
+        await stream.open()
+        try:
+            # The update, then the status line that follows it: the update has all come.
+            assert await stream.until(b"update", 15), stream.received[-2000:]
+            assert await stream.until(b"status", 15), stream.received[-2000:]
+            return stream.received.decode(errors="replace")
+        finally:
+            stream.abort()
+
+    update = asyncio.run(first_update())
+    assert any(step.endswith(f"-{LONG_CHANNEL - 1}") for step in _operation_steps(update))
     assert _stop(served) < STOP_SECONDS
