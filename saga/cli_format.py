@@ -587,7 +587,7 @@ _MERMAID_UNSAFE = re.compile(r"[#:;\r\n]+")
 
 
 def _mermaid_text(text: str) -> str:
-    return " ".join(_MERMAID_UNSAFE.sub(" ", text).split()) or "-"
+    return printable(" ".join(_MERMAID_UNSAFE.sub(" ", text).split())) or "-"
 
 
 def _mermaid_ms(at: datetime) -> int:
@@ -622,8 +622,10 @@ def mermaid(state: SagaState, history: Sequence[HistoryEvent]) -> str:
     )
     lines = [
         "gantt",
-        f"    %% saga {state.id}: {state.saga} v{state.version}, tenant "
-        f"{state.tenant_id or '-'}, key {state.key}, {state.status}",
+        printable(
+            f"    %% saga {state.id}: {state.saga} v{state.version}, tenant "
+            f"{state.tenant_id or '-'}, key {state.key}, {state.status}"
+        ),
     ]
     if state.error:
         lines.append(f"    %% reason: {one_line(cli_wording(state.error), 200)}")
@@ -652,5 +654,5 @@ def mermaid(state: SagaState, history: Sequence[HistoryEvent]) -> str:
     for op in state.operations:
         if (op.step, op.kind) not in first:
             what = op.step if op.kind == "action" else f"compensation of {op.step}"
-            lines.append(f"    %% {what}: {op.status}, never attempted")
+            lines.append(printable(f"    %% {what}: {op.status}, never attempted"))
     return "\n".join(lines)

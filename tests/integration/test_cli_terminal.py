@@ -72,6 +72,10 @@ def test_list_and_show_escape_control_characters_and_json_keeps_them(database_ur
     assert "tenant   ac\\x1b[31mme\\x07\\u202eok\n" in shown.stdout
     assert "charge\\x1b[8m" in shown.stdout  # the call key, inside its idempotency key
 
+    diagram = _saga(database_url, "show", saga_id, "--format", "mermaid")
+    assert diagram.returncode == 0, diagram.stderr
+    assert not _raw(diagram.stdout), repr(diagram.stdout)
+
     listed_json = _saga(database_url, "list", "--json")
     assert listed_json.returncode == 0, listed_json.stderr
     (row,) = [json.loads(line) for line in listed_json.stdout.splitlines()]
