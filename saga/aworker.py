@@ -24,6 +24,7 @@ from saga.definition import Saga
 from saga.flow import describe_error
 from saga.logs import get_logger
 from saga.protocol import Next, Planner
+from saga.redact import scrub
 from saga.store import DatabaseGauges
 from saga.worker import (
     CHANNEL,
@@ -312,8 +313,15 @@ class AsyncWorker:
             except Exception as exc:
                 if self._stopping.is_set():
                     return
+                # The URL's password may be quoted by the driver (a URL that does not parse).
+                error = scrub(describe_error(exc), url)
+                if isinstance(exc, psycopg.ProgrammingError):
+                    # A URL that does not parse never will: said once, as the sync worker
+                    # says it; polling still finds work.
+                    _log.error("listener_stopped", error=error)
+                    return
                 # Polling still finds work; only the prompt wake-ups are delayed.
-                _log.warning("listener_reconnecting", error=describe_error(exc))
+                _log.warning("listener_reconnecting", error=error)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _LISTEN_RETRY_MAX_SECONDS)
 

@@ -1240,7 +1240,8 @@ def _after_request(
     if run and state.status.is_runnable:
         state = orch.run(state.id)
     if state.status == SagaStatus.NEEDS_REVIEW:
-        print(f"saga {state.id} is needs_review: {fmt.cli_wording(state.error or '', given)}")
+        reason = fmt.printable(fmt.cli_wording(state.error or "", given))
+        print(f"saga {state.id} is needs_review: {reason}")
         return EXIT_PARTIAL
     if state.status.is_runnable:
         holder = f"; {state.lease_owner} is driving it" if state.lease_owner else ""
@@ -1357,7 +1358,8 @@ def _fail(message: str, code: int, urls: Sequence[str | None] = ()) -> int:
     known = (*urls, os.environ.get(ENV_URL))
     if os.environ.get(ENV_TRACEBACK):
         print(scrub(traceback.format_exc(), *known), file=sys.stderr, end="")
-    print(scrub(f"saga: {message}", *known), file=sys.stderr)
+    # Data it quotes (a key, a tenant, a provider's error) cannot drive the terminal.
+    print(fmt.printable(scrub(f"saga: {message}", *known), lines=True), file=sys.stderr)
     return code
 
 

@@ -58,8 +58,43 @@ def cli_wording(text: str, given: Mapping[str, object] | None = None) -> str:
     return text
 
 
+def _escape(code: int) -> str:
+    named = {0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r"}
+    if code in named:
+        return named[code]
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+# Characters a terminal acts on rather than shows: C0 and C1 controls and DEL (ESC starts
+# a sequence that may move the cursor, retitle the window or hide text; BEL rings; a
+# newline or CR in a key forges a row), line and paragraph separators, and the bidi
+# overrides and isolates that reorder what follows them.
+_CONTROLS = {
+    code: _escape(code)
+    for code in (
+        *range(0x00, 0x20),
+        *range(0x7F, 0xA0),
+        0x2028,
+        0x2029,
+        *range(0x202A, 0x202F),
+        *range(0x2066, 0x206A),
+    )
+}
+_CONTROLS_BUT_NEWLINE = {code: text for code, text in _CONTROLS.items() if code != 0x0A}
+
+
+def printable(text: str, *, lines: bool = False) -> str:
+    """`text` safe to print on a terminal: every control character shown as its escape
+    (`\\x1b`, `\\n`, `\\u202e`), so that data (a tenant, a key, a provider's error)
+    can neither drive the terminal nor forge a line of output. With `lines`, newlines are
+    kept (a message of several lines). Human-readable output only: JSON stays exact."""
+    return text.translate(_CONTROLS_BUT_NEWLINE if lines else _CONTROLS)
+
+
 def table(rows: Sequence[Sequence[str]], headers: Sequence[str]) -> str:
-    """Left-aligned columns separated by two spaces; the last column is not padded."""
+    """Left-aligned columns separated by two spaces; the last column is not padded.
+    Every cell is `printable`: one cell is one line."""
+    rows = [[printable(cell) for cell in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in rows:
         for i, cell in enumerate(row):
@@ -75,7 +110,7 @@ def one_line(text: str | None, width: int = 70) -> str:
     """`text` on one line, cut to `width` characters; `-` when empty."""
     if not text:
         return "-"
-    flat = " ".join(text.split())
+    flat = printable(" ".join(text.split()))
     return flat if len(flat) <= width else flat[: width - 1] + "…"
 
 
@@ -208,7 +243,7 @@ def show(state: SagaState, history: Sequence[HistoryEvent]) -> str:
         ["lease", lease],
     ]
     width = max(len(k) for k, _ in head)
-    lines = [f"{k.ljust(width)}  {v}" for k, v in head]
+    lines = [f"{k.ljust(width)}  {printable(v)}" for k, v in head]
     lines += ["", "OPERATIONS", _operations(state.operations), "", "TIMELINE", _timeline(history)]
     return "\n".join(lines)
 
@@ -260,7 +295,7 @@ def _value(value: Any) -> str:
 def outcome_line(outcome: Outcome, given: Mapping[str, object] | None = None) -> str:
     """One saga of a batch report."""
     detail = cli_wording(outcome.detail, given)
-    return f"{outcome.result:<8} {outcome.saga_id}  {outcome.saga}  {detail}"
+    return printable(f"{outcome.result:<8} {outcome.saga_id}  {outcome.saga}  {detail}")
 
 
 def outcome_json(outcome: Outcome, given: Mapping[str, object] | None = None) -> str:
@@ -328,7 +363,7 @@ def plan(plans: Sequence[PlannedSaga]) -> str:
     out = []
     if rows:
         out.append(table(rows, ["SAGA ID", "SAGA", "COMPENSATES STEP", "IDEMPOTENCY KEY"]))
-    out += notes
+    out += [printable(note) for note in notes]
     runs = sum(len(p.compensations) for p in plans)
     would_park = sum(1 for p in plans if p.stop is not None and p.skip is None)
     skipped = sum(1 for p in plans if p.skip is not None)
@@ -552,7 +587,7 @@ _MERMAID_UNSAFE = re.compile(r"[#:;\r\n]+")
 
 
 def _mermaid_text(text: str) -> str:
-    return " ".join(_MERMAID_UNSAFE.sub(" ", text).split()) or "-"
+    return printable(" ".join(_MERMAID_UNSAFE.sub(" ", text).split())) or "-"
 
 
 def _mermaid_ms(at: datetime) -> int:
@@ -587,8 +622,10 @@ def mermaid(state: SagaState, history: Sequence[HistoryEvent]) -> str:
     )
     lines = [
         "gantt",
-        f"    %% saga {state.id}: {state.saga} v{state.version}, tenant "
-        f"{state.tenant_id or '-'}, key {state.key}, {state.status}",
+        printable(
+            f"    %% saga {state.id}: {state.saga} v{state.version}, tenant "
+            f"{state.tenant_id or '-'}, key {state.key}, {state.status}"
+        ),
     ]
     if state.error:
         lines.append(f"    %% reason: {one_line(cli_wording(state.error), 200)}")
@@ -617,5 +654,5 @@ def mermaid(state: SagaState, history: Sequence[HistoryEvent]) -> str:
     for op in state.operations:
         if (op.step, op.kind) not in first:
             what = op.step if op.kind == "action" else f"compensation of {op.step}"
-            lines.append(f"    %% {what}: {op.status}, never attempted")
+            lines.append(printable(f"    %% {what}: {op.status}, never attempted"))
     return "\n".join(lines)

@@ -13,6 +13,7 @@ from psycopg_pool import PoolTimeout
 
 from saga.errors import DatabaseInterrupted
 from saga.logs import get_logger
+from saga.redact import scrub
 
 _log = get_logger("saga")
 
@@ -40,14 +41,20 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def log_retry(
-    what: str, exc: BaseException | None, *, attempt: int = 1, retry_in: float = 0.0
+    what: str,
+    exc: BaseException | None,
+    *,
+    attempt: int = 1,
+    retry_in: float = 0.0,
+    url: str | None = None,
 ) -> None:
-    """Log a transient failure of database work that is about to be retried."""
+    """Log a transient failure of database work that is about to be retried; no piece of
+    the password of `url` (the URL the work connects with) shows in it."""
     _log.warning(
         "database_retry",
         what=what,
         attempt=attempt,
-        error=f"{type(exc).__name__}: {exc}".strip(),
+        error=scrub(f"{type(exc).__name__}: {exc}".strip(), url),
         retry_in_seconds=round(retry_in, 3),
     )
 
@@ -57,15 +64,17 @@ def retrying(
     *,
     seconds: float = DEFAULT_RETRY_SECONDS,
     until: threading.Event | None = None,
+    url: str | None = None,
 ) -> tenacity.Retrying:
     """A tenacity loop retrying transient database errors for at most `seconds`.
 
     With `until`, the loop also ends (and its waits are cut short) once that event is set.
+    With `url` (what the work connects with), its password is scrubbed from the log.
     """
 
     def log(state: tenacity.RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome is not None else None
-        log_retry(what, exc, attempt=state.attempt_number, retry_in=state.upcoming_sleep)
+        log_retry(what, exc, attempt=state.attempt_number, retry_in=state.upcoming_sleep, url=url)
 
     stop: tenacity.stop.stop_base = tenacity.stop_after_delay(seconds)
     sleep: Callable[[float], None] = time.sleep

@@ -644,6 +644,36 @@ class Store:
             rows = conn.execute(_q("get_history"), {"saga_id": saga_id}).fetchall()
         return [HistoryEvent.model_validate(r) for r in rows]
 
+    def get_state_page(
+        self, saga_id: str, *, limit: int, offset: int
+    ) -> tuple[SagaState, int] | None:
+        """The saga with one page of its operations (`limit` of them from `offset`, in
+        the order `get_state` gives them), and how many operations it has; None when
+        there is no such saga."""
+        with self.transaction() as conn:
+            row = conn.execute(_q("get_saga"), {"saga_id": saga_id}).fetchone()
+            if row is None:
+                return None
+            counted = conn.execute(_q("count_operations"), {"saga_id": saga_id}).fetchone()
+            ops = conn.execute(
+                _q("get_operations_page"), {"saga_id": saga_id, "limit": limit, "offset": offset}
+            ).fetchall()
+        return _state(row, ops), int(counted["total"]) if counted else 0
+
+    def history_of_operations(
+        self, saga_id: str, operations: Sequence[tuple[str, str]]
+    ) -> list[HistoryEvent]:
+        """The audit trail of a saga, oldest first, narrowed to its saga-level events and
+        those of `operations` (pairs of step and kind)."""
+        params = {
+            "saga_id": saga_id,
+            "steps": [step for step, _ in operations],
+            "kinds": [kind for _, kind in operations],
+        }
+        with self._connection() as conn:
+            rows = conn.execute(_q("get_history_of_operations"), params).fetchall()
+        return [HistoryEvent.model_validate(r) for r in rows]
+
     def next_claimable_at(self, kinds: Sequence[str]) -> datetime | None:
         """When the earliest saga of these kinds becomes claimable; None when none is open."""
         with self._connection() as conn:

@@ -24,6 +24,7 @@ from saga.leases import LeaseKeeper
 from saga.logs import get_logger
 from saga.loopguard import sync_only
 from saga.protocol import Next, Planner
+from saga.redact import scrub
 from saga.runner import Runner, RunnerOptions
 from saga.store import Store
 
@@ -302,7 +303,7 @@ class Worker:
         if url is None:
             return
         try:
-            for attempt in retrying("listen", seconds=math.inf, until=self._stopping):
+            for attempt in retrying("listen", seconds=math.inf, until=self._stopping, url=url):
                 with (
                     attempt,
                     psycopg.connect(url, autocommit=True, prepare_threshold=None) as conn,
@@ -317,8 +318,9 @@ class Worker:
                             self._wake.set()
         except Exception as exc:
             if not self._stopping.is_set():
-                # Polling still finds work; only the prompt wake-ups are lost.
-                _log.error("listener_stopped", error=f"{type(exc).__name__}: {exc}")
+                # Polling still finds work; only the prompt wake-ups are lost. The URL's
+                # password may be quoted by the driver (a URL that does not parse).
+                _log.error("listener_stopped", error=scrub(f"{type(exc).__name__}: {exc}", url))
 
     @contextlib.contextmanager
     def _signals(self, install: bool) -> Iterator[None]:

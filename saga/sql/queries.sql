@@ -55,6 +55,34 @@ FROM saga.events
 WHERE saga_id = %(saga_id)s
 ORDER BY id
 
+-- count_operations --
+-- How many operations a saga has (the dashboard's pages of them).
+SELECT count(*) AS total
+FROM saga.operations
+WHERE saga_id = %(saga_id)s
+
+-- get_operations_page --
+-- One page of a saga's operations, in get_operations' order (the step breaks ties, so
+-- that pages never overlap).
+SELECT *
+FROM saga.operations
+WHERE saga_id = %(saga_id)s
+ORDER BY kind = 'compensation', CASE WHEN kind = 'action' THEN position ELSE -position END,
+         step
+LIMIT %(limit)s OFFSET %(offset)s
+
+-- get_history_of_operations --
+-- The audit trail of a saga, oldest first, narrowed to its saga-level events and those of
+-- the operations given as parallel arrays of steps and kinds (a page of them); an event
+-- without a kind belongs to the action.
+SELECT at, event, step, kind, attempt, detail
+FROM saga.events
+WHERE saga_id = %(saga_id)s
+  AND (step IS NULL
+       OR (step, COALESCE(kind, 'action')) IN (
+           SELECT * FROM unnest(%(steps)s::text[], %(kinds)s::text[])))
+ORDER BY id
+
 -- claim_saga --
 -- Take the lease of one runnable saga unless another owner's lease is still live;
 -- the fence grows so the previous owner's writes are refused from now on.

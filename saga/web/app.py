@@ -28,7 +28,7 @@ from saga.state import SagaStatus
 from saga.store import parse_id
 from saga.web import timeline
 from saga.web.live import ChangeFeed
-from saga.web.views import FilterError, Filters, ListPage, Reader
+from saga.web.views import FilterError, Filters, ListPage, PageError, Pages, Reader
 
 # Host names a dashboard bound to a loopback address answers to: a page of another site
 # cannot read it through a DNS name it points at 127.0.0.1 (DNS rebinding).
@@ -150,10 +150,15 @@ class _Dashboard:
     async def saga_page(self, request: Request) -> Response:
         """`/sagas/{id}`: one saga (also a session or a ledger channel); an unambiguous
         prefix of its id redirects to its full address."""
-        found = await self._saga(request, self.reader.saga_page)
+        try:
+            number = Pages.parse(request.query_params.get("page"))
+        except PageError as exc:
+            return self._error(request, 400, "Bad page", str(exc))
+        found = await self._saga(request, lambda saga_id: self.reader.saga_page(saga_id, number))
         if isinstance(found, Response):
             return found
-        stream = f"/sagas/{found.state.id}/stream?v={found.fingerprint}"
+        shown = f"page={number}&" if number > 1 else ""
+        stream = f"/sagas/{found.state.id}/stream?{shown}v={found.fingerprint}"
         return self._html(request, "saga.html", page=found, stream=stream)
 
     async def saga_mermaid(self, request: Request) -> Response:
@@ -173,11 +178,14 @@ class _Dashboard:
             except (SagaError, ValueError) as exc:
                 return self._error(request, 404, "No such saga", str(exc))
             suffix = request.url.path[len("/sagas/") + len(given) :]
-            return RedirectResponse(f"/sagas/{full}{suffix}", status_code=307)
+            query = f"?{request.url.query}" if request.url.query else ""
+            return RedirectResponse(f"/sagas/{full}{suffix}{query}", status_code=307)
         try:
             return await run_in_threadpool(load, given)
         except SagaNotFound as exc:
             return self._error(request, 404, "No such saga", str(exc))
+        except PageError as exc:
+            return self._error(request, 404, "No such page", str(exc))
         except SagaError as exc:
             return self._error(request, 503, "The database cannot be read", str(exc))
 
@@ -221,12 +229,17 @@ class _Dashboard:
         saga_id = str(request.path_params["saga_id"])
         if parse_id(saga_id) is None:
             return Response("give the saga's full id", status_code=404, media_type="text/plain")
+        try:
+            number = Pages.parse(request.query_params.get("page"))
+        except PageError as exc:
+            return Response(str(exc), status_code=400, media_type="text/plain")
 
         def probe() -> tuple[str, str]:
-            return self.reader.fingerprint(saga_id), saga_id
+            return self.reader.fingerprint(saga_id, number), saga_id
 
         def render(found: str) -> str:
-            return self._fragment("_saga_live.html", page=self.reader.saga_page(found))
+            page = self.reader.saga_page(found, number)
+            return self._fragment("_saga_live.html", page=page)
 
         return self._events(request, probe, render)
 
@@ -265,6 +278,8 @@ class _Dashboard:
                         yield _sse("status", "listening" if feed.listening else "polling")
                     except SagaNotFound as exc:
                         yield _sse("problem", f"{exc}: it was deleted (purged?)")
+                    except PageError as exc:
+                        yield _sse("problem", str(exc))
                     except SagaError as exc:
                         yield _sse("problem", f"the database cannot be read: {exc}")
                 wait = min(

@@ -50,29 +50,30 @@ class ChangeFeed:
         self.listening = False
         self._said_polling = False
         self.closed = False
-        self._changed = asyncio.Condition()
+        # Set, and replaced by a fresh one, at each change: a wait holds no lock, so a
+        # page's stream cancelled mid-wait (its client gone) leaves nothing behind.
+        self._changed = asyncio.Event()
         self._marker = _MARKER
 
     async def wait(self, seen: int, timeout: float) -> int:
         """The generation once it is past `seen`, or after `timeout` seconds, or when
         the feed closes (whichever comes first)."""
-        async with self._changed:
+        if self.generation == seen and not self.closed:
+            changed = self._changed
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    self._changed.wait_for(lambda: self.generation != seen or self.closed),
-                    timeout,
-                )
-            return self.generation
+                async with asyncio.timeout(timeout):
+                    await changed.wait()
+        return self.generation
 
     async def close(self) -> None:
         """Stop: `run()` returns and every wait ends."""
         self.closed = True
-        await self._bump()
+        self._bump()
 
-    async def _bump(self) -> None:
-        async with self._changed:
-            self.generation += 1
-            self._changed.notify_all()
+    def _bump(self) -> None:
+        self.generation += 1
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
 
     async def run(self) -> None:
         """LISTEN and poll until `close()`; reconnects with a bounded backoff when the
@@ -113,7 +114,7 @@ class ChangeFeed:
                 await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(CHANNEL)))
                 self.listening = True
             marker = await self._read_marker(conn)
-            await self._bump()  # anything missed while not listening
+            self._bump()  # anything missed while not listening
             # A sequence value is taken before its transaction commits: after a change,
             # wake the pages once more, so they read what has committed since.
             settling = False
@@ -124,7 +125,7 @@ class ChangeFeed:
                 latest = await self._read_marker(conn)
                 changed, marker = latest != marker, latest
                 if notified or changed or settling:
-                    await self._bump()
+                    self._bump()
                 settling = changed or notified
                 if notified:
                     await asyncio.sleep(_COALESCE_SECONDS)

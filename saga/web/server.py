@@ -53,6 +53,19 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def host_names(host: str, bound: str) -> tuple[str, ...]:
+    """The `Host` names a dashboard on loopback address `host` (bound as `bound`)
+    answers to: the usual loopback names, and the address it was asked to listen on as
+    a browser writes it (`127.0.0.2`, `[::1]`); any other name is refused."""
+    names = [*LOOPBACK_HOSTS, _url_host(host.strip("[]").lower()), _url_host(bound)]
+    return tuple(dict.fromkeys(names))
+
+
+def _url_host(address: str) -> str:
+    """An address as a URL's host (an IPv6 address in brackets)."""
+    return f"[{address}]" if ":" in address else address
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket on `host`:`port` (port 0: any free port); `DashboardError`
     when the address cannot be had."""
@@ -94,11 +107,13 @@ def serve(
         url = probe.database_url
     sock = bind(host, port)
     local = is_loopback(host)
-    app = create_app(
-        url, poll_seconds=poll_seconds, allowed_hosts=LOOPBACK_HOSTS if local else None
-    )
     bound_host, bound_port = sock.getsockname()[:2]
-    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    shown = _url_host(bound_host)
+    app = create_app(
+        url,
+        poll_seconds=poll_seconds,
+        allowed_hosts=host_names(host, bound_host) if local else None,
+    )
     print(
         f"saga dashboard: http://{shown}:{bound_port}/ (read-only) showing the sagas of "
         f"{describe_url(url)}; Ctrl-C or SIGTERM stops it",

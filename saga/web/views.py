@@ -13,14 +13,19 @@ from urllib.parse import urlencode
 
 from saga import cli_format as fmt
 from saga import operator
+from saga.errors import SagaNotFound
 from saga.orchestrator import Orchestrator
 from saga.session import LEDGER_PREFIX, SESSION_PREFIX
 from saga.state import HistoryEvent, OperationState, SagaState, SagaStatus
+from saga.store import parse_id
 from saga.web import timeline
 
 # Most sagas the list shows, and the needs-review queue.
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
+# Operations one saga's page shows at most (a ledger channel may hold thousands): the
+# rest are on its later pages, and its timeline and audit trail follow the page.
+OPERATIONS_PER_PAGE = 100
 # A value of an event's detail longer than this is folded away on the page.
 _LONG_DETAIL = 160
 # A result longer than this on one line is folded away, indented.
@@ -88,6 +93,60 @@ class Filters:
     def active(self) -> bool:
         """Whether any filter narrows the list."""
         return bool(self.query)
+
+
+class PageError(ValueError):
+    """A page of a saga's operations that does not exist (the message says which do)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pages:
+    """Which page of a saga's operations a page shows, of how many."""
+
+    number: int
+    total: int
+    size: int = OPERATIONS_PER_PAGE
+
+    @classmethod
+    def parse(cls, value: str | None) -> int:
+        """The page number a query string gives (1 without one); `PageError` when it is
+        not a whole number from 1."""
+        text = (value or "").strip()
+        if not text:
+            return 1
+        if not text.isdigit() or int(text) < 1:
+            raise PageError(f"page {text!r}: give a whole number from 1")
+        return int(text)
+
+    @property
+    def count(self) -> int:
+        """How many pages the operations fill (at least one)."""
+        return max(1, -(-self.total // self.size))
+
+    @property
+    def offset(self) -> int:
+        """How many operations come before this page's."""
+        return (self.number - 1) * self.size
+
+    @property
+    def first(self) -> int:
+        """The position (from 1) of this page's first operation."""
+        return min(self.offset + 1, self.total)
+
+    @property
+    def last(self) -> int:
+        """The position (from 1) of this page's last operation."""
+        return min(self.offset + self.size, self.total)
+
+    @property
+    def previous(self) -> int | None:
+        """The previous page's number; None on the first."""
+        return self.number - 1 if self.number > 1 else None
+
+    @property
+    def next(self) -> int | None:
+        """The next page's number; None on the last."""
+        return self.number + 1 if self.number < self.count else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,11 +228,13 @@ class SagaPage:
     timeline: timeline.Timeline
     mermaid: str
     now: datetime
+    # The page of the operations shown (`state.operations` holds that page's only).
+    pages: Pages
 
     @property
     def fingerprint(self) -> str:
-        """As `saga_fingerprint` of its state."""
-        return saga_fingerprint(self.state)
+        """As `page_fingerprint` of what it shows."""
+        return page_fingerprint(self.state, self.pages)
 
 
 def saga_kind(name: str) -> str:
@@ -188,6 +249,11 @@ def saga_kind(name: str) -> str:
 def saga_fingerprint(state: SagaState) -> str:
     """Changes whenever the saga or one of its operations changes."""
     return _digest(state.model_dump(mode="json"))
+
+
+def page_fingerprint(state: SagaState, pages: Pages) -> str:
+    """Changes whenever the saga, the operations of the page, or their count changes."""
+    return _digest([state.model_dump(mode="json"), pages.number, pages.total])
 
 
 def _digest(value: Any) -> str:
@@ -254,18 +320,44 @@ class Reader:
         """The full id of a saga given by its id or a unique prefix of it."""
         return operator.expand_id(self.orch.store, text)
 
-    def fingerprint(self, saga_id: str) -> str:
-        """`saga_fingerprint` of the saga as it is now (one cheap read)."""
-        return saga_fingerprint(self.orch.get(saga_id))
+    def fingerprint(self, saga_id: str, page: int = 1) -> str:
+        """`page_fingerprint` of the saga's page `page` as it is now (one cheap read)."""
+        state, pages = self._page(saga_id, page)
+        return page_fingerprint(state, pages)
+
+    def _page(self, saga_id: str, page: int) -> tuple[SagaState, Pages]:
+        """The saga with the operations of page `page` only (read with LIMIT and OFFSET),
+        and which page that is; `SagaNotFound`, or `PageError` past the last page."""
+        if parse_id(saga_id) is None:
+            raise SagaNotFound(saga_id)
+        size = OPERATIONS_PER_PAGE
+        found = self.orch.store.get_state_page(saga_id, limit=size, offset=(page - 1) * size)
+        if found is None:
+            raise SagaNotFound(saga_id)
+        state, total = found
+        pages = Pages(page, total, size)
+        if page > pages.count:
+            raise PageError(
+                f"page {page}: this {saga_kind(state.saga)} has {total} operation"
+                f"{'s' if total != 1 else ''} on {pages.count} page"
+                f"{'s' if pages.count != 1 else ''}"
+            )
+        return state, pages
 
     def mermaid(self, saga_id: str) -> str:
         """The saga as a Mermaid Gantt diagram (as `saga show --format mermaid`)."""
         return fmt.mermaid(self.orch.get(saga_id), self.orch.history(saga_id))
 
-    def saga_page(self, saga_id: str) -> SagaPage:
-        """Everything one saga's page shows; `SagaNotFound` when there is no such saga."""
-        state = self.orch.get(saga_id)
-        history = self.orch.history(saga_id)
+    def saga_page(self, saga_id: str, page: int = 1) -> SagaPage:
+        """Everything one saga's page shows, with page `page` of its operations (the
+        timeline and audit trail show theirs and the saga's own events); `SagaNotFound`
+        when there is no such saga, `PageError` past its last page."""
+        state, pages = self._page(saga_id, page)
+        if pages.count == 1:
+            history = self.orch.store.history(saga_id)
+        else:
+            shown = [(op.step, str(op.kind)) for op in state.operations]
+            history = self.orch.store.history_of_operations(saga_id, shown)
         now = datetime.now(UTC)
         known = self._known_kinds() if state.status.is_runnable else []
         ops = [
@@ -287,6 +379,7 @@ class Reader:
             timeline=timeline.build(state, history, now),
             mermaid=fmt.mermaid(state, history),
             now=now,
+            pages=pages,
         )
 
 

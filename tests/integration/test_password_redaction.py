@@ -13,7 +13,7 @@ from urllib.parse import quote
 
 import psycopg
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from saga import DatabaseRefused, DatabaseUnavailable, Orchestrator
@@ -207,3 +207,90 @@ def test_log_lines_mask_urls_and_passwords_in_their_fields() -> None:
     assert [e["event"] for e in logs] == ["database_retry"]
     assert MARK not in str(logs[0])
     assert "postgresql://***@db/x" in logs[0]["error"]
+
+
+# What a worker's listener logs of a failure: a retry, a lost or a stopped listener.
+_LISTENER_EVENTS = {"database_retry", "listener_reconnecting", "listener_stopped"}
+
+
+def _listener_logs(url: str) -> list[str]:
+    """What the listeners of both doors log when their `listen_url` is `url` (none of
+    these URLs connects): each runs until it has logged its first failure."""
+    import asyncio
+    import threading
+    import time
+
+    import structlog.testing
+
+    from saga import AsyncOrchestrator
+    from saga.aworker import AsyncWorker
+    from saga.worker import Worker
+
+    def failed(logs: list[dict[str, object]]) -> bool:
+        return any(e["event"] in _LISTENER_EVENTS for e in logs)
+
+    with structlog.testing.capture_logs() as sync_logs:
+        orch = Orchestrator(url, auto_migrate=False)
+        worker = Worker(orch, listen_url=url)
+        listener = threading.Thread(target=worker._listen, args=(url, "listen_url"))
+        listener.start()
+        deadline = time.monotonic() + 10
+        while not failed(sync_logs) and listener.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        worker.stop()
+        listener.join(10)
+        orch.close()
+    assert failed(sync_logs), sync_logs
+
+    async def listen_async() -> None:
+        aorch = AsyncOrchestrator(url, auto_migrate=False)
+        aworker = AsyncWorker(aorch, listen_url=url)
+        aworker._stopping, aworker._wake = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(aworker._listen(url, "listen_url"))
+        deadline = time.monotonic() + 10
+        while not failed(async_logs) and not task.done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        aworker._stopping.set()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await aorch.close()
+
+    with structlog.testing.capture_logs() as async_logs:
+        asyncio.run(listen_async())
+    assert failed(async_logs), async_logs
+    return [str(e) for e in (*sync_logs, *async_logs)]
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(secret_urls())
+# Shapes the driver quotes back when it cannot parse them: always tried.
+@example((f"u_0:{MARK}@127.0.0.1", MARK))
+@example((f"postgresql://u_a:se%ZZ{MARK}@127.0.0.1:5432/db", f"se%ZZ{MARK}"))
+@example((f"postgresql://u_a:se cret{MARK}@localhost/db", f"se cret{MARK}"))
+@example((f"host=127.0.0.1 user=u_a password=se cret{MARK} dbname=db", f"se cret{MARK}"))
+def test_no_password_in_the_listeners_logs(case: tuple[str, str]) -> None:
+    """A worker's `listen_url` of any shape: what the listener logs of its failures, in
+    both doors, hides the password."""
+    url, password = case
+    _assert_hidden(password, *_listener_logs(url))
+
+
+@pytest.mark.parametrize(
+    "password", [f"se%ZZ{MARK}", f"se cret{MARK}", f"se%{MARK}", f"a b%zz{MARK}"]
+)
+def test_a_listen_url_that_does_not_parse_is_said_once_without_its_password(
+    password: str,
+) -> None:
+    """A stray `%` or a space in the password: the listener stops, saying why once (in
+    both doors), and never shows the password."""
+    url = f"postgresql://postgres:{password}@127.0.0.1:5432/postgres"
+    logs = _listener_logs(url)
+    _assert_hidden(password, *logs)
+    _assert_hidden(MARK, *logs)
+    assert sum("listener_stopped" in line for line in logs) == 2, logs
+    assert not any("listener_reconnecting" in line for line in logs), logs
