@@ -74,6 +74,8 @@ class Claim(BaseModel):
         owner: Who holds the claim (this claim's own token; for `in_progress`, the live
             holder).
         expires_at: When the claim's lease ends unless `heartbeat` extends it.
+        lease_seconds: The claim's own lease: what each `heartbeat` extends it by (for a
+            claim that holds nothing, None).
         result: A replayed call's stored result.
         provider_reference: A replayed call's provider reference.
         outcome_unknown: True when the previous attempt may have taken effect (`reclaimed`).
@@ -96,6 +98,7 @@ class Claim(BaseModel):
     fence: int
     owner: str | None
     expires_at: datetime | None
+    lease_seconds: float | None = None
     result: Any = None
     provider_reference: str | None = None
     outcome_unknown: bool = False
@@ -248,6 +251,7 @@ def _verdict(asked: _Asked, row: Mapping[str, Any]) -> Claim:
         fence=int(row["fence"]),
         owner=asked.owner if held else row["holder"],
         expires_at=row["expires_at"],
+        lease_seconds=asked.lease_seconds if held else None,
         result=row["result"],
         provider_reference=row["provider_reference"],
         outcome_unknown=status == "reclaimed",
@@ -370,8 +374,14 @@ class _LedgerDoor:
         )
 
     def _heartbeat(self, claim: Claim, lease_seconds: float | None) -> dict[str, Any]:
+        """A heartbeat's write: the lease extended by `lease_seconds`, else by the claim's
+        own (the database never shortens it)."""
+        if lease_seconds is None:
+            lease_seconds = claim.lease_seconds if isinstance(claim, Claim) else None
         seconds = self.lease_seconds if lease_seconds is None else lease_seconds
-        return _settle_params(claim, "heartbeat", lease_seconds=seconds)
+        if not seconds > 0:
+            raise ValueError(f"heartbeat: lease_seconds must be positive, got {seconds!r}")
+        return _settle_params(claim, "heartbeat", lease_seconds=float(seconds))
 
     @staticmethod
     def _completion(
@@ -472,8 +482,10 @@ class Ledger(_LedgerDoor):
         return _verdict(asked, row)
 
     def heartbeat(self, claim: Claim, *, lease_seconds: float | None = None) -> Claim:
-        """Extend the claim's lease; the claim with its new expiry. `LeaseLost` when
-        another holder took the call over."""
+        """Extend the claim's lease to `lease_seconds` from now (default: the claim's own
+        `lease_seconds`, as claimed); a lease that already ends later is left as it is, so
+        a heartbeat never shortens a claim. Returns the claim with its expiry. `LeaseLost`
+        when another holder took the call over, or an operator settled it."""
         row = self._settle(claim, self._heartbeat(claim, lease_seconds))
         return claim.model_copy(update={"expires_at": row["expires_at"]})
 
