@@ -32,7 +32,14 @@ from saga.errors import (
     SessionParked,
     StepStateError,
 )
-from saga.keys import JsonValue, call_operation_name, check_json, operation_key, request_hash
+from saga.keys import (
+    JsonValue,
+    call_operation_long_name,
+    call_operation_name,
+    check_json,
+    operation_key,
+    request_hash,
+)
 from saga.operator import actor_or_os_user
 from saga.session import LEDGER_PREFIX
 
@@ -65,7 +72,9 @@ class Claim(BaseModel):
         key: The call's key, as given to `claim`.
         tool: The tool the call is of.
         saga_id: The channel's saga id (`saga show` it).
-        step: The call's operation name (`<tool>.<digest of key>`), for `saga resolve`.
+        step: The call's operation name, for `saga resolve`: `<tool>.<48 bits of the key's
+            SHA-256>`, or the whole digest when another key's call has that name (the
+            call's identity is its whole key, in `idempotency_key`).
         idempotency_key: The operation's stable key: pass it to the provider.
         request_hash: The fingerprint of the call's deduplicated fields.
         attempt: The attempt this claim holds (from 1).
@@ -120,6 +129,7 @@ class _Asked(BaseModel):
     key: str
     tool: str
     step: str
+    long_step: str
     idempotency_key: str
     request_hash: str
     request: dict[str, Any]
@@ -180,6 +190,7 @@ def _asked(
         key=key,
         tool=tool,
         step=call_operation_name(tool, key),
+        long_step=call_operation_long_name(tool, key),
         idempotency_key=operation_key(CHANNEL_SAGA, 1, tenant, channel, key, "action"),
         request_hash=request_hash(fingerprint),
         request=request,
@@ -197,6 +208,7 @@ def _claim_params(asked: _Asked) -> dict[str, Any]:
         "new_id": str(uuid.uuid4()),
         "input_hash": request_hash({}),
         "step": asked.step,
+        "long_step": asked.long_step,
         "idempotency_key": asked.idempotency_key,
         "request_hash": asked.request_hash,
         "request": asked.request,
@@ -210,6 +222,7 @@ def _verdict(asked: _Asked, row: Mapping[str, Any]) -> Claim:
     """The claim a verdict row of saga.ledger_claim stands for, or the error it means."""
     verdict = row["verdict"]
     saga_id = str(row["saga_id"])
+    step = row["step"] or asked.step  # the call's name: short unless another key has it
     where = f"call {asked.tool!r} under key {asked.key!r} in channel {asked.channel!r}"
     if verdict == "conflict":
         raise IdempotencyConflict(
@@ -227,7 +240,7 @@ def _verdict(asked: _Asked, row: Mapping[str, Any]) -> Claim:
     if verdict in ("parked", "exhausted"):
         raise SessionParked(
             f"channel {asked.channel!r} ({saga_id}) needs a human: {row['error']}; settle it "
-            f"with `saga resolve {saga_id} --step {asked.step} ...` (nothing was claimed)"
+            f"with `saga resolve {saga_id} --step {step} ...` (nothing was claimed)"
         )
     if verdict == "failed":
         raise PermanentError(
@@ -243,7 +256,7 @@ def _verdict(asked: _Asked, row: Mapping[str, Any]) -> Claim:
         key=asked.key,
         tool=asked.tool,
         saga_id=saga_id,
-        step=asked.step,
+        step=step,
         idempotency_key=asked.idempotency_key,
         request_hash=asked.request_hash,
         attempt=int(row["attempt"]),

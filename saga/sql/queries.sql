@@ -408,11 +408,13 @@ WHERE id IN (%(source)s, %(fork)s)
 
 -- ledger_claim --
 -- Claim one call of a ledger channel (the channel created when new); see migration 0016
--- for the verdicts.
+-- for the verdicts, and 0022 for the call's name (step), short unless another key's
+-- call has it.
 SELECT *
-FROM saga.ledger_claim(%(tenant)s, %(name)s, %(channel)s, %(new_id)s, %(input_hash)s,
-                       %(step)s, %(idempotency_key)s, %(request_hash)s, %(request)s::jsonb,
-                       %(owner)s, %(lease_seconds)s::float8, %(max_attempts)s::integer)
+FROM saga.ledger_claim_v2(%(tenant)s, %(name)s, %(channel)s, %(new_id)s, %(input_hash)s,
+                          %(step)s, %(long_step)s, %(idempotency_key)s, %(request_hash)s,
+                          %(request)s::jsonb, %(owner)s, %(lease_seconds)s::float8,
+                          %(max_attempts)s::integer)
 
 -- ledger_settle --
 -- The holder of a ledger claim records its call's outcome, or extends its lease; SG001
