@@ -98,13 +98,35 @@ def _settled_call(orch: Orchestrator) -> None:
     orch.ledger.complete(claim, {"charged": "order-1"})
 
 
-def _saga(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+# The operators' app: it lends the calls of the tool `charge_customer` their compensation.
+APP = """
+from saga import Orchestrator, durable_step
+
+
+@durable_step(name="charge_customer")
+def charge_customer(key):
+    raise AssertionError("ledger calls are made by their callers")
+
+
+@charge_customer.compensation
+def refund(ctx, result, key):
+    pass
+
+
+orch = Orchestrator()
+"""
+
+
+def _saga(url: str, *args: str, app_dir: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "SAGA_APP"}
+    if app_dir is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(app_dir), env.get("PYTHONPATH", "")])
     return subprocess.run(
         [sys.executable, "-m", "saga", *args, "--database-url", url],
         capture_output=True,
         text=True,
         timeout=60,
-        env={k: v for k, v in os.environ.items() if k != "SAGA_APP"},
+        env=env,
     )
 
 
@@ -128,7 +150,7 @@ def test_a_heartbeat_extends_a_claim_by_its_own_lease_and_never_shortens_it(
 
 
 def test_operator_verbs_refuse_a_call_another_process_holds_under_a_live_claim(
-    database_url: str, orch: Orchestrator, holders: list[Holder]
+    database_url: str, orch: Orchestrator, holders: list[Holder], tmp_path: Path
 ) -> None:
     _settled_call(orch)
     holder = _hold(database_url, holders, "order-2", 60.0)
@@ -155,6 +177,14 @@ def test_operator_verbs_refuse_a_call_another_process_holds_under_a_live_claim(
     )  # fmt: skip
     assert shown.returncode == 1, (shown.stdout, shown.stderr)
     assert f"call {holder.step} is leased by {holder.owner}" in shown.stdout + shown.stderr
+    (tmp_path / "ops_app.py").write_text(APP)
+    compensate = ("compensate", holder.saga_id, "--app", "ops_app:orch", "--include-unknown")
+    shown = _saga(database_url, *compensate, app_dir=tmp_path)
+    assert shown.returncode == 1, (shown.stdout, shown.stderr)
+    assert f"call {holder.step} is leased by {holder.owner}" in shown.stdout, shown.stdout
+    planned = _saga(database_url, *compensate, "--dry-run", app_dir=tmp_path)
+    assert planned.returncode == 0, (planned.stdout, planned.stderr)
+    assert "skipped" in planned.stdout and f"call {holder.step}" in planned.stdout
     # Nothing was taken over: the holder records its result, and the channel goes on.
     assert holder.do("complete") == "HOLDER done complete"
     state = orch.get(holder.saga_id)
