@@ -564,23 +564,24 @@ class _Ledger:
         before it was are told apart by request hash, as they were)."""
         short = call_step_name(durable, key)
         long = call_long_name(durable, key)
-        calls = self._call_keys()
-        if long in calls:
+        if self._call_identity(long) is not None:
             return long
-        taken = calls.get(short)
+        taken = self._call_identity(short)
         if taken is None or taken in (self._identity(long), self._identity(short)):
             return short
         return long
 
-    def _call_keys(self) -> dict[str, str]:
-        """The idempotency key of each call of the session, by operation name."""
+    def _call_identity(self, name: str) -> str | None:
+        """The idempotency key of the session's call `name`, or None when it has none."""
         if self.planner is not None:
-            return {op.step: op.idempotency_key for op in self.planner.actions}
+            op = self.planner.find(name, "action")
+            return None if op is None else op.idempotency_key
         if self.finished is None:  # not entered yet: no call is stored
-            return {}
-        return {
-            op.step: op.idempotency_key for op in self.finished.operations if op.kind == "action"
-        }
+            return None
+        for state in self.finished.operations:
+            if state.step == name and state.kind == "action":
+                return state.idempotency_key
+        return None
 
     def _identity(self, name: str) -> str:
         """The idempotency key of call `name` of this session."""
