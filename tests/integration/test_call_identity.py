@@ -4,6 +4,7 @@ share the first 48 bits of their SHA-256, the digest of a call's short name."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Iterator
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from saga import Orchestrator, durable_step
+from saga import AsyncOrchestrator, Orchestrator, durable_step
 from saga.durable import DurableStep, isolated_steps
 from saga.keys import call_operation_name, operation_key
 
@@ -97,3 +98,29 @@ def test_a_session_call_recorded_before_keeps_replaying(
             assert charge(KEYS[0], 1) == {"charged": KEYS[0], "amount_cents": 1}
         assert (run.executed, run.replayed) == (0, 1)
     assert calls == [KEYS[0]]
+
+
+def test_two_keys_with_one_short_name_are_two_calls_of_an_async_session(
+    database_url: str,
+) -> None:
+    made: list[str] = []
+
+    async def main() -> list[Any]:
+        with isolated_steps():
+
+            @durable_step(name="charge", key=lambda order_id: order_id)
+            async def charge(order_id: str) -> dict[str, Any]:
+                made.append(order_id)
+                return {"charged": order_id}
+
+            async with AsyncOrchestrator(database_url) as aorch:
+                async with aorch.session("ticket-3") as run:
+                    first = [await charge(key) for key in KEYS]
+                async with aorch.session("ticket-3") as run:
+                    again = [await charge(key) for key in KEYS]
+                assert (run.executed, run.replayed) == (0, 2)
+                return [first, again]
+
+    first, again = asyncio.run(main())
+    assert first == again == [{"charged": key} for key in KEYS]
+    assert made == list(KEYS)

@@ -5,6 +5,7 @@ claim: it is refused, naming the call, its holder and when its lease ends, unles
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import psycopg
 import pytest
 
 from saga import (
+    AsyncOrchestrator,
     OperationStatus,
     Orchestrator,
     SagaStatus,
@@ -249,3 +251,25 @@ def test_a_live_sessions_running_call_is_named_when_a_verb_is_refused(
             assert orch.get(session.id).status == SagaStatus.RUNNING
     finally:
         child.kill()
+
+
+def test_the_asyncio_door_keeps_leases_and_refuses_alike(
+    database_url: str, orch: Orchestrator, holders: list[Holder]
+) -> None:
+    holder = _hold(database_url, holders, "order-5", 60.0)
+
+    async def main() -> None:
+        async with AsyncOrchestrator(database_url) as aorch:
+            claim = await aorch.ledger.claim(
+                "run-1", "order-6", "charge_customer", {"key": "order-6"}, lease_seconds=120
+            )
+            before = datetime.now().astimezone()
+            beaten = await aorch.ledger.heartbeat(claim)
+            assert beaten.expires_at is not None
+            assert beaten.expires_at >= before + timedelta(seconds=119)
+            with pytest.raises(StepStateError, match=f"call {holder.step} is leased by"):
+                await aorch.compensate(holder.saga_id, include_unknown=True, actor="ops")
+            await aorch.ledger.complete(beaten, {"charged": "order-6"})
+
+    asyncio.run(main())
+    assert holder.do("complete") == "HOLDER done complete"
