@@ -19,6 +19,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from saga.agroup import GroupCommit
 from saga.errors import SagaError, StepStateError
+from saga.live_calls import RunningCall
 from saga.protocol import ConfirmationRow, Event, OpRow, SagaRow, Write
 from saga.roles import RoleKind, check_privileges, privileges_query
 from saga.state import Confirmation, HistoryEvent, SagaState, WorkerInfo
@@ -40,6 +41,7 @@ from saga.store import (
     ledger_params,
     loaded_batch,
     loaded_from_rows,
+    settle_query,
     start_params,
     started,
     state_of,
@@ -246,6 +248,18 @@ class AsyncStore:
         assert row is not None  # the caller holds the saga row locked
         return int(row["fence"])
 
+    async def running_calls_txn(self, conn: AConn, saga_id: str) -> list[RunningCall]:
+        """The saga's operations left running (see `Store.running_calls_txn`)."""
+        cur = await conn.execute(_q("running_calls"), {"saga_id": saga_id})
+        return [RunningCall(**r) for r in await cur.fetchall()]
+
+    async def break_claims_txn(
+        self, conn: AConn, saga_id: str, steps: Sequence[str]
+    ) -> dict[str, int]:
+        """End the live claims of these calls (see `Store.break_claims_txn`)."""
+        cur = await conn.execute(_q("break_claims"), {"saga_id": saga_id, "steps": list(steps)})
+        return {r["step"]: int(r["claim_fence"]) for r in await cur.fetchall()}
+
     # ----- persisting decisions ---------------------------------------------------------
 
     async def save_txn(
@@ -403,7 +417,7 @@ class AsyncStore:
     async def ledger_settle(self, params: dict[str, Any]) -> dict[str, Any]:
         """Record a ledger call's outcome, or extend its claim (see `Store.ledger_settle`)."""
         async with self._connection() as conn:
-            cur = await conn.execute(_q("ledger_settle"), ledger_params(params))
+            cur = await conn.execute(_q(settle_query(params)), ledger_params(params))
             row = await cur.fetchone()
         assert row is not None
         return row

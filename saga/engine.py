@@ -32,6 +32,7 @@ from saga.errors import (
 from saga.flow import Flows, RunnerOptions, log_events, retried
 from saga.keys import check_saga_input
 from saga.keys import request_hash as hash_business_fields
+from saga.live_calls import RunningCall, claimed_refusal, leased_refusal, touched
 from saga.logs import get_logger
 from saga.operator import check_actor
 from saga.protocol import Event, Next, Planner, SagaRow, new_action_rows
@@ -501,10 +502,31 @@ class Engine:
                 raise NotRegistered(row.name, row.version)
             definition = _opaque(row.name, row.version)
         broken: list[Event] = []
+        running: list[RunningCall] = yield db("running_calls_txn", saga_id)
         if live and not force:
             raise StepStateError(
-                f"saga {saga_id} is leased by {row.lease_owner} until {row.lease_expires_at}; "
-                "wait for it to stop or for the lease to expire, or force it"
+                leased_refusal(saga_id, row.lease_owner, row.lease_expires_at, running)
+            )
+        claimed = touched(change, running)
+        if claimed and not force:
+            raise StepStateError(claimed_refusal(saga_id, claimed))
+        if claimed:
+            # Each holder's next write fails its fence check; its call, still running,
+            # is treated as unknown by whoever settles it next.
+            fences = yield db("break_claims_txn", saga_id, [c.step for c in claimed])
+            broken.extend(
+                Event(
+                    "lease_broken",
+                    step=c.step,
+                    kind="action",
+                    detail={
+                        "actor": actor,
+                        "previous_owner": c.claim_owner,
+                        "fence": fences.get(c.step),
+                        "ledger": True,
+                    },
+                )
+                for c in claimed
             )
         if live:
             # The holder's next write fails its fence check; its running attempt, if

@@ -172,9 +172,19 @@ def saga_key_prefix(saga: str, version: int, tenant: str, key: str) -> str:
 
 def call_operation_name(step: str, key: str) -> str:
     """The operation name of a code-first call (a session's durable step, a ledger's
-    tool): its step's name and a digest of its key, so that a step called under several
-    keys has an operation per key."""
+    tool): its step's name and a short digest of its key (48 bits), so that a step called
+    under several keys has an operation per key.
+
+    The short name is for people (`saga show`, `saga resolve`); it is not the call's
+    identity. Two keys whose short names collide are two calls: the second one is named
+    by `call_operation_long_name`."""
     return f"{step}.{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def call_operation_long_name(step: str, key: str) -> str:
+    """The operation name of a code-first call whose short name (`call_operation_name`)
+    another key's call has: its step's name and the whole SHA-256 of its key."""
+    return f"{step}.{hashlib.sha256(key.encode()).hexdigest()}"
 
 
 def operation_key(saga: str, version: int, tenant: str, key: str, step: str, kind: str) -> str:

@@ -32,7 +32,14 @@ from saga.errors import (
     SessionParked,
     StepStateError,
 )
-from saga.keys import JsonValue, call_operation_name, check_json, operation_key, request_hash
+from saga.keys import (
+    JsonValue,
+    call_operation_long_name,
+    call_operation_name,
+    check_json,
+    operation_key,
+    request_hash,
+)
 from saga.operator import actor_or_os_user
 from saga.session import LEDGER_PREFIX
 
@@ -65,7 +72,9 @@ class Claim(BaseModel):
         key: The call's key, as given to `claim`.
         tool: The tool the call is of.
         saga_id: The channel's saga id (`saga show` it).
-        step: The call's operation name (`<tool>.<digest of key>`), for `saga resolve`.
+        step: The call's operation name, for `saga resolve`: `<tool>.<48 bits of the key's
+            SHA-256>`, or the whole digest when another key's call has that name (the
+            call's identity is its whole key, in `idempotency_key`).
         idempotency_key: The operation's stable key: pass it to the provider.
         request_hash: The fingerprint of the call's deduplicated fields.
         attempt: The attempt this claim holds (from 1).
@@ -74,6 +83,8 @@ class Claim(BaseModel):
         owner: Who holds the claim (this claim's own token; for `in_progress`, the live
             holder).
         expires_at: When the claim's lease ends unless `heartbeat` extends it.
+        lease_seconds: The claim's own lease: what each `heartbeat` extends it by (for a
+            claim that holds nothing, None).
         result: A replayed call's stored result.
         provider_reference: A replayed call's provider reference.
         outcome_unknown: True when the previous attempt may have taken effect (`reclaimed`).
@@ -96,6 +107,7 @@ class Claim(BaseModel):
     fence: int
     owner: str | None
     expires_at: datetime | None
+    lease_seconds: float | None = None
     result: Any = None
     provider_reference: str | None = None
     outcome_unknown: bool = False
@@ -117,6 +129,7 @@ class _Asked(BaseModel):
     key: str
     tool: str
     step: str
+    long_step: str
     idempotency_key: str
     request_hash: str
     request: dict[str, Any]
@@ -177,6 +190,7 @@ def _asked(
         key=key,
         tool=tool,
         step=call_operation_name(tool, key),
+        long_step=call_operation_long_name(tool, key),
         idempotency_key=operation_key(CHANNEL_SAGA, 1, tenant, channel, key, "action"),
         request_hash=request_hash(fingerprint),
         request=request,
@@ -194,6 +208,7 @@ def _claim_params(asked: _Asked) -> dict[str, Any]:
         "new_id": str(uuid.uuid4()),
         "input_hash": request_hash({}),
         "step": asked.step,
+        "long_step": asked.long_step,
         "idempotency_key": asked.idempotency_key,
         "request_hash": asked.request_hash,
         "request": asked.request,
@@ -207,6 +222,7 @@ def _verdict(asked: _Asked, row: Mapping[str, Any]) -> Claim:
     """The claim a verdict row of saga.ledger_claim stands for, or the error it means."""
     verdict = row["verdict"]
     saga_id = str(row["saga_id"])
+    step = row["step"] or asked.step  # the call's name: short unless another key has it
     where = f"call {asked.tool!r} under key {asked.key!r} in channel {asked.channel!r}"
     if verdict == "conflict":
         raise IdempotencyConflict(
@@ -224,7 +240,7 @@ def _verdict(asked: _Asked, row: Mapping[str, Any]) -> Claim:
     if verdict in ("parked", "exhausted"):
         raise SessionParked(
             f"channel {asked.channel!r} ({saga_id}) needs a human: {row['error']}; settle it "
-            f"with `saga resolve {saga_id} --step {asked.step} ...` (nothing was claimed)"
+            f"with `saga resolve {saga_id} --step {step} ...` (nothing was claimed)"
         )
     if verdict == "failed":
         raise PermanentError(
@@ -240,7 +256,7 @@ def _verdict(asked: _Asked, row: Mapping[str, Any]) -> Claim:
         key=asked.key,
         tool=asked.tool,
         saga_id=saga_id,
-        step=asked.step,
+        step=step,
         idempotency_key=asked.idempotency_key,
         request_hash=asked.request_hash,
         attempt=int(row["attempt"]),
@@ -248,6 +264,7 @@ def _verdict(asked: _Asked, row: Mapping[str, Any]) -> Claim:
         fence=int(row["fence"]),
         owner=asked.owner if held else row["holder"],
         expires_at=row["expires_at"],
+        lease_seconds=asked.lease_seconds if held else None,
         result=row["result"],
         provider_reference=row["provider_reference"],
         outcome_unknown=status == "reclaimed",
@@ -370,8 +387,14 @@ class _LedgerDoor:
         )
 
     def _heartbeat(self, claim: Claim, lease_seconds: float | None) -> dict[str, Any]:
+        """A heartbeat's write: the lease extended by `lease_seconds`, else by the claim's
+        own (the database never shortens it)."""
+        if lease_seconds is None:
+            lease_seconds = claim.lease_seconds if isinstance(claim, Claim) else None
         seconds = self.lease_seconds if lease_seconds is None else lease_seconds
-        return _settle_params(claim, "heartbeat", lease_seconds=seconds)
+        if not seconds > 0:
+            raise ValueError(f"heartbeat: lease_seconds must be positive, got {seconds!r}")
+        return _settle_params(claim, "heartbeat", lease_seconds=float(seconds))
 
     @staticmethod
     def _completion(
@@ -472,8 +495,10 @@ class Ledger(_LedgerDoor):
         return _verdict(asked, row)
 
     def heartbeat(self, claim: Claim, *, lease_seconds: float | None = None) -> Claim:
-        """Extend the claim's lease; the claim with its new expiry. `LeaseLost` when
-        another holder took the call over."""
+        """Extend the claim's lease to `lease_seconds` from now (default: the claim's own
+        `lease_seconds`, as claimed); a lease that already ends later is left as it is, so
+        a heartbeat never shortens a claim. Returns the claim with its expiry. `LeaseLost`
+        when another holder took the call over, or an operator settled it."""
         row = self._settle(claim, self._heartbeat(claim, lease_seconds))
         return claim.model_copy(update={"expires_at": row["expires_at"]})
 

@@ -135,6 +135,16 @@ def refusal(orch: Orchestrator, state: SagaState, *, force: bool, batch: bool) -
             f"leased by {state.lease_owner} until {state.lease_expires_at:%H:%M:%S}; "
             "pass --force to take the lease over"
         )
+    if not force and state.status != SagaStatus.COMPENSATED:
+        with orch.store.transaction() as conn:
+            claimed = [c for c in orch.store.running_calls_txn(conn, state.id) if c.claimed]
+        if claimed:
+            held = ", ".join(
+                f"call {c.step} is leased by {c.claim_owner} until {c.claim_expires_at:%H:%M:%S}"
+                for c in claimed
+                if c.claim_expires_at is not None
+            )
+            return f"{held}; pass --force to take the lease over"
     if batch:
         pivot = succeeded_pivot(orch, state)
         if pivot is not None:

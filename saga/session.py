@@ -36,7 +36,7 @@ from saga.errors import (
     StepStateError,
 )
 from saga.flow import Flows, log_events, retried
-from saga.keys import call_operation_name, operation_key
+from saga.keys import call_operation_long_name, call_operation_name, operation_key
 from saga.keys import request_hash as hash_fields
 from saga.protocol import Planner, SagaRow
 from saga.retry import RetryPolicy
@@ -294,6 +294,12 @@ def call_step_name(durable: DurableStep[Any, Any], key: str) -> str:
     return call_operation_name(durable.name, key)
 
 
+def call_long_name(durable: DurableStep[Any, Any], key: str) -> str:
+    """The operation name of a call of `durable` under `key` whose short name another
+    key's call has (`call_operation_long_name`)."""
+    return call_operation_long_name(durable.name, key)
+
+
 class SessionFlows:
     """Opening, calling and closing one session, as flows both doors carry out."""
 
@@ -459,7 +465,7 @@ class _Ledger:
                 "not supported in sessions yet; compute the request in the step itself"
             )
         call = durable.call_of(args, kwargs)
-        name = call_step_name(durable, call.key)
+        name = self.call_name(durable, call.key)
         stored = self._stored(name)
         if stored is not None:
             status, request_hash, result, error = stored
@@ -503,14 +509,8 @@ class _Ledger:
             asked = inputs.CallAsked(
                 step=name,
                 position=position,
-                idempotency_key=operation_key(
-                    planner.saga.name,
-                    planner.saga.version,
-                    planner.saga.tenant_id,
-                    planner.saga.key,
-                    name,
-                    "action",
-                ),
+                # The whole key's digest, whatever the call's (display) name.
+                idempotency_key=self._identity(call_long_name(durable, call.key)),
                 request_hash=call.request_hash,
                 arguments=call.arguments,
                 max_attempts=durable.retry.max_attempts,
@@ -555,6 +555,42 @@ class _Ledger:
         self.planner = None
         self.finished = state
         return state
+
+    def call_name(self, durable: DurableStep[Any, Any], key: str) -> str:
+        """The operation name of the call of `durable` under `key` in this session.
+
+        Short (`call_step_name`) unless another key's call has that name: the call's
+        identity is its idempotency key, built on the whole key's digest (sessions written
+        before it was are told apart by request hash, as they were)."""
+        short = call_step_name(durable, key)
+        long = call_long_name(durable, key)
+        if self._call_identity(long) is not None:
+            return long
+        taken = self._call_identity(short)
+        if taken is None or taken in (self._identity(long), self._identity(short)):
+            return short
+        return long
+
+    def _call_identity(self, name: str) -> str | None:
+        """The idempotency key of the session's call `name`, or None when it has none."""
+        if self.planner is not None:
+            op = self.planner.find(name, "action")
+            return None if op is None else op.idempotency_key
+        if self.finished is None:  # not entered yet: no call is stored
+            return None
+        for state in self.finished.operations:
+            if state.step == name and state.kind == "action":
+                return state.idempotency_key
+        return None
+
+    def _identity(self, name: str) -> str:
+        """The idempotency key of call `name` of this session."""
+        if self.planner is not None:
+            saga = self.planner.saga
+            return operation_key(saga.name, saga.version, saga.tenant_id, saga.key, name, "action")
+        state = self.finished
+        assert state is not None
+        return operation_key(state.saga, state.version, state.tenant_id, state.key, name, "action")
 
     def _stored(self, name: str) -> tuple[OperationStatus, str, Any, str | None] | None:
         if self.planner is not None:
@@ -665,6 +701,12 @@ class _SessionBase:
     def id(self) -> str:
         """The session's saga id (its row in `saga list`)."""
         return self._ledger.session_id()
+
+    def operation_name(self, durable: DurableStep[Any, Any], key: str) -> str:
+        """The name of the operation a call of `durable` under `key` has in this session,
+        or would have if it were called now: `<step>.<48 bits of the key's SHA-256>`, or
+        the whole digest when another key's call has that name."""
+        return self._ledger.call_name(durable, key)
 
     @property
     def executed(self) -> int:

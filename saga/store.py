@@ -28,6 +28,7 @@ from saga.errors import (
     StepStateError,
 )
 from saga.group import GroupCommit
+from saga.live_calls import RunningCall
 from saga.protocol import ConfirmationChange, ConfirmationRow, Event, OpRow, SagaRow, Write
 from saga.redact import scrub
 from saga.roles import RoleKind, check_privileges, privileges_query
@@ -540,10 +541,11 @@ class Store:
         return row
 
     def ledger_settle(self, params: dict[str, Any]) -> dict[str, Any]:
-        """Record a ledger call's outcome, or extend its claim (saga.ledger_settle);
-        `LeaseLost` when the claim is no longer the caller's."""
+        """Record a ledger call's outcome (saga.ledger_settle), or extend its claim without
+        shortening it (saga.ledger_heartbeat_v1); `LeaseLost` when the claim is no longer
+        the caller's."""
         with self._connection() as conn:
-            row = conn.execute(_q("ledger_settle"), ledger_params(params)).fetchone()
+            row = conn.execute(_q(settle_query(params)), ledger_params(params)).fetchone()
         assert row is not None
         return row
 
@@ -720,6 +722,19 @@ class Store:
         assert row is not None  # the caller holds the saga row locked
         return int(row["fence"])
 
+    def running_calls_txn(self, conn: Conn, saga_id: str) -> list[RunningCall]:
+        """The saga's operations left running, with the live claims that hold them."""
+        rows = conn.execute(_q("running_calls"), {"saga_id": saga_id}).fetchall()
+        return [RunningCall(**r) for r in rows]
+
+    def break_claims_txn(self, conn: Conn, saga_id: str, steps: Sequence[str]) -> dict[str, int]:
+        """End the live claims of these calls for an operator: each fence grows, so the
+        holders' writes fail. The new fence of each call, by name."""
+        rows = conn.execute(
+            _q("break_claims"), {"saga_id": saga_id, "steps": list(steps)}
+        ).fetchall()
+        return {r["step"]: int(r["claim_fence"]) for r in rows}
+
     def find_unsettled(self, kinds: Sequence[str], *, limit: int) -> list[dict[str, Any]]:
         """Runnable sagas of these kinds with an operation running under an expired lease,
         or unknown: id, name, version and that operation's step, kind, status and key."""
@@ -750,6 +765,11 @@ class Store:
 
 
 _FIELD_NAMES: dict[type[Any], tuple[str, ...]] = {}
+
+
+def settle_query(params: dict[str, Any]) -> str:
+    """The statement of a ledger holder's write: a heartbeat, or an outcome."""
+    return "ledger_heartbeat" if params["outcome"] == "heartbeat" else "ledger_settle"
 
 
 def ledger_params(params: dict[str, Any]) -> dict[str, Any]:

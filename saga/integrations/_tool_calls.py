@@ -81,7 +81,7 @@ import asyncio
 import string
 from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeAlias
 
 from pydantic_core import PydanticSerializationError, to_jsonable_python
@@ -92,7 +92,7 @@ from saga.durable import DurableStep, active_session, durable_step, registered_s
 from saga.errors import PermanentError, SagaDefinitionError, SagaError
 from saga.keys import JsonValue, canonical_json, check_json
 from saga.retry import RetryPolicy
-from saga.session import AsyncSession, call_step_name
+from saga.session import AsyncSession, call_long_name, call_step_name
 from saga.signatures import describe_callable, is_async
 
 __all__ = [
@@ -453,7 +453,8 @@ def _check_shown(request: ApprovalRequest) -> None:
         call = step.call_of((request.tool, request.arguments), {})
     except (SagaDefinitionError, TypeError) as exc:
         raise ValueError(f"the approval request cannot be checked: {exc}") from None
-    if (call_step_name(step, call.key), call.request_hash) != (request.step, request.request_hash):
+    names = (call_step_name(step, call.key), call_long_name(step, call.key))
+    if request.step not in names or call.request_hash != request.request_hash:
         raise ValueError(
             f"the approval request of tool {request.tool!r} names operation {request.step!r} "
             f"and request hash {request.request_hash!r}, which are not those of the key and "
@@ -713,7 +714,7 @@ class ToolCalls:
         """
         session = _active_session(tool)
         full = _json_arguments(tool, arguments)
-        call = self._identify(tool, full, policy)
+        call = self._in_session(session, self._identify(tool, full, policy), policy)
         if await self._needs_token(session, call, full, policy, confirm):
             self._check_approval(session.id, call, approval)
         pending = _Pending(execute)
@@ -754,8 +755,14 @@ class ToolCalls:
         """
         session = _active_session(tool)
         full = _json_arguments(tool, arguments)
-        call = self._identify(tool, full, policy)
+        call = self._in_session(session, self._identify(tool, full, policy), policy)
         return await self._needs_token(session, call, full, policy, confirm)
+
+    def _in_session(self, session: AsyncSession, call: ToolCall, policy: ToolPolicy) -> ToolCall:
+        """`call` with the name of its operation in `session` (short, unless another
+        key's call has that name)."""
+        name = session.operation_name(self._step_for(call.tool, policy), call.key)
+        return call if name == call.operation else replace(call, operation=name)
 
     async def _needs_token(
         self,
@@ -785,7 +792,8 @@ class ToolCalls:
             TypeError: An argument is not JSON, or the key cannot be made.
         """
         session = _active_session(tool)
-        return _request(session.id, self.identify(tool, arguments, policy), refused)
+        call = self._in_session(session, self.identify(tool, arguments, policy), policy)
+        return _request(session.id, call, refused)
 
     def approval_refused(self, request: ApprovalRequest, token: object) -> str | None:
         """Why `token` does not approve the call `request` shows (None: it does): it is

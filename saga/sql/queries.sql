@@ -166,6 +166,25 @@ SET fence = fence + 1, lease_owner = NULL, lease_expires_at = NULL, updated_at =
 WHERE id = %(saga_id)s
 RETURNING fence
 
+-- running_calls --
+-- The operations of a saga left running, with the claim that holds each (ledger calls:
+-- claimed is true while that claim is live, by the database's clock), for an operator's
+-- change to refuse or break (see saga/live_calls.py).
+SELECT step, kind, claim_owner, claim_expires_at,
+       (claim_owner IS NOT NULL AND claim_expires_at > now()) AS claimed
+FROM saga.operations
+WHERE saga_id = %(saga_id)s AND status = 'running'
+ORDER BY kind = 'compensation', position
+
+-- break_claims --
+-- An operator forces a change on calls held by live claims: each claim's fence grows and
+-- its lease ends, so its holder's next write (and heartbeat) is refused.
+UPDATE saga.operations
+SET claim_fence = claim_fence + 1, claim_owner = NULL, claim_expires_at = NULL,
+    updated_at = now()
+WHERE saga_id = %(saga_id)s AND kind = 'action' AND step = ANY(%(steps)s)
+RETURNING step, claim_fence
+
 -- find_unsettled_sagas --
 -- Runnable sagas of the given (name:version) pairs with an operation left running under
 -- an expired lease, or already unknown: the reconcile job's work list, oldest first. The
@@ -417,11 +436,13 @@ WHERE id IN (%(source)s, %(fork)s)
 
 -- ledger_claim --
 -- Claim one call of a ledger channel (the channel created when new); see migration 0016
--- for the verdicts.
+-- for the verdicts, and 0022 for the call's name (step), short unless another key's
+-- call has it.
 SELECT *
-FROM saga.ledger_claim(%(tenant)s, %(name)s, %(channel)s, %(new_id)s, %(input_hash)s,
-                       %(step)s, %(idempotency_key)s, %(request_hash)s, %(request)s::jsonb,
-                       %(owner)s, %(lease_seconds)s::float8, %(max_attempts)s::integer)
+FROM saga.ledger_claim_v2(%(tenant)s, %(name)s, %(channel)s, %(new_id)s, %(input_hash)s,
+                          %(step)s, %(long_step)s, %(idempotency_key)s, %(request_hash)s,
+                          %(request)s::jsonb, %(owner)s, %(lease_seconds)s::float8,
+                          %(max_attempts)s::integer)
 
 -- ledger_settle --
 -- The holder of a ledger claim records its call's outcome, or extends its lease; SG001
@@ -430,6 +451,13 @@ SELECT *
 FROM saga.ledger_settle(%(saga_id)s::uuid, %(step)s, %(owner)s, %(fence)s::bigint,
                         %(outcome)s, %(result)s::jsonb, %(provider_reference)s, %(error)s,
                         %(lease_seconds)s::float8)
+
+-- ledger_heartbeat --
+-- The holder of a ledger claim extends its lease, never shortening it (migration 0021);
+-- SG001 when the claim is no longer the holder's.
+SELECT *
+FROM saga.ledger_heartbeat_v1(%(saga_id)s::uuid, %(step)s, %(owner)s, %(fence)s::bigint,
+                              %(lease_seconds)s::float8)
 
 -- ledger_close --
 -- End a ledger channel whose calls are all settled (see migration 0016).
