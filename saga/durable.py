@@ -36,7 +36,7 @@ from saga.codec import ResultCodec
 from saga.context import StepContext
 from saga.definition import Guards, check_name
 from saga.errors import SagaDefinitionError
-from saga.keys import JsonValue, canonical_json, check_json, request_hash
+from saga.keys import JsonValue, canonical_json, check_json, request_hash, same_request
 from saga.retry import RetryPolicy
 from saga.signatures import describe_callable, is_async
 
@@ -120,6 +120,18 @@ class DurableCall:
     key: str
     arguments: JsonValue | None
     request_hash: str
+
+    def matches(self, stored_hash: str, version: int) -> bool:
+        """Whether a call stored with `stored_hash` (of hash version `version`) is this
+        one: the same step, key and arguments, compared under the stored row's version."""
+        return same_request(
+            stored_hash, call_fingerprint(self.step, self.key, self.arguments), version=version
+        )
+
+
+def call_fingerprint(step: str, key: str, arguments: JsonValue | None) -> dict[str, JsonValue]:
+    """The fields a durable call's request hash covers: its step, key and arguments."""
+    return {"step": step, "key": key, "arguments": arguments}
 
 
 class DurableStep(Generic[P, R]):
@@ -425,7 +437,7 @@ class DurableStep(Generic[P, R]):
             step=self.name,
             key=key,
             arguments=stored,
-            request_hash=request_hash({"step": self.name, "key": key, "arguments": stored}),
+            request_hash=request_hash(call_fingerprint(self.name, key, stored)),
         )
 
     def _key_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:

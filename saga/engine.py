@@ -30,7 +30,7 @@ from saga.errors import (
     StepStateError,
 )
 from saga.flow import Flows, RunnerOptions, log_events, retried
-from saga.keys import check_saga_input
+from saga.keys import check_saga_input, same_request
 from saga.keys import request_hash as hash_business_fields
 from saga.logs import get_logger
 from saga.operator import check_actor
@@ -378,7 +378,7 @@ class Engine:
                 self._started.add(Started(row, ops, start_token))
         else:
             claimed = None
-            saga_id = _check_duplicate(saga, row, outcome)
+            saga_id = _check_duplicate(saga, row, outcome, business)
             _log.info(
                 "saga_start_deduplicated",
                 saga_id=saga_id,
@@ -681,8 +681,13 @@ class Engine:
         )
 
 
-def _check_duplicate(saga: Saga[Any], row: SagaRow, found: dict[str, Any]) -> str:
-    if found["version"] != saga.version or found["input_hash"] != row.input_hash:
+def _check_duplicate(
+    saga: Saga[Any], row: SagaRow, found: dict[str, Any], business: dict[str, Any]
+) -> str:
+    # An input hashed before an upgrade of the hash matches under its own version.
+    if found["version"] != saga.version or not (
+        found["input_hash"] == row.input_hash or same_request(found["input_hash"], business)
+    ):
         raise IdempotencyConflict(
             f"saga {saga.name!r} with key {row.key!r} (tenant {row.tenant_id!r}) already "
             f"exists as {found['id']} with a different request "

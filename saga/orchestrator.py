@@ -24,6 +24,7 @@ from saga.engine import (
     list_filters,
     resolve_arguments,
 )
+from saga.keys import HASH_VERSION
 from saga.leases import LeaseKeeper
 from saga.ledger import Ledger
 from saga.logs import get_logger
@@ -625,7 +626,8 @@ class Orchestrator(Engine):
 def session_options(url: str, lease_seconds: float) -> str:
     """Server settings of the orchestrator's connections (libpq `options`, added to any the
     URL or PGOPTIONS give): no transaction of ours holds its locks, or waits for another's,
-    longer than a lease.
+    longer than a lease; and the request hash version of the rows they write
+    (`saga.hash_version`, migration 0024).
 
     A claim plans the saga's first move (cost functions, confirm rules, input models: user
     code) while the saga row is locked; a holder frozen there (SIGSTOP, a GC pause, a slow
@@ -638,7 +640,10 @@ def session_options(url: str, lease_seconds: float) -> str:
     """
     existing = conninfo_to_dict(url).get("options") or os.environ.get("PGOPTIONS", "")
     milliseconds = max(1, math.ceil(lease_seconds * 1000.0))
-    ours = f"-c idle_in_transaction_session_timeout={milliseconds} -c lock_timeout={milliseconds}"
+    ours = (
+        f"-c idle_in_transaction_session_timeout={milliseconds} -c lock_timeout={milliseconds}"
+        f" -c saga.hash_version={HASH_VERSION}"
+    )
     return f"{existing} {ours}".strip()
 
 
@@ -665,4 +670,4 @@ def transaction_settings(route: Route, lease_seconds: float) -> dict[str, str] |
     if not route.pooled:
         return None
     milliseconds = str(max(1, math.ceil(lease_seconds * 1000.0)))
-    return {"idle_ms": milliseconds, "lock_ms": milliseconds}
+    return {"idle_ms": milliseconds, "lock_ms": milliseconds, "hash_version": str(HASH_VERSION)}

@@ -462,8 +462,8 @@ class _Ledger:
         name = call_step_name(durable, call.key)
         stored = self._stored(name)
         if stored is not None:
-            status, request_hash, result, error = stored
-            if request_hash != call.request_hash:
+            status, request_hash, hash_version, result, error = stored
+            if not call.matches(request_hash, hash_version):
                 raise IdempotencyConflict(
                     f"durable step {durable.name!r} was called in session {self.session_id()} "
                     f"under key {call.key!r} with other arguments; use another key for another "
@@ -556,14 +556,22 @@ class _Ledger:
         self.finished = state
         return state
 
-    def _stored(self, name: str) -> tuple[OperationStatus, str, Any, str | None] | None:
+    def _stored(self, name: str) -> tuple[OperationStatus, str, int, Any, str | None] | None:
         if self.planner is not None:
             op = self.planner.find(name, "action")
-            return None if op is None else (op.status, op.request_hash, op.result, op.error)
+            if op is None:
+                return None
+            return op.status, op.request_hash, op.hash_version, op.result, op.error
         assert self.finished is not None
         for state in self.finished.operations:
             if state.step == name and state.kind == "action":
-                return state.status, state.request_hash, state.result, state.error
+                return (
+                    state.status,
+                    state.request_hash,
+                    state.hash_version,
+                    state.result,
+                    state.error,
+                )
         return None
 
     def _raised(self, name: str, error: str | None) -> BaseException:

@@ -412,6 +412,8 @@ FROM saga.ledger_close(%(tenant)s, %(name)s, %(channel)s, %(actor)s)
 -- The connections' timeouts for this transaction only, its first statement through a
 -- transaction pooler (which refuses them as startup options, and would carry a session
 -- setting over to other clients): a frozen client's transaction is ended once it has
--- waited a lease, and a wait for a row lock ends after a lease too.
+-- waited a lease, and a wait for a row lock ends after a lease too. The request hash
+-- version the rows it writes are hashed under (migration 0024) goes the same way.
 SELECT set_config('idle_in_transaction_session_timeout', %(idle_ms)s, true),
-       set_config('lock_timeout', %(lock_ms)s, true)
+       set_config('lock_timeout', %(lock_ms)s, true),
+       set_config('saga.hash_version', %(hash_version)s, true)
