@@ -485,16 +485,21 @@ class Orchestrator(Engine):
         calling them, and runs the rest under keys of its own; it is created `pending`
         (call `run`, or leave it to a worker) and records `forked_from`. The source
         becomes `forked`: final, its effects the fork's to compensate. Refused
-        (`StepStateError`, nothing changed) unless the source is parked going forward,
-        every step before `from_step` succeeded (an unknown one is reconciled or resolved
-        first) and none from `from_step` on took effect. `key` defaults to
-        `"<source key>:fork:<from_step>"`; asking again returns the same fork.
+        (`StepStateError` naming the step, nothing changed) unless the source is parked
+        going forward or finished (completed or compensated), every step before
+        `from_step` succeeded and was not compensated (an unknown one is reconciled or
+        resolved first), and none from `from_step` on has an effect the fork would
+        repeat: each took none, is declared `side_effect=False`, or was compensated.
+        That is how a finished run's step N+1 is refined without paying for steps 1..N
+        again. `key` defaults to `"<source key>:fork:<from_step>"`; asking again
+        returns the same fork.
 
         A session forks from one of its calls (`from_step` is the call's name, or a
         durable step's name the session called once): the fork is a new session keyed
         `key` whose code, run under that run id, replays the calls before `from_step`
-        and makes the rest. A session a live process holds, or a closed one, is
-        refused; a failed call before `from_step` is inherited as failed.
+        and makes the rest. A session a live process holds is refused; a closed one
+        follows the rule of finished sagas; a failed call before `from_step` is
+        inherited as failed.
         """
         actor = actor_or_os_user("fork", actor)
         return self._runner().run(self._fork_flow(saga_id, from_step, key=key, actor=actor))

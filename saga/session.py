@@ -135,7 +135,7 @@ class SessionSaga(Saga[_NoInput]):
             retry=durable.retry,
             idempotent=durable.idempotent,
             pivot=False,
-            guards=Guards(timeout_seconds=durable.timeout_seconds),
+            guards=Guards(timeout_seconds=durable.timeout_seconds, side_effect=durable.side_effect),
         )
         step.codec = _Reported(durable.codec, self.refused, name)
         if durable.compensation_fn is not None:
