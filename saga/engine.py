@@ -267,6 +267,9 @@ class Engine:
         its compensation's) return value; `StepStateError` when the saga has no `step`."""
         definition = self.definition(state.saga, state.version)
         definition.adopt(state.operations)  # a session's calls are its steps
+        if definition.is_session:
+            # A durable step's name stands for its one unsettled call.
+            step = interventions.unsettled_call(state.id, state.operations, step, kind)
         target = definition.step_named(step)
         if target is None:
             raise StepStateError(f"saga {state.saga!r} has no step {step!r}")

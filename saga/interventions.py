@@ -22,7 +22,7 @@ from saga.errors import StepStateError
 from saga.keys import operation_key
 from saga.protocol import Planner, new_action_rows, unknown_remedy
 from saga.rows import Event, Kind, OpRow, SagaRow, describe
-from saga.state import OperationStatus, SagaStatus
+from saga.state import OperationState, OperationStatus, SagaStatus
 
 
 def request_compensation(
@@ -486,6 +486,54 @@ class ForkPlan:
     events: list[Event]
     inherited: tuple[str, ...]
     from_step: str
+
+
+class AmbiguousCall(StepStateError):
+    """A durable step's name names several unsettled calls of a session: the operator
+    names one of them (the exception lists them)."""
+
+
+def unsettled_call(
+    session_id: str, ops: Sequence[OperationState], step: str, kind: Kind | None = None
+) -> str:
+    """The call of a session that an operator's `step` names: a call's operation name as
+    given, or a durable step's plain name when exactly one call of that step is unsettled
+    (its outcome unknown, running, waiting for a retry, or its compensation parked).
+    `AmbiguousCall` listing the candidates when several are; `StepStateError` naming the
+    calls when none is."""
+    calls = [op.step for op in ops if op.kind == "action"]
+    if step in calls:
+        return step
+
+    def unsettled(op: OperationState) -> bool:
+        return (
+            op.status in (OperationStatus.UNKNOWN, OperationStatus.RUNNING)
+            or (op.status == OperationStatus.PENDING and op.attempts > 0)
+            or (op.kind == "compensation" and op.status == OperationStatus.FAILED)
+        )
+
+    of_step = [c for c in calls if c.rsplit(".", 1)[0] == step]
+    candidates = [
+        c
+        for c in of_step
+        if any(
+            op.step == c and (kind is None or op.kind == kind) and unsettled(op) for op in ops
+        )
+    ]
+    if len(candidates) == 1:
+        return candidates[0]
+    if candidates:
+        raise AmbiguousCall(
+            f"session {session_id} has {len(candidates)} unsettled calls of durable step "
+            f"{step!r}: {', '.join(candidates)}; name the one to resolve"
+        )
+    if of_step:
+        raise StepStateError(
+            f"session {session_id} has no unsettled call of durable step {step!r} (its "
+            f"calls of it: {', '.join(of_step)}); name a call to resolve it"
+        )
+    listed = ", ".join(calls) if calls else "none yet"
+    raise StepStateError(f"session {session_id} has no call {step!r}; its calls: {listed}")
 
 
 def session_call(session_id: str, ops: Sequence[OpRow], from_step: str) -> str:

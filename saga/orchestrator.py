@@ -409,7 +409,9 @@ class Orchestrator(Engine):
         is not driven here: call `run` or leave it to a worker. `force=True` takes over
         the lease of a live worker instead of refusing. `actor` is who checked and
         settled the step, recorded in the audit trail; an empty or blank one is refused
-        (`ValueError`).
+        (`ValueError`). In a session, `step` is a call's name (`saga show` lists them),
+        or the durable step's name when exactly one call of it is unsettled (several:
+        `StepStateError` listing them).
         """
         resolve_arguments(outcome, actor)
         state = self.get(saga_id)
