@@ -200,3 +200,40 @@ def test_a_saga_started_before_the_upgrade_is_found_again_by_its_old_hash(
 
     again = make_orch(saga).start(saga, Invoice(invoice_id="i-1", lines={"amount_cents": 4200.0}))
     assert (again.id, again.created) == (first.id, False)
+
+
+# ----- approvals --------------------------------------------------------------------------
+
+
+def test_an_approval_given_before_the_upgrade_still_releases_its_attempt(
+    database_url: str,
+) -> None:
+    """A confirmation asked and approved under hash version 1 (before an upgrade) is found
+    under that version by the planner after it: the approved attempt runs, once."""
+    calls: list[int] = []
+    saga = Saga("payout", input=Invoice, key=lambda i: i.invoice_id)
+
+    @saga.step(confirm=True)
+    def pay(ctx: StepContext, i: Invoice) -> dict[str, Any]:
+        calls.append(ctx.attempt)
+        return {"paid": i.lines["amount_cents"]}
+
+    with Orchestrator(database_url, sagas=[saga], confirmation_key="k") as orch:
+        state = orch.execute(saga, Invoice(invoice_id="i-1", lines={"amount_cents": 4200.0}))
+        assert state.status == "awaiting_confirmation"
+        pending = orch.preview(state.id)
+        assert pending is not None
+        shown = {k: v for k, v in pending.preview.items() if k != "request_hash"}
+        old = _v1_hash({"kind": "confirmation", "preview": shown})
+        assert old != pending.request_hash  # 4200.0 is written 4200 under RFC 8785
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(
+                "UPDATE saga.confirmations SET request_hash = %s, "
+                "preview = jsonb_set(preview, '{request_hash}', to_jsonb(%s::text))",
+                (old, old),
+            )
+        token = orch.approval(state.id, "pay", old, actor="lead@acme")
+        orch.confirm(state.id, "pay", old, token)
+        done = orch.run(state.id)
+        assert (done.status, calls) == ("completed", [1])
+        assert [c.consumed_attempt for c in orch.confirmations(state.id)] == [1]
