@@ -271,12 +271,16 @@ SELECT saga.assert_fence(%(saga_id)s, %(owner)s, %(fence)s, %(lease_seconds)s)
 -- A saga's decisions in one statement: its row (fenced for a lease holder), operations,
 -- events, confirmations, wake-up, the write's token and, when asked, its state as it now
 -- stands (see migrations 0008, 0010, 0011 and 0013).
-SELECT saga.write_saga_v4(%(write)s) AS state
+-- saga.hashed_under(2, ...): the rows it writes record request hash version 2
+-- (saga.keys.HASH_VERSION, migration 0024).
+SELECT saga.write_saga_v4(saga.hashed_under(2, %(write)s::jsonb)) AS state
 
 -- write_sagas --
 -- The writes of several sagas in one statement and one commit (group commit, migration
 -- 0014): one result per write, in order, each its state or the error that refused it.
-SELECT saga.write_sagas_v1(%(writes)s) AS results
+-- saga.hashed_under(2, ...): the rows it writes record request hash version 2
+-- (saga.keys.HASH_VERSION, migration 0024).
+SELECT saga.write_sagas_v1(saga.hashed_under(2, %(writes)s::jsonb)) AS results
 
 -- own_claim --
 -- The saga this owner's claim took, found by the token of the claim's first write: a worker
@@ -310,12 +314,16 @@ WHERE id = %(saga_id)s
 -- Create a saga with its operations and first events in one statement (migration 0008),
 -- the trace context of its starter (migration 0018) and the start's write token
 -- (migration 0020).
-SELECT saga.start_saga_v3(%(start)s) AS outcome
+-- saga.hashed_under(2, ...): the rows it writes record request hash version 2
+-- (saga.keys.HASH_VERSION, migration 0024).
+SELECT saga.start_saga_v3(saga.hashed_under(2, %(start)s::jsonb)) AS outcome
 
 -- claim_started --
 -- Claim a saga unclaimed and unchanged since the start that stored `start_token`, and
 -- record the first move its starter planned, in one statement (migration 0020).
-SELECT saga.claim_started_v1(%(claim)s) AS outcome
+-- saga.hashed_under(2, ...): the rows it writes record request hash version 2
+-- (saga.keys.HASH_VERSION, migration 0024).
+SELECT saga.claim_started_v1(saga.hashed_under(2, %(claim)s::jsonb)) AS outcome
 
 -- database_gauges --
 -- What the telemetry's gauges report of the database, per saga name (saga.telemetry): sagas
@@ -390,9 +398,12 @@ WHERE id IN (%(source)s, %(fork)s)
 -- ledger_claim --
 -- Claim one call of a ledger channel (the channel created when new); see migration 0016
 -- for the verdicts.
+-- saga.hashed_under(2, ...): the rows it writes record request hash version 2
+-- (saga.keys.HASH_VERSION, migration 0024).
 SELECT *
 FROM saga.ledger_claim(%(tenant)s, %(name)s, %(channel)s, %(new_id)s, %(input_hash)s,
-                       %(step)s, %(idempotency_key)s, %(request_hash)s, %(request)s::jsonb,
+                       %(step)s, %(idempotency_key)s, saga.hashed_under(2, %(request_hash)s::text),
+                       %(request)s::jsonb,
                        %(owner)s, %(lease_seconds)s::float8, %(max_attempts)s::integer)
 
 -- ledger_settle --

@@ -4,16 +4,20 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import rfc8785
 from pydantic import BaseModel
 
+import saga
 from saga import Saga
 from saga.keys import (
+    HASH_VERSION,
     canonical_form,
     canonical_json,
     check_json,
@@ -409,3 +413,13 @@ def test_floats_too_large_to_store_exactly_are_refused(number: float) -> None:
     with pytest.raises(TypeError, match="too large to store exactly"):
         check_json({"amount": number}, where="result of step 'charge'")
     check_json({"amount": 2.0**53 - 1, "big_int": 2**80}, where="result of step 'charge'")
+
+
+def test_the_writing_statements_record_the_current_hash_version() -> None:
+    """Each statement that writes operations or sagas says which request hash version its
+    rows were hashed under (saga.hashed_under, migration 0024): the current one."""
+    queries = (Path(saga.__file__).parent / "sql" / "queries.sql").read_text(encoding="utf-8")
+    code = "\n".join(line for line in queries.splitlines() if not line.startswith("--"))
+    marks = re.findall(r"saga\.hashed_under\((\d+),", code)
+    assert len(marks) == 5
+    assert set(marks) == {str(HASH_VERSION)}
