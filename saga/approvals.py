@@ -43,6 +43,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from saga.errors import SagaError
+from saga.keys import HASH_VERSION
 from saga.keys import request_hash as _hash_of
 
 
@@ -58,11 +59,15 @@ class Approval:
     expires_at: float
 
 
-def preview_hash(preview: Mapping[str, Any]) -> str:
+def preview_hash(preview: Mapping[str, Any], *, version: int = HASH_VERSION) -> str:
     """The request hash of a confirmation: hex SHA-256 over everything its preview shows
-    (every key but `request_hash`, which holds this hash)."""
+    (every key but `request_hash`, which holds this hash).
+
+    Under hash version 2 (the current one) that is the SHA-256 of the RFC 8785 canonical
+    form of `{"kind": "confirmation", "preview": <the preview without request_hash>}`,
+    which an approver's tool in any language with a JCS implementation recomputes."""
     shown = {k: v for k, v in preview.items() if k != "request_hash"}
-    return _hash_of({"kind": "confirmation", "preview": shown})
+    return _hash_of({"kind": "confirmation", "preview": shown}, version=version)
 
 
 def _b64(data: bytes) -> str:

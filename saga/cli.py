@@ -31,6 +31,7 @@ from saga.errors import (
     SagaError,
     StepStateError,
 )
+from saga.interventions import AmbiguousCall
 from saga.migrate import migrate_database
 from saga.orchestrator import ENV_APPROVAL_PUBLIC_KEY, ENV_CONFIRMATION_KEY, Orchestrator
 from saga.redact import scrub
@@ -946,6 +947,8 @@ def _resolve(args: argparse.Namespace) -> int:
             )
         except pydantic.ValidationError as exc:
             raise UsageError(f"--result does not fit step {args.step!r}: {_errors(exc)}") from None
+        except AmbiguousCall as exc:
+            raise UsageError(str(exc)) from None
         except NotRegistered as exc:
             if args.app:
                 raise

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from saga.approvals import Approval, ApprovalRejected, preview_hash
 from saga.definition import OperationSpec
+from saga.keys import HASH_VERSIONS
 from saga.rows import ConfirmationRow, Event, OpRow, describe
 from saga.state import OperationStatus, SagaStatus
 
@@ -70,8 +71,18 @@ def _use_approval(
     attempt's number, so every retry needs a new one), not yet used, and whose
     confirmation has not expired, releases anything; with signed approvals, only when
     the approval stored with it verifies too."""
-    digest = _preview(planner, op, spec, cost)["request_hash"]
+    preview = _preview(planner, op, spec, cost)
+    digest = preview["request_hash"]
     confirmation = _confirmation_for(planner, op.step, digest)
+    for version in HASH_VERSIONS:
+        if confirmation is not None:
+            break
+        # Asked and approved before an upgrade of the hash: bound to the preview's hash
+        # under the version of its day.
+        digest = preview_hash(preview, version=version)
+        confirmation = _confirmation_for(planner, op.step, digest)
+    if confirmation is None:
+        digest = preview["request_hash"]
     if (
         confirmation is None
         or confirmation.approved_at is None

@@ -36,7 +36,7 @@ from saga.codec import ResultCodec
 from saga.context import StepContext
 from saga.definition import Guards, check_name
 from saga.errors import SagaDefinitionError
-from saga.keys import JsonValue, canonical_json, check_json, request_hash
+from saga.keys import JsonValue, canonical_json, check_json, request_hash, same_request
 from saga.retry import RetryPolicy
 from saga.signatures import describe_callable, is_async
 
@@ -121,13 +121,25 @@ class DurableCall:
     arguments: JsonValue | None
     request_hash: str
 
+    def matches(self, stored_hash: str, version: int) -> bool:
+        """Whether a call stored with `stored_hash` (of hash version `version`) is this
+        one: the same step, key and arguments, compared under the stored row's version."""
+        return same_request(
+            stored_hash, call_fingerprint(self.step, self.key, self.arguments), version=version
+        )
+
+
+def call_fingerprint(step: str, key: str, arguments: JsonValue | None) -> dict[str, JsonValue]:
+    """The fields a durable call's request hash covers: its step, key and arguments."""
+    return {"step": step, "key": key, "arguments": arguments}
+
 
 class DurableStep(Generic[P, R]):
     """A function whose calls inside a session are recorded on the ledger and replayed.
 
     Made by `durable_step`; calling it outside a session calls the function. Attributes:
     `name`, `fn`, `key` (the key function or None), `retry`, `idempotent`,
-    `timeout_seconds`, `is_async`, `codec` (its result's `ResultCodec`), `signature`,
+    `timeout_seconds`, `side_effect`, `is_async`, `codec` (its result's `ResultCodec`), `signature`,
     and what its hooks registered: `compensation_fn`, `compensation_is_async`,
     `compensation_retry`, `compensation_idempotent`, `compensation_codec`,
     `reconcile_fn`, `reconcile_is_async`, `reconcile_window_seconds`, `reconcile_retry`,
@@ -149,6 +161,7 @@ class DurableStep(Generic[P, R]):
         retry: RetryPolicy | None = None,
         idempotent: bool = False,
         timeout_seconds: float | None = None,
+        side_effect: bool = True,
     ) -> None:
         if isinstance(fn, DurableStep):
             raise SagaDefinitionError(f"{fn.name!r} is already a durable step")
@@ -185,6 +198,7 @@ class DurableStep(Generic[P, R]):
             self._check_takes(key, "key function", ())
         self.retry: RetryPolicy = retry or RetryPolicy()
         self.idempotent: bool = idempotent
+        self.side_effect: bool = bool(side_effect)
         self.timeout_seconds: float | None = (
             float(timeout_seconds) if timeout_seconds is not None else None
         )
@@ -425,7 +439,7 @@ class DurableStep(Generic[P, R]):
             step=self.name,
             key=key,
             arguments=stored,
-            request_hash=request_hash({"step": self.name, "key": key, "arguments": stored}),
+            request_hash=request_hash(call_fingerprint(self.name, key, stored)),
         )
 
     def _key_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
@@ -598,6 +612,7 @@ def durable_step(
     retry: RetryPolicy | None = None,
     idempotent: bool = False,
     timeout_seconds: float | None = None,
+    side_effect: bool = True,
 ) -> Callable[[Callable[P, R]], DurableStep[P, R]]: ...
 
 
@@ -610,6 +625,7 @@ def durable_step(
     retry: RetryPolicy | None = None,
     idempotent: bool = False,
     timeout_seconds: float | None = None,
+    side_effect: bool = True,
 ) -> DurableStep[P, R] | Callable[[Callable[P, R]], DurableStep[P, R]]:
     """Decorator: make a sync or async function a durable step (`@durable_step` or
     `@durable_step(...)`).
@@ -632,6 +648,9 @@ def durable_step(
         idempotent: The provider dedupes on `ctx.idempotency_key`, so an attempt whose
             outcome is unknown may be retried with the same key.
         timeout_seconds: Longest attempt; one past it has an unknown outcome.
+        side_effect: False for a call that changes nothing outside (an LLM call, a
+            computation): it counts against no `max_side_effects`, and a fork of a
+            finished session may run it again (`Orchestrator.fork`).
     """
 
     def decorate(func: Callable[P, R]) -> DurableStep[P, R]:
@@ -642,6 +661,7 @@ def durable_step(
             retry=retry,
             idempotent=idempotent,
             timeout_seconds=timeout_seconds,
+            side_effect=side_effect,
         )
         _register(step)
         return step

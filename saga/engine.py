@@ -30,7 +30,7 @@ from saga.errors import (
     StepStateError,
 )
 from saga.flow import Flows, RunnerOptions, log_events, retried
-from saga.keys import check_saga_input
+from saga.keys import check_saga_input, same_request
 from saga.keys import request_hash as hash_business_fields
 from saga.live_calls import RunningCall, claimed_refusal, leased_refusal, touched
 from saga.logs import get_logger
@@ -268,6 +268,9 @@ class Engine:
         its compensation's) return value; `StepStateError` when the saga has no `step`."""
         definition = self.definition(state.saga, state.version)
         definition.adopt(state.operations)  # a session's calls are its steps
+        if definition.is_session:
+            # A durable step's name stands for its one unsettled call.
+            step = interventions.unsettled_call(state.id, state.operations, step, kind)
         target = definition.step_named(step)
         if target is None:
             raise StepStateError(f"saga {state.saga!r} has no step {step!r}")
@@ -379,7 +382,7 @@ class Engine:
                 self._started.add(Started(row, ops, start_token))
         else:
             claimed = None
-            saga_id = _check_duplicate(saga, row, outcome)
+            saga_id = _check_duplicate(saga, row, outcome, business)
             _log.info(
                 "saga_start_deduplicated",
                 saga_id=saga_id,
@@ -703,8 +706,13 @@ class Engine:
         )
 
 
-def _check_duplicate(saga: Saga[Any], row: SagaRow, found: dict[str, Any]) -> str:
-    if found["version"] != saga.version or found["input_hash"] != row.input_hash:
+def _check_duplicate(
+    saga: Saga[Any], row: SagaRow, found: dict[str, Any], business: dict[str, Any]
+) -> str:
+    # An input hashed before an upgrade of the hash matches under its own version.
+    if found["version"] != saga.version or not (
+        found["input_hash"] == row.input_hash or same_request(found["input_hash"], business)
+    ):
         raise IdempotencyConflict(
             f"saga {saga.name!r} with key {row.key!r} (tenant {row.tenant_id!r}) already "
             f"exists as {found['id']} with a different request "

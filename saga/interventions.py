@@ -22,7 +22,7 @@ from saga.errors import StepStateError
 from saga.keys import operation_key
 from saga.protocol import Planner, new_action_rows, unknown_remedy
 from saga.rows import Event, Kind, OpRow, SagaRow, describe
-from saga.state import OperationStatus, SagaStatus
+from saga.state import OperationState, OperationStatus, SagaStatus
 
 
 def request_compensation(
@@ -470,6 +470,9 @@ _FORKABLE = (
     SagaStatus.PENDING,
     SagaStatus.RUNNING,
 )
+# A finished saga is forked too, when the fork repeats no effect (`_inherited`): the
+# seed's "refine step N+1 without paying for steps 1..N again".
+_FORKABLE_FINISHED = (SagaStatus.COMPLETED, SagaStatus.COMPENSATED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -483,6 +486,54 @@ class ForkPlan:
     events: list[Event]
     inherited: tuple[str, ...]
     from_step: str
+
+
+class AmbiguousCall(StepStateError):
+    """A durable step's name names several unsettled calls of a session: the operator
+    names one of them (the exception lists them)."""
+
+
+def unsettled_call(
+    session_id: str, ops: Sequence[OperationState], step: str, kind: Kind | None = None
+) -> str:
+    """The call of a session that an operator's `step` names: a call's operation name as
+    given, or a durable step's plain name when exactly one call of that step is unsettled
+    (its outcome unknown, running, waiting for a retry, or its compensation parked).
+    `AmbiguousCall` listing the candidates when several are; `StepStateError` naming the
+    calls when none is."""
+    calls = [op.step for op in ops if op.kind == "action"]
+    if step in calls:
+        return step
+
+    def unsettled(op: OperationState) -> bool:
+        return (
+            op.status in (OperationStatus.UNKNOWN, OperationStatus.RUNNING)
+            or (op.status == OperationStatus.PENDING and op.attempts > 0)
+            or (op.kind == "compensation" and op.status == OperationStatus.FAILED)
+        )
+
+    of_step = [c for c in calls if c.rsplit(".", 1)[0] == step]
+    candidates = [
+        c
+        for c in of_step
+        if any(
+            op.step == c and (kind is None or op.kind == kind) and unsettled(op) for op in ops
+        )
+    ]
+    if len(candidates) == 1:
+        return candidates[0]
+    if candidates:
+        raise AmbiguousCall(
+            f"session {session_id} has {len(candidates)} unsettled calls of durable step "
+            f"{step!r}: {', '.join(candidates)}; name the one to resolve"
+        )
+    if of_step:
+        raise StepStateError(
+            f"session {session_id} has no unsettled call of durable step {step!r} (its "
+            f"calls of it: {', '.join(of_step)}); name a call to resolve it"
+        )
+    listed = ", ".join(calls) if calls else "none yet"
+    raise StepStateError(f"session {session_id} has no call {step!r}; its calls: {listed}")
 
 
 def session_call(session_id: str, ops: Sequence[OpRow], from_step: str) -> str:
@@ -518,13 +569,15 @@ def fork(
     """Continue a saga as a new one that runs from `from_step` on, inheriting the stored
     results of the steps before it without calling them again.
 
-    The saga must be going forward and held by no worker (the caller checks the lease
-    under the row lock): parked, or runnable after an operator's resolve. Every step
-    before `from_step` must have succeeded (an unknown outcome is reconciled or resolved
-    first), and no step from `from_step` on may have taken effect (succeeded, running or
-    unknown), so that no effect is ever left to nobody or made twice. The source becomes
-    `forked`: final, its inherited effects now the fork's to compensate. Refusals raise
-    `StepStateError` and change nothing.
+    The saga must be held by no worker (the caller checks the lease under the row lock)
+    and either going forward (parked, or runnable after an operator's resolve) or
+    finished (completed or compensated). Every step before `from_step` must have
+    succeeded, its effect not undone (an unknown outcome is reconciled or resolved
+    first), and no step from `from_step` on may have an effect the fork would repeat:
+    each one either took no effect (not succeeded, nor running or unknown), is declared
+    `side_effect=False`, or was compensated; so that no effect is ever left to nobody or
+    made twice. The source becomes `forked`: final, its inherited effects now the fork's
+    to compensate. Refusals raise `StepStateError` naming the step, and change nothing.
 
     A session is forked from one of its calls (`session_call` names it): the fork is a
     session of the same name and tenant whose key is `key`, holding the calls made before
@@ -603,17 +656,20 @@ def fork(
 def _refuse_unforkable(planner: Planner, session: bool) -> None:
     """A fork's source goes forward, is not final, and has undone nothing."""
     saga = planner.saga
+    if saga.status in _FORKABLE_FINISHED:
+        return  # each step is checked by `_inherited`
     if saga.status not in _FORKABLE:
         if session:
             raise StepStateError(
                 f"session {saga.id} is {saga.status.value}: only a session going forward that "
-                "no process holds (parked, or left open by its code) is forked; a closed one is "
-                "final"
+                "no process holds (parked, or left open by its code), or a finished one, is "
+                "forked"
             )
         raise StepStateError(
             f"saga {saga.id} is {saga.status.value}: only a saga going forward that no "
-            "worker holds (parked, or pending or running between two owners) is forked; a "
-            "finished one is final, and one that awaits a confirmation is answered first"
+            "worker holds (parked, or pending or running between two owners), or a finished "
+            "one, is forked; one that awaits a confirmation is answered first, and one that "
+            "is compensating finishes first"
         )
     if saga.direction != "forward" or any(
         c.kind == "compensation" and (c.attempts > 0 or c.status == OperationStatus.SUCCEEDED)
@@ -635,6 +691,23 @@ def _inherited(
     for act in planner.actions:
         settled = act.status == OperationStatus.SUCCEEDED
         unsure = act.status in (OperationStatus.UNKNOWN, OperationStatus.RUNNING)
+        undo = planner.find(act.step, "compensation")
+        undone = undo is not None and undo.status == OperationStatus.SUCCEEDED
+        undoing = undo is not None and not undone and undo.attempts > 0
+        if act.position < position and (undone or undoing):
+            raise StepStateError(
+                f"{what} {act.step!r} before {from_step!r} was "
+                f"{'compensated' if undone else 'being compensated'}: its effect is undone, "
+                f"so a fork cannot inherit its result; fork from {act.step!r} or before it"
+            )
+        if act.position >= position and settled and (undone or not _has_effect(planner, act)):
+            continue  # nothing the fork would repeat: no effect, or one undone
+        if act.position >= position and undoing:
+            raise StepStateError(
+                f"{what} {act.step!r}'s compensation is {undo.status.value if undo else ''}: "
+                f"its effect may still be in place, and a fork from {from_step!r} would run "
+                "it again under a new key; settle the compensation first"
+            )
         if act.position < position:
             if unsure:
                 raise StepStateError(
@@ -651,7 +724,8 @@ def _inherited(
         elif settled:
             raise StepStateError(
                 f"{what} {act.step!r} succeeded: a fork from {from_step!r} would run it again "
-                f"under a new key; fork from a later {what}"
+                f"under a new key and repeat its effect (it is not declared side_effect=False, "
+                f"and was not compensated); fork from a later {what}"
             )
         elif unsure:
             raise StepStateError(
@@ -693,6 +767,13 @@ def _inherit(op: OpRow, source: OpRow) -> None:
     op.started_at, op.finished_at = source.started_at, source.finished_at
     op.request, op.request_hash = source.request, source.request_hash
     op.spent, op.peak_spend = source.spent, source.peak_spend
+
+
+def _has_effect(planner: Planner, act: OpRow) -> bool:
+    """Whether the step of `act` takes an effect outside (not declared
+    `side_effect=False`); a step not known here is taken to."""
+    step = planner.definition.step_named(act.step)
+    return step is None or step.guards.side_effect
 
 
 def refuse_when_forked(planner: Planner, verb: str) -> None:

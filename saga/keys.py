@@ -8,6 +8,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import rfc8785
+
 JsonValue = Any  # None | bool | int | float | str | list[JsonValue] | dict[str, JsonValue]
 
 # Deeper nesting is refused: it is almost always a cycle, and PostgreSQL's jsonb and
@@ -149,14 +151,76 @@ def _bad_text(text: str) -> str | None:
 
 
 def canonical_json(value: JsonValue) -> str:
-    """Serialize JSON with sorted keys and no insignificant whitespace."""
+    """Serialize JSON with sorted keys and no insignificant whitespace.
+
+    The readable form used in keys and messages (and hash version 1); request hashes
+    use `canonical_form`.
+    """
     check_json(value, where="canonical JSON")
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def request_hash(fields: Mapping[str, JsonValue]) -> str:
-    """Hex SHA-256 of the canonical JSON of a request's business fields."""
-    return hashlib.sha256(canonical_json(dict(fields)).encode("utf-8")).hexdigest()
+# Request hash versions. 1: SHA-256 of `canonical_json` (Python's json with sorted keys),
+# which writes 4200.0 and 4200 differently. 2: SHA-256 of RFC 8785 (JSON Canonicalization
+# Scheme), where JSON numbers that are equal are written alike, so a tool in any language
+# with a JCS implementation computes the same hash. Every stored operation records the
+# version its hash was computed under (column `hash_version`, migration 0024).
+HASH_VERSION = 2
+HASH_VERSIONS = (1, 2)
+
+
+def canonical_form(value: JsonValue, *, version: int = HASH_VERSION) -> bytes:
+    """The UTF-8 bytes a request hash of `version` is computed over.
+
+    Version 2 is RFC 8785 (JSON Canonicalization Scheme): object keys sorted by their
+    UTF-16 code units, no whitespace, minimal string escapes, numbers written as
+    ECMAScript writes them (`4200.0` and `4200` are both `4200`, `1e-07` is `1e-7`). An
+    integer outside RFC 8785's exact domain, beyond +/-(2**53 - 1), is written with all
+    its digits instead of being refused, so that two different large integers (ids) stay
+    two requests.
+    """
+    check_json(value, where="canonical JSON")
+    if version == 1:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    if version != 2:
+        raise ValueError(f"unknown request hash version {version!r}; known: {HASH_VERSIONS}")
+    try:
+        return rfc8785.dumps(value)
+    except rfc8785.IntegerDomainError:
+        return _jcs_exact_integers(value)
+
+
+def _jcs_exact_integers(value: JsonValue) -> bytes:
+    """RFC 8785 of `value`, with integers beyond its domain written with all their digits."""
+    if isinstance(value, dict):
+        items = sorted(value.items(), key=lambda kv: kv[0].encode("utf-16be"))
+        inner = b",".join(rfc8785.dumps(k) + b":" + _jcs_exact_integers(v) for k, v in items)
+        return b"{" + inner + b"}"
+    if isinstance(value, list):
+        return b"[" + b",".join(_jcs_exact_integers(v) for v in value) + b"]"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value).encode("ascii")
+    return rfc8785.dumps(value)
+
+
+def request_hash(fields: Mapping[str, JsonValue], *, version: int = HASH_VERSION) -> str:
+    """Hex SHA-256 of the canonical form (`canonical_form`) of a request's business fields."""
+    return hashlib.sha256(canonical_form(dict(fields), version=version)).hexdigest()
+
+
+def same_request(
+    stored_hash: str, fields: Mapping[str, JsonValue], *, version: int | None = None
+) -> bool:
+    """Whether `fields` are the request a stored hash was computed over.
+
+    Compared under the stored row's `version` first (None: the current one), then under
+    the other known versions: each version's canonical form is a faithful JSON text, so a
+    hash that matches under any of them names the same JSON value. A row written before
+    an upgrade keeps verifying under its own version.
+    """
+    first = HASH_VERSION if version is None else version
+    order = (first, *(v for v in HASH_VERSIONS if v != first))
+    return any(request_hash(fields, version=v) == stored_hash for v in order)
 
 
 def _escape(part: str) -> str:

@@ -39,6 +39,7 @@ from saga.keys import (
     check_json,
     operation_key,
     request_hash,
+    same_request,
 )
 from saga.operator import actor_or_os_user
 from saga.session import LEDGER_PREFIX
@@ -132,6 +133,7 @@ class _Asked(BaseModel):
     long_step: str
     idempotency_key: str
     request_hash: str
+    fingerprint: dict[str, Any]
     request: dict[str, Any]
     owner: str
     lease_seconds: float
@@ -193,6 +195,7 @@ def _asked(
         long_step=call_operation_long_name(tool, key),
         idempotency_key=operation_key(CHANNEL_SAGA, 1, tenant, channel, key, "action"),
         request_hash=request_hash(fingerprint),
+        fingerprint=fingerprint,
         request=request,
         owner=f"{owner}/{uuid.uuid4().hex[:12]}",
         lease_seconds=float(lease_seconds),
@@ -216,6 +219,17 @@ def _claim_params(asked: _Asked) -> dict[str, Any]:
         "lease_seconds": asked.lease_seconds,
         "max_attempts": asked.max_attempts,
     }
+
+
+def _as_stored(asked: _Asked, row: Mapping[str, Any]) -> _Asked | None:
+    """On a `conflict` verdict, `asked` under the stored request hash when that hash is of
+    the same request under another hash version (a call claimed before an upgrade of the
+    hash): the claim is then asked again under it. None when the request differs."""
+    if row["verdict"] != "conflict" or row["request_hash"] == asked.request_hash:
+        return None
+    if not same_request(row["request_hash"], asked.fingerprint):
+        return None
+    return asked.model_copy(update={"request_hash": row["request_hash"]})
 
 
 def _verdict(asked: _Asked, row: Mapping[str, Any]) -> Claim:
@@ -492,6 +506,9 @@ class Ledger(_LedgerDoor):
             max_attempts=max_attempts,
         )
         row = self._write("ledger_claim", _claim_params(asked))
+        stored = _as_stored(asked, row)
+        if stored is not None:
+            asked, row = stored, self._write("ledger_claim", _claim_params(stored))
         return _verdict(asked, row)
 
     def heartbeat(self, claim: Claim, *, lease_seconds: float | None = None) -> Claim:
@@ -599,6 +616,9 @@ class AsyncLedger(_LedgerDoor):
             max_attempts=max_attempts,
         )
         row = await self._write("ledger_claim", _claim_params(asked))
+        stored = _as_stored(asked, row)
+        if stored is not None:
+            asked, row = stored, await self._write("ledger_claim", _claim_params(stored))
         return _verdict(asked, row)
 
     async def heartbeat(self, claim: Claim, *, lease_seconds: float | None = None) -> Claim:

@@ -24,6 +24,7 @@ from saga.engine import (
     list_filters,
     resolve_arguments,
 )
+from saga.keys import HASH_VERSION
 from saga.leases import LeaseKeeper
 from saga.ledger import Ledger
 from saga.logs import get_logger
@@ -408,7 +409,9 @@ class Orchestrator(Engine):
         is not driven here: call `run` or leave it to a worker. `force=True` takes over
         the lease of a live worker instead of refusing. `actor` is who checked and
         settled the step, recorded in the audit trail; an empty or blank one is refused
-        (`ValueError`).
+        (`ValueError`). In a session, `step` is a call's name (`saga show` lists them),
+        or the durable step's name when exactly one call of it is unsettled (several:
+        `StepStateError` listing them).
         """
         resolve_arguments(outcome, actor)
         state = self.get(saga_id)
@@ -484,16 +487,21 @@ class Orchestrator(Engine):
         calling them, and runs the rest under keys of its own; it is created `pending`
         (call `run`, or leave it to a worker) and records `forked_from`. The source
         becomes `forked`: final, its effects the fork's to compensate. Refused
-        (`StepStateError`, nothing changed) unless the source is parked going forward,
-        every step before `from_step` succeeded (an unknown one is reconciled or resolved
-        first) and none from `from_step` on took effect. `key` defaults to
-        `"<source key>:fork:<from_step>"`; asking again returns the same fork.
+        (`StepStateError` naming the step, nothing changed) unless the source is parked
+        going forward or finished (completed or compensated), every step before
+        `from_step` succeeded and was not compensated (an unknown one is reconciled or
+        resolved first), and none from `from_step` on has an effect the fork would
+        repeat: each took none, is declared `side_effect=False`, or was compensated.
+        That is how a finished run's step N+1 is refined without paying for steps 1..N
+        again. `key` defaults to `"<source key>:fork:<from_step>"`; asking again
+        returns the same fork.
 
         A session forks from one of its calls (`from_step` is the call's name, or a
         durable step's name the session called once): the fork is a new session keyed
         `key` whose code, run under that run id, replays the calls before `from_step`
-        and makes the rest. A session a live process holds, or a closed one, is
-        refused; a failed call before `from_step` is inherited as failed.
+        and makes the rest. A session a live process holds is refused; a closed one
+        follows the rule of finished sagas; a failed call before `from_step` is
+        inherited as failed.
         """
         actor = actor_or_os_user("fork", actor)
         return self._runner().run(self._fork_flow(saga_id, from_step, key=key, actor=actor))
@@ -625,7 +633,8 @@ class Orchestrator(Engine):
 def session_options(url: str, lease_seconds: float) -> str:
     """Server settings of the orchestrator's connections (libpq `options`, added to any the
     URL or PGOPTIONS give): no transaction of ours holds its locks, or waits for another's,
-    longer than a lease.
+    longer than a lease; and the request hash version of the rows they write
+    (`saga.hash_version`, migration 0024).
 
     A claim plans the saga's first move (cost functions, confirm rules, input models: user
     code) while the saga row is locked; a holder frozen there (SIGSTOP, a GC pause, a slow
@@ -638,7 +647,10 @@ def session_options(url: str, lease_seconds: float) -> str:
     """
     existing = conninfo_to_dict(url).get("options") or os.environ.get("PGOPTIONS", "")
     milliseconds = max(1, math.ceil(lease_seconds * 1000.0))
-    ours = f"-c idle_in_transaction_session_timeout={milliseconds} -c lock_timeout={milliseconds}"
+    ours = (
+        f"-c idle_in_transaction_session_timeout={milliseconds} -c lock_timeout={milliseconds}"
+        f" -c saga.hash_version={HASH_VERSION}"
+    )
     return f"{existing} {ours}".strip()
 
 
@@ -665,4 +677,4 @@ def transaction_settings(route: Route, lease_seconds: float) -> dict[str, str] |
     if not route.pooled:
         return None
     milliseconds = str(max(1, math.ceil(lease_seconds * 1000.0)))
-    return {"idle_ms": milliseconds, "lock_ms": milliseconds}
+    return {"idle_ms": milliseconds, "lock_ms": milliseconds, "hash_version": str(HASH_VERSION)}

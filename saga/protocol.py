@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from saga import ceilings, confirmations
 from saga.definition import Compensation, OperationSpec, Saga, Step
 from saga.errors import StepStateError
-from saga.keys import canonical_json, operation_key, request_hash
+from saga.keys import HASH_VERSION, canonical_json, operation_key, request_hash, same_request
 from saga.rows import (
     ConfirmationChange,
     ConfirmationRow,
@@ -663,7 +663,15 @@ class Planner:
         A request that differs from the one persisted while an earlier attempt's
         outcome is unknown is not acted on: the saga parks naming both requests.
         """
-        new_hash = request_hash({"kind": op.kind, "step": op.step, "request": request})
+        fields = {"kind": op.kind, "step": op.step, "request": request}
+        if op.request is not None and same_request(
+            op.request_hash, fields, version=op.hash_version
+        ):
+            # The same request (compared under the version the stored hash was computed
+            # under): its hash stays as stored.
+            new_hash = op.request_hash
+        else:
+            new_hash = request_hash(fields)
         if op.request is not None and new_hash != op.request_hash and op.retrying_unknown:
             self.event(
                 "request_changed",
@@ -681,6 +689,7 @@ class Planner:
             return
         if op.request is None or new_hash != op.request_hash:
             self.event("request_prepared", op, request_hash=new_hash)
+            op.hash_version = HASH_VERSION
         op.request, op.request_hash = request, new_hash
         op.dirty = True
         self.prepared.add((op.step, op.kind))

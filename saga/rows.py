@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
+from saga.keys import HASH_VERSION
 from saga.state import OperationKind, OperationStatus, SagaStatus
 
 Direction = Literal["forward", "backward"]
@@ -46,6 +47,8 @@ class OpRow:
     spent: float = 0.0
     attempt_spend: float = 0.0
     peak_spend: float = 0.0
+    # The version request_hash was computed under (saga.keys.HASH_VERSIONS, migration 0024).
+    hash_version: int = HASH_VERSION
     new: bool = False
     dirty: bool = False
 
@@ -83,6 +86,8 @@ class SagaRow:
     # The W3C trace context of the code that started the saga (migration 0018), for the
     # drivers' telemetry: data to the core, which never reads it.
     trace_context: dict[str, str] | None = None
+    # The version input_hash was computed under (saga.keys.HASH_VERSIONS, migration 0024).
+    hash_version: int = HASH_VERSION
 
 
 @dataclass(slots=True)

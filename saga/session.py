@@ -135,7 +135,7 @@ class SessionSaga(Saga[_NoInput]):
             retry=durable.retry,
             idempotent=durable.idempotent,
             pivot=False,
-            guards=Guards(timeout_seconds=durable.timeout_seconds),
+            guards=Guards(timeout_seconds=durable.timeout_seconds, side_effect=durable.side_effect),
         )
         step.codec = _Reported(durable.codec, self.refused, name)
         if durable.compensation_fn is not None:
@@ -468,8 +468,8 @@ class _Ledger:
         name = self.call_name(durable, call.key)
         stored = self._stored(name)
         if stored is not None:
-            status, request_hash, result, error = stored
-            if request_hash != call.request_hash:
+            status, request_hash, hash_version, result, error = stored
+            if not call.matches(request_hash, hash_version):
                 raise IdempotencyConflict(
                     f"durable step {durable.name!r} was called in session {self.session_id()} "
                     f"under key {call.key!r} with other arguments; use another key for another "
@@ -592,14 +592,22 @@ class _Ledger:
         assert state is not None
         return operation_key(state.saga, state.version, state.tenant_id, state.key, name, "action")
 
-    def _stored(self, name: str) -> tuple[OperationStatus, str, Any, str | None] | None:
+    def _stored(self, name: str) -> tuple[OperationStatus, str, int, Any, str | None] | None:
         if self.planner is not None:
             op = self.planner.find(name, "action")
-            return None if op is None else (op.status, op.request_hash, op.result, op.error)
+            if op is None:
+                return None
+            return op.status, op.request_hash, op.hash_version, op.result, op.error
         assert self.finished is not None
         for state in self.finished.operations:
             if state.step == name and state.kind == "action":
-                return state.status, state.request_hash, state.result, state.error
+                return (
+                    state.status,
+                    state.request_hash,
+                    state.hash_version,
+                    state.result,
+                    state.error,
+                )
         return None
 
     def _raised(self, name: str, error: str | None) -> BaseException:

@@ -69,6 +69,9 @@ class OperationState(BaseModel):
     cost: float | None = None
     reconcile_asks: int = 0
     spent: float = 0.0
+    # The version `request_hash` was computed under (`saga.keys.HASH_VERSIONS`): 1 for
+    # rows written before RFC 8785 request hashes, 2 after.
+    hash_version: int = 1
 
 
 class SagaState(BaseModel):

@@ -111,6 +111,28 @@ def test_behind_the_pooler_no_statement_is_prepared_and_timeouts_are_per_transac
         assert conn.prepare_threshold == 5
 
 
+def test_rows_written_behind_the_pooler_record_their_hash_version(
+    pooled_url: str, database_url: str
+) -> None:
+    """The request hash version is said per transaction behind the pooler (migration
+    0024), like the timeouts: the rows written record 2, and the shared server session
+    keeps no setting an older release's transactions would pick up."""
+    saga, data = app.make_input(24, 0, prefix="hashed")
+    with Orchestrator(pooled_url, sagas=app.ALL_SAGAS) as orch:
+        assert orch.execute(saga, data).status not in OPEN
+        claim = orch.ledger.claim("run-1", "k-1", "charge", {"amount_cents": 4200})
+        orch.ledger.complete(claim, {"charge_id": 1})
+        with orch.store.pool.connection() as conn:
+            row = conn.execute("SELECT current_setting('saga.hash_version', true) AS v").fetchone()
+            assert row is not None and row["v"] in (None, "")
+    with psycopg.connect(database_url) as conn:
+        versions = conn.execute(
+            "SELECT hash_version, count(*) FROM (SELECT hash_version FROM saga.operations "
+            "UNION ALL SELECT hash_version FROM saga.sagas) AS rows GROUP BY 1"
+        ).fetchall()
+    assert len(versions) == 1 and versions[0][0] == 2 and versions[0][1] >= 4
+
+
 def _lock_timeout(conn: psycopg.Connection[Any]) -> str:
     row = conn.cursor(row_factory=tuple_row).execute("SHOW lock_timeout").fetchone()
     assert row is not None

@@ -243,14 +243,15 @@ def test_a_refused_fork_changes_nothing(
 def test_a_completed_saga_is_not_forked(
     make_orch: OrchestratorFactory, database_url: str, app_dir: Path
 ) -> None:
-    """A completed saga is final: refused, nothing written."""
+    """A completed saga whose step from the fork point on took an effect: refused,
+    naming the step, nothing written."""
     orch = make_orch(*cli_app.SAGAS)
     done = orch.execute(cli_app.shop, Job(order_id="o-c")).id
     before = _rows(database_url)
     refused = saga_cmd(*_fork(database_url, done, "--from", "notify"), app_dir=app_dir)
     assert refused.returncode == 1
     line = _one_line_error(refused)
-    assert line.startswith(f"saga: refused: saga {done} is completed"), line
+    assert line.startswith("saga: refused: step 'notify' succeeded: a fork from 'notify'"), line
     assert _rows(database_url) == before
 
 

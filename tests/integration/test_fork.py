@@ -173,11 +173,16 @@ def test_the_fork_owns_the_inherited_effects_and_the_source_refuses_every_verb(
 @pytest.mark.parametrize(
     ("case", "message"),
     [
-        ("from_succeeded_step", "step 'charge' succeeded: a fork from 'charge' would run it"),
+        (
+            "from_succeeded_step",
+            "step 'charge' succeeded: a fork from 'charge' would run it again under a new key "
+            "and repeat its effect",
+        ),
         ("from_unknown_step", "'ship' has an unknown outcome: its effect may be in place"),
         ("no_such_step", "has no step 'pack'; its steps: reserve, charge, ship"),
-        ("completed", "is completed: only a saga going forward"),
-        ("compensated", "is compensated: only a saga going forward"),
+        # Finished: forked only when no step from the fork point on would repeat an effect.
+        ("completed", "step 'ship' succeeded: a fork from 'ship' would run it again"),
+        ("compensated", "step 'reserve' before 'ship' was compensated: its effect is undone"),
         ("key_taken", "is taken by saga"),
     ],
 )
@@ -444,7 +449,7 @@ def test_a_call_that_failed_before_the_fork_point_is_inherited_and_replays_its_f
         (
             "from_succeeded_call",
             r"call 'fork_charge\.[0-9a-f]{12}' succeeded: a fork from 'fork_charge\.[0-9a-f]{12}' "
-            r"would run it again under a new key; fork from a later call",
+            r"would run it again under a new key and repeat its effect",
         ),
         (
             "from_unknown_call",
@@ -460,8 +465,11 @@ def test_a_call_that_failed_before_the_fork_point_is_inherited_and_replays_its_f
             r"called durable step 'fork_charge' 2 times \(fork_charge\.[0-9a-f]{12}, "
             r"fork_charge\.[0-9a-f]{12}\): fork from one of these calls, by its name",
         ),
-        ("completed", r"is completed: only a session going forward that no process holds"),
-        ("compensated", r"is compensated: only a session going forward that no process holds"),
+        ("completed", r"call 'fork_ship\.[0-9a-f]{12}' succeeded: a fork from 'fork_ship"),
+        (
+            "compensated",
+            r"call 'fork_reserve\.[0-9a-f]{12}' before 'fork_ship\.[0-9a-f]{12}' was compensated",
+        ),
         ("key_taken", r"key 'taken' is taken by saga"),
     ],
 )
@@ -521,7 +529,8 @@ def test_asking_for_a_session_fork_again_returns_it_and_another_is_refused(
 
 def test_a_session_held_by_a_live_process_is_not_forked(database_url: str, shop: None) -> None:
     """While code is inside the session's block (its lease live), the fork is refused;
-    once the block ended the session is closed, and final."""
+    once the block ended the session is closed, and its call took an effect a fork from
+    it would repeat."""
     run_id = f"order-{uuid.uuid4()}"
     inside, leave = threading.Event(), threading.Event()
     ids: list[str] = []
@@ -551,7 +560,7 @@ def test_a_session_held_by_a_live_process_is_not_forked(database_url: str, shop:
         leave.set()
         thread.join(30)
     with Orchestrator(database_url) as orch:
-        with pytest.raises(StepStateError, match="is completed"):
+        with pytest.raises(StepStateError, match=r"call 'fork_reserve\.[0-9a-f]+' succeeded"):
             orch.fork(ids[0], "fork_reserve")
         assert _sagas(database_url) == 1
 

@@ -4,15 +4,28 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
+import rfc8785
 from pydantic import BaseModel
 
+import saga
 from saga import Saga
-from saga.keys import canonical_json, check_json, operation_key, request_hash, saga_key_prefix
+from saga.keys import (
+    HASH_VERSION,
+    canonical_form,
+    canonical_json,
+    check_json,
+    operation_key,
+    request_hash,
+    saga_key_prefix,
+    same_request,
+)
 
 # How long a child interpreter may take for one tiny computation (seconds).
 CHILD_TIMEOUT_SECONDS = 20.0
@@ -233,15 +246,74 @@ def test_check_json_refuses_a_cyclic_value_promptly() -> None:
 
 
 def test_request_hash_is_hex_sha256_of_canonical_json() -> None:
-    """The request hash is the hex SHA-256 of the canonical JSON, encoded as UTF-8."""
+    """The request hash is the hex SHA-256 of the RFC 8785 canonical form (version 2);
+    version 1, of rows written before, is that of Python's json with sorted keys."""
     fields = {"order_id": "ord-9", "amount_cents": 1299, "note": "Zoë"}
-    expected = hashlib.sha256(
-        json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-    ).hexdigest()
+    expected = hashlib.sha256(rfc8785.dumps(fields)).hexdigest()
     digest = request_hash(fields)
-    assert digest == expected
+    assert digest == expected == request_hash(fields, version=2)
     assert len(digest) == 64
     assert all(c in "0123456789abcdef" for c in digest)
+    assert (
+        request_hash(fields, version=1)
+        == hashlib.sha256(
+            json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        ).hexdigest()
+    )
+    with pytest.raises(ValueError, match="unknown request hash version 3"):
+        request_hash(fields, version=3)
+
+
+def test_equal_json_numbers_are_one_request() -> None:
+    """4200 and 4200.0 are equal JSON numbers (and equal in jsonb): one request."""
+    assert request_hash({"amount_cents": 4200}) == request_hash({"amount_cents": 4200.0})
+    assert request_hash({"amount_cents": 4200}) != request_hash({"amount_cents": 4200.5})
+    assert canonical_form({"a": [4200.0, -0.0, 1e-7, 2.5]}) == b'{"a":[4200,0,1e-7,2.5]}'
+
+
+def test_integers_beyond_rfc_8785s_domain_keep_all_their_digits() -> None:
+    """RFC 8785 refuses integers it cannot hold exactly; two large ids stay two requests."""
+    big = 2**63 - 1
+    assert canonical_form({"id": big, "n": 1.5}) == f'{{"id":{big},"n":1.5}}'.encode()
+    assert request_hash({"id": big}) != request_hash({"id": big - 1})
+
+
+def test_the_canonical_form_matches_rfc_8785s_published_examples() -> None:
+    """RFC 8785, section 3.2.2 (its 1E30 left out: a float from 2**53 on is refused here,
+    as jsonb would not keep it exactly) and section 3.2.3 (keys sorted by UTF-16 code
+    units, where Python's sort by code points differs)."""
+    value = json.loads(
+        '{"numbers": [333333333.33333329, 4.50, 2e-3, 0.000000000000000000000000001],'
+        '"string": "\\u20ac$\\u000F\\u000aA\'\\u0042\\u0022\\u005c\\\\\\"\\/",'
+        '"literals": [null, true, false]}'
+    )
+    assert (
+        canonical_form(value)
+        == (
+            '{"literals":[null,true,false],"numbers":[333333333.3333333,4.5,0.002,1e-27],'
+            '"string":"€$\\u000f\\nA\'B\\"\\\\\\\\\\"/"}'
+        ).encode()
+    )
+    keys = json.loads(
+        '{"\\u20ac": "Euro Sign", "\\r": "Carriage Return", '
+        '"\\ufb33": "Hebrew Letter Dalet With Dagesh", "1": "One", '
+        '"\\ud83d\\ude00": "Emoji: Grinning Face", "\\u0080": "Control", '
+        '"\\u00f6": "Latin Small Letter O With Diaeresis"}'
+    )
+    order = list(json.loads(canonical_form(keys)))
+    assert order == ["\r", "1", "\u0080", "\u00f6", "\u20ac", "\U0001f600", "\ufb33"]
+    # What a JCS implementation in another language hashes: the same bytes.
+    assert request_hash(keys) == hashlib.sha256(canonical_form(keys)).hexdigest()
+    assert request_hash(keys) != request_hash(keys, version=1)
+
+
+def test_a_stored_hash_verifies_under_its_own_version() -> None:
+    fields = {"amount_cents": 4200.0}
+    assert same_request(request_hash(fields, version=1), fields, version=1)
+    assert same_request(request_hash(fields, version=1), {"amount_cents": 4200.0})
+    assert not same_request(request_hash(fields, version=1), {"amount_cents": 4200}, version=1)
+    assert same_request(request_hash(fields), {"amount_cents": 4200}, version=2)
+    assert not same_request(request_hash(fields), {"amount_cents": 4201}, version=2)
 
 
 def test_request_hash_ignores_key_order() -> None:
@@ -341,3 +413,13 @@ def test_floats_too_large_to_store_exactly_are_refused(number: float) -> None:
     with pytest.raises(TypeError, match="too large to store exactly"):
         check_json({"amount": number}, where="result of step 'charge'")
     check_json({"amount": 2.0**53 - 1, "big_int": 2**80}, where="result of step 'charge'")
+
+
+def test_the_writing_statements_record_the_current_hash_version() -> None:
+    """Each statement that writes operations or sagas says which request hash version its
+    rows were hashed under (saga.hashed_under, migration 0024): the current one."""
+    queries = (Path(saga.__file__).parent / "sql" / "queries.sql").read_text(encoding="utf-8")
+    code = "\n".join(line for line in queries.splitlines() if not line.startswith("--"))
+    marks = re.findall(r"saga\.hashed_under\((\d+),", code)
+    assert len(marks) == 5
+    assert set(marks) == {str(HASH_VERSION)}

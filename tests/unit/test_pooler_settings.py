@@ -47,12 +47,17 @@ def test_through_a_pooler_no_startup_option_and_the_timeouts_per_transaction(
     assert direct == {
         "autocommit": True,
         "prepare_threshold": 5,
-        "options": "-c idle_in_transaction_session_timeout=2500 -c lock_timeout=2500",
+        "options": "-c idle_in_transaction_session_timeout=2500 -c lock_timeout=2500"
+        " -c saga.hash_version=2",
     }
     assert transaction_settings(DIRECT, 2.5) is None
     pooled = connection_kwargs("postgresql://h/db", 2.5, POOLED, None)
     assert pooled == {"autocommit": True, "prepare_threshold": None}
-    assert transaction_settings(POOLED, 2.5) == {"idle_ms": "2500", "lock_ms": "2500"}
+    assert transaction_settings(POOLED, 2.5) == {
+        "idle_ms": "2500",
+        "lock_ms": "2500",
+        "hash_version": "2",
+    }
 
 
 def test_workers_listen_on_listen_url_else_the_environment_else_a_direct_database_url(
