@@ -5,15 +5,17 @@ each try, and then drives its sagas; only a signal or `stop()` ends it."""
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from faults.harness import WorkerProcess, settled_count, start_sagas, wait_for
+from faults.harness import WorkerProcess, scalar, settled_count, start_sagas, wait_for
 
 pytestmark = [pytest.mark.integration]
 
@@ -104,3 +106,42 @@ def test_a_worker_that_cannot_reach_its_database_at_start_waits_for_it(
     gate.open()
     assert worker.wait(timeout=90) == 0, worker.output()[-3000:]
     assert settled_count(database_url) == len(keys)
+
+
+@pytest.mark.parametrize("door", ["sync", "async"])
+def test_an_unexpected_error_of_the_claim_loop_is_logged_and_tried_again(
+    database_url: str, provider_url: str, log_dir: Path, workers: list[WorkerProcess], door: str
+) -> None:
+    """A claim loop failing with an error that is no lost connection (here the workers'
+    table renamed away under a running worker: `UndefinedTable`) logs
+    `worker_loop_failed` with its traceback and tries again, backing off; once the table is
+    back, the worker drives the sagas started meanwhile, and SIGTERM stops it with exit 0.
+    It used to raise the error out of `run`: the process exited 1."""
+    worker = WorkerProcess(
+        database_url, provider_url, log_dir, until_idle=False, async_worker=door == "async"
+    )
+    workers.append(worker)
+    wait_for(
+        lambda: scalar(database_url, "SELECT count(*) FROM saga.workers") == 1,
+        timeout=30,
+        what="the worker announced",
+    )
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("ALTER TABLE saga.workers RENAME TO workers_away")
+        try:
+
+            def failed_twice() -> bool:
+                assert worker.alive(), f"exited with {worker.proc.poll()}:\n{worker.output()}"
+                return worker.output().count("worker_loop_failed") >= 2
+
+            wait_for(failed_twice, timeout=30, what="the worker logging its loop's failures")
+        finally:
+            conn.execute("ALTER TABLE saga.workers_away RENAME TO workers")
+    keys = start_sagas(database_url, SAGAS, seed=10, prefix="loop")
+    wait_for(
+        lambda: worker.alive() and settled_count(database_url) == len(keys),
+        timeout=90,
+        what="the sagas settled by the same worker",
+    )
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(timeout=30) == 0, worker.output()[-3000:]
