@@ -35,6 +35,7 @@ from saga.effects import (
     Pause,
     Stopping,
     Wait,
+    step_exited,
 )
 from saga.flow import Flows, RunnerOptions, describe_error, retried
 from saga.logs import get_logger
@@ -344,14 +345,14 @@ async def _call_bounded(
     )
     if is_async(fn):
         if timeout_seconds is None:
-            return await fn(*args)
+            return await _awaited(lambda: fn(*args))
         # A TimeoutError is the orchestrator's only when its own deadline expired: the
         # step's own (a read timeout of its client) is the step's outcome, classified by
         # its policy, as in the sync door.
         scope = asyncio.timeout(timeout_seconds)
         try:
             async with scope:
-                return await fn(*args)
+                return await _awaited(lambda: fn(*args))
         except TimeoutError:
             if not scope.expired():
                 raise
@@ -375,7 +376,8 @@ async def _call_bounded(
         try:
             value = fn(*args)
         except BaseException as exc:
-            loop.call_soon_threadsafe(settle, None, exc)
+            # Raised in this thread, never by a signal: the attempt's outcome.
+            loop.call_soon_threadsafe(settle, None, step_exited(exc))
         else:
             loop.call_soon_threadsafe(settle, value, None)
         finally:
@@ -414,5 +416,21 @@ async def _call_bounded(
             ) from None
         raise AttemptTimedOut(f"{what} (it ended late; settled as any unknown outcome)") from None
     if inspect.isawaitable(value):
-        return await value
+        return await _awaited(lambda: value)
     return value
+
+
+async def _awaited(make: Callable[[], Any]) -> Any:
+    """Await the awaitable `make()` returns, from user code. A `BaseException` it raises
+    that is neither an `Exception` nor the cancellation of its task (`SystemExit`,
+    `KeyboardInterrupt`) becomes the attempt's outcome (`StepExited`): out of a task, it
+    would stop the event loop and every saga on it."""
+    try:
+        return await make()
+    except (Exception, asyncio.CancelledError):
+        raise
+    except BaseException as exc:
+        outcome = step_exited(exc)
+        if outcome is exc:
+            raise
+        raise outcome from exc

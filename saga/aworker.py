@@ -19,7 +19,7 @@ from saga import telemetry
 from saga.adriver import AsyncRunner
 from saga.astore import AsyncStore
 from saga.database import behind_pooler_async
-from saga.dbretry import aretrying, is_transient
+from saga.dbretry import is_transient
 from saga.definition import Saga
 from saga.flow import describe_error
 from saga.logs import get_logger
@@ -29,9 +29,14 @@ from saga.store import DatabaseGauges
 from saga.worker import (
     CHANNEL,
     MAX_CLAIM_BATCH,
+    START_RETRY_SECONDS,
     check_settings,
     listen_target,
+    log_loop_error,
+    log_unreachable,
+    loop_backoff,
     orchestrator_route,
+    unreachable,
     warn_polling,
 )
 
@@ -150,24 +155,50 @@ class AsyncWorker:
         kinds = [f"{s.name}:{s.version}" for s in orch.registered()]
         if not kinds:
             raise ValueError("the orchestrator has no registered saga; register one first")
-        # A role that may not drive sagas fails here, naming what it lacks; a server
-        # restarting just then is waited for, as for any database work.
-        async for attempt in aretrying("check_privileges"):
-            with attempt:
-                await (await orch.store()).check_privileges("worker")
         self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         self._wake = asyncio.Event()
         if self._stop_requested:
             self._stopping.set()
+        if handle_signals is None:
+            handle_signals = _in_main_thread()
+        with self._signals(handle_signals):
+            if await self._reach_database():
+                await self._run(kinds, until_idle)
+        _log.info("worker_stopped", owner=orch.owner)
+
+    async def _reach_database(self) -> bool:
+        """Connect (and migrate), and check the role may drive sagas; False when stopped
+        first. A database it cannot reach yet is waited for, with backoff, logged; a
+        refusal, a malformed URL or a role that may not drive sagas is raised (as
+        `Worker` does)."""
+        assert self._stopping is not None
+        orch = self.orchestrator
+        delay, most = START_RETRY_SECONDS
+        attempt = 0
+        while not self._stopping.is_set():
+            attempt += 1
+            try:
+                await (await orch.store()).check_privileges("worker")
+                return True
+            except Exception as exc:
+                if not unreachable(exc, orch.database_url):
+                    raise
+                log_unreachable(exc, attempt=attempt, retry_in=delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), delay)
+            delay = min(2 * delay, most)
+        return False
+
+    async def _run(self, kinds: list[str], until_idle: bool) -> None:
+        assert self._loop is not None and self._stopping is not None
+        orch = self.orchestrator
         # Each saga in flight may hold a connection for its transaction; one for the
         # heartbeat and one for the claim loop.
         await orch.ensure_pool_size(self.concurrency + 2)
         runner = await orch.runner(
             stopping=self._stopping, max_inline_sleep=self.short_wait_seconds
         )
-        if handle_signals is None:
-            handle_signals = _in_main_thread()
         _log.info("worker_started", owner=orch.owner, concurrency=self.concurrency, kinds=kinds)
         url, source = listen_target(self.listen_url, orch.database_url, orchestrator_route(orch))
         if url is None:
@@ -180,8 +211,7 @@ class AsyncWorker:
             [s.name for s in orch.registered()],
         )
         try:
-            with self._signals(handle_signals):
-                await self._claim_loop(runner, kinds, until_idle)
+            await self._claim_loop(runner, kinds, until_idle)
         finally:
             unwatch()
             self._stopping.set()
@@ -191,7 +221,6 @@ class AsyncWorker:
             await self._drain(runner)
             with contextlib.suppress(Exception):
                 await (await orch.store()).delete_worker(orch.owner)
-        _log.info("worker_stopped", owner=orch.owner)
 
     # ----- the claim loop ------------------------------------------------------------------
 
@@ -199,6 +228,7 @@ class AsyncWorker:
         assert self._stopping is not None and self._wake is not None
         store = await self.orchestrator.store()
         announced = -math.inf
+        failures = 0
         while not self._stopping.is_set():
             self._wake.clear()
             try:
@@ -219,11 +249,17 @@ class AsyncWorker:
                 if until_idle and self.in_flight == 0 and await store.count_open(kinds) == 0:
                     return
                 timeout = self._until_next(await store.next_claimable_at(kinds))
+                failures = 0
             except Exception as exc:
-                if not is_transient(exc):
-                    raise
-                _log.warning("worker_database_error", error=describe_error(exc))
-                timeout = self.poll_seconds
+                # One failure never ends the worker (as in `Worker`): a lost database is
+                # waited for, anything else logged and tried again, backing off.
+                if is_transient(exc):
+                    _log.warning("worker_database_error", error=describe_error(exc))
+                    timeout = self.poll_seconds
+                else:
+                    failures += 1
+                    timeout = loop_backoff(self.poll_seconds, failures)
+                    log_loop_error(exc, retry_in=timeout)
             await self._sleep(timeout)
 
     async def _claim_some(self, runner: AsyncRunner, kinds: list[str]) -> bool:

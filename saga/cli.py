@@ -39,6 +39,7 @@ from saga.roles import ROLE_KINDS, grant_role, role_kind
 from saga.session import SESSION_PREFIX
 from saga.state import SagaState, SagaStatus
 from saga.store import Store
+from saga.worker import unreachable
 
 EXIT_OK = 0
 EXIT_PARTIAL = 1
@@ -750,9 +751,14 @@ def _worker(args: argparse.Namespace) -> int:
         return asyncio.run(_async_worker(orch, args.concurrency, args.listen_url))
     with orch:
         kinds = ", ".join(f"{s.name} v{s.version}" for s in orch.registered())
-        # Connect (and migrate) now, and check the role may drive sagas: a bad database or
-        # a role without the privileges fails before the worker is announced.
-        orch.store.check_privileges("worker")
+        # Connect (and migrate) now, and check the role may drive sagas: a refused login, a
+        # malformed URL or a role without the privileges fails before the worker is
+        # announced. A database it cannot reach yet is waited for by the worker (logged).
+        try:
+            orch.store.check_privileges("worker")
+        except Exception as exc:
+            if not unreachable(exc, orch.database_url):
+                raise
         print(
             f"worker {orch.owner}: driving {kinds} with concurrency {args.concurrency} "
             f"on {describe_url(orch.database_url)}; SIGTERM or Ctrl-C stops it gracefully",
@@ -786,9 +792,12 @@ async def _async_worker(
     gracefully by SIGTERM or SIGINT; the orchestrator is closed before the loop ends."""
     try:
         kinds = ", ".join(f"{s.name} v{s.version}" for s in orch.registered())
-        # Connect (and migrate) now, and check the role may drive sagas: a bad database or
-        # a role without the privileges fails before the worker is announced.
-        await (await orch.store()).check_privileges("worker")
+        # As for a sync app: refusals fail here, an unreachable database is waited for.
+        try:
+            await (await orch.store()).check_privileges("worker")
+        except Exception as exc:
+            if not unreachable(exc, orch.database_url):
+                raise
         print(
             f"worker {orch.owner}: driving {kinds} with concurrency {concurrency} "
             f"(asyncio) on {describe_url(orch.database_url)}; SIGTERM or Ctrl-C stops it "

@@ -80,6 +80,12 @@ def _malformed(url: str) -> bool:
     return str(params.get("password") or "") != written
 
 
+def is_malformed_url(url: str) -> bool:
+    """Whether `url` is no PostgreSQL URL as written (see `unavailable`): no connection
+    to it can succeed until it is corrected."""
+    return _malformed(url)
+
+
 def describe_url(url: str) -> str:
     """`host:port/dbname` of a connection URL, never its password: a URL that does not
     parse as itself is shown with everything up to its last `@` masked."""

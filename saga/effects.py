@@ -130,3 +130,27 @@ class NotCalledError(MachineryError):
 class MachineryFailedError(MachineryError):
     """The machinery failed after the user function may have started: its outcome is
     unknown."""
+
+
+class StepExited(Exception):
+    """User code raised a `BaseException` that is not an `Exception` (`SystemExit` from a
+    library calling `sys.exit()`, `KeyboardInterrupt` raised by code rather than by a
+    signal): carried into the flow as the attempt's outcome, which is unknown, so that it
+    ends that attempt and not the worker driving it. `raised` is what the code raised;
+    messages and tracebacks name it."""
+
+    def __init__(self, raised: BaseException) -> None:
+        super().__init__(str(raised))
+        self.raised = raised
+
+
+def step_exited(exc: BaseException) -> BaseException:
+    """What a driver raises into the flow for `exc`, raised by user code: `exc` itself
+    when it is an `Exception` (or `GeneratorExit`, a generator being closed), else
+    `StepExited(exc)`. A driver leaves out what may be a real signal (`KeyboardInterrupt`
+    in the main thread of the sync door) and asyncio's cancellation."""
+    if isinstance(exc, Exception | GeneratorExit):
+        return exc
+    exited = StepExited(exc)
+    exited.__cause__ = exc
+    return exited

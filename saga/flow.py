@@ -35,6 +35,7 @@ from saga.effects import (
     MachineryFailedError,
     NotCalledError,
     Pause,
+    StepExited,
     Stopping,
     Wait,
     db,
@@ -1007,7 +1008,10 @@ def _lookup_of(definition: Saga[Any] | Lookup) -> Lookup:
 
 
 def traceback_of(exc: BaseException) -> str:
-    """The traceback of `exc` as text, its end kept when it is long."""
+    """The traceback of `exc` as text, its end kept when it is long (of what the step
+    raised, for a `StepExited`)."""
+    if isinstance(exc, StepExited):
+        exc = exc.raised
     text = "".join(traceback.format_exception(exc))
     return text if len(text) <= _MAX_TRACEBACK_CHARS else "..." + text[-_MAX_TRACEBACK_CHARS:]
 
@@ -1018,6 +1022,8 @@ def _now() -> datetime:
 
 
 def _describe_error(exc: BaseException) -> str:
+    if isinstance(exc, StepExited):  # named as the step raised it
+        exc = exc.raised
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 

@@ -39,6 +39,10 @@ _log = get_logger("saga.migrate")
 # Arbitrary constant shared by every migrator of this project: two processes migrating
 # the same database at once serialize on it instead of racing on CREATE TABLE.
 _ADVISORY_LOCK_ID = 0x5A6A_0001
+# A migrator idle this long (seconds) inside its transaction (frozen, or dead behind a
+# proxy that keeps its connection open) has the transaction ended by the server, and
+# with it the lock above: others wait for it no longer than that.
+MIGRATION_IDLE_SECONDS = 10.0
 _SCHEMA = sql.Identifier("saga")
 _FILE_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
@@ -93,6 +97,11 @@ def _apply_pending(conn: psycopg.Connection[Any]) -> list[int]:
     """`apply_migrations`, its errors as PostgreSQL raised them."""
     applied: list[int] = []
     with conn.transaction():
+        # Transaction-local, so also right through a transaction pooler.
+        conn.execute(
+            "SELECT set_config('idle_in_transaction_session_timeout', %s, true)",
+            (str(int(MIGRATION_IDLE_SECONDS * 1000)),),
+        )
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_ADVISORY_LOCK_ID,))
         row = conn.execute("SELECT to_regclass('saga.schema_migrations') IS NOT NULL").fetchone()
         if not (row is not None and row[0]):

@@ -36,6 +36,7 @@ from saga.effects import (
     Pause,
     Stopping,
     Wait,
+    step_exited,
 )
 from saga.flow import Flows, RunnerOptions, describe_error, log_event, log_events
 from saga.leases import LeaseKeeper
@@ -111,9 +112,17 @@ class Runner:
         if isinstance(effect, Call):
             hold = self.keeper.holding(*effect.hold) if effect.hold is not None else nullcontext()
             with hold:
-                if effect.timeout_seconds is None and effect.hold is None:
-                    return _call(effect.fn, *effect.args)
-                return _call_with_timeout(effect.fn, effect.args, effect.timeout_seconds)
+                try:
+                    if effect.timeout_seconds is None and effect.hold is None:
+                        return _call(effect.fn, *effect.args)
+                    return _call_with_timeout(effect.fn, effect.args, effect.timeout_seconds)
+                except Exception:
+                    raise
+                except BaseException as exc:
+                    outcome = _from_step(exc)
+                    if outcome is exc:
+                        raise
+                    raise outcome from exc
         if isinstance(effect, Fetch):
             return effect.read()
         if isinstance(effect, Stopping):
@@ -210,6 +219,17 @@ def carry_out(
             error = exc
 
 
+def _from_step(exc: BaseException) -> BaseException:
+    """What a `BaseException` raised by user code in this thread becomes in the flow: the
+    attempt's unknown outcome (`StepExited`), so that one step's `sys.exit()` or
+    `KeyboardInterrupt` ends its attempt and not the worker. A `KeyboardInterrupt` in the
+    main thread may be a real Ctrl-C: it goes on as it is (the attempt is then unknown to
+    whoever takes the saga over)."""
+    if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+        return exc
+    return step_exited(exc)
+
+
 def _call_with_timeout(
     fn: Callable[..., Any], args: tuple[Any, ...], timeout_seconds: float | None
 ) -> Any:
@@ -246,7 +266,8 @@ def _call_with_timeout(
         try:
             outcome.append(_call(fn, *args))
         except BaseException as exc:
-            failure.append(exc)
+            # Raised in this thread, never by a signal: the attempt's outcome.
+            failure.append(step_exited(exc))
         finally:
             for entry in tracked:
                 abandoned.discard(entry)

@@ -534,6 +534,11 @@ class _Ledger:
             parked = self._parked(planner)
             if refused is not None:
                 raise _not_stored(durable, decided, parked, refused) from refused
+            exited = self.definition.raised.pop(name, None)
+            if exited is not None and not isinstance(exited, Exception):
+                # The step's own SystemExit or KeyboardInterrupt, its unknown outcome now
+                # recorded, goes on through the session's code as the step raised it.
+                raise exited
             raise SessionParked(_parked_message(parked))
         op = planner.find(name, "action")
         assert op is not None

@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from datetime import datetime
 from types import FrameType
@@ -17,9 +18,10 @@ import psycopg
 from psycopg import sql
 
 from saga import telemetry
-from saga.database import Route, behind_pooler, describe_url
+from saga.database import Route, behind_pooler, describe_url, is_malformed_url
 from saga.dbretry import is_transient, retrying
 from saga.definition import Saga
+from saga.errors import DatabaseRefused, DatabaseUnavailable
 from saga.leases import LeaseKeeper
 from saga.logs import get_logger
 from saga.loopguard import sync_only
@@ -69,6 +71,51 @@ class WorkerEngine(Protocol):
     def runner_options(self, *, max_inline_sleep: float = ...) -> RunnerOptions: ...
 
     def ensure_pool_size(self, connections: int) -> None: ...
+
+
+# A worker waiting for its database at start tries again after this long (seconds),
+# doubled at each failure up to the second figure.
+START_RETRY_SECONDS = (0.1, 5.0)
+# Longest wait (seconds) of the claim loop between two tries after an unexpected error.
+LOOP_ERROR_MAX_SECONDS = 30.0
+
+
+def unreachable(exc: BaseException, url: str) -> bool:
+    """Whether `exc`, from a worker's first use of its database, says the database cannot
+    be reached for now (refused connections, a server restarting, a network down): the
+    worker waits for it. A refusal (bad credentials, an unknown role or database, an
+    access rule), a malformed URL or a role without the privileges is raised."""
+    if isinstance(exc, DatabaseRefused):
+        return False
+    if isinstance(exc, DatabaseUnavailable):
+        return not is_malformed_url(url)
+    return is_transient(exc)
+
+
+def log_unreachable(exc: BaseException, *, attempt: int, retry_in: float) -> None:
+    """The log line of a worker that waits for its database at start."""
+    _log.warning(
+        "worker_database_unreachable",
+        attempt=attempt,
+        error=f"{type(exc).__name__}: {exc}",
+        retry_in_seconds=round(retry_in, 3),
+    )
+
+
+def loop_backoff(poll_seconds: float, failures: int) -> float:
+    """The claim loop's wait (seconds) after `failures` unexpected errors in a row."""
+    grown: float = poll_seconds * 2.0 ** min(failures - 1, 16)
+    return min(grown, max(LOOP_ERROR_MAX_SECONDS, poll_seconds))
+
+
+def log_loop_error(exc: BaseException, *, retry_in: float) -> None:
+    """The log line of a worker whose claim loop failed unexpectedly; it goes on."""
+    _log.error(
+        "worker_loop_failed",
+        error=f"{type(exc).__name__}: {exc}",
+        retry_in_seconds=round(retry_in, 3),
+        traceback="".join(traceback.format_exception(exc)),
+    )
 
 
 CHANNEL = "saga_runnable"
@@ -181,18 +228,41 @@ class Worker:
         kinds = [f"{s.name}:{s.version}" for s in orch.registered()]
         if not kinds:
             raise ValueError("the orchestrator has no registered saga; register one first")
-        # A role that may not drive sagas fails here, naming what it lacks, rather than at
-        # its first claim (where a worker would keep retrying); a server restarting just
-        # then is waited for, as for any database work.
-        for attempt in retrying("check_privileges"):
-            with attempt:
+        if handle_signals is None:
+            handle_signals = threading.current_thread() is threading.main_thread()
+        with self._signals(handle_signals):
+            if self._reach_database():
+                self._run(kinds, until_idle)
+        _log.info("worker_stopped", owner=orch.owner)
+
+    def _reach_database(self) -> bool:
+        """Connect (and migrate), and check the role may drive sagas; False when stopped
+        first. A database it cannot reach yet (a server restarting, a network down) is
+        waited for, with backoff, logged (`worker_database_unreachable`): a worker never
+        exits on its own. A refusal, a malformed URL or a role that may not drive sagas
+        is raised, naming what is wrong, rather than found at the first claim."""
+        orch = self.orchestrator
+        delay, most = START_RETRY_SECONDS
+        attempt = 0
+        while not self._stopping.is_set():
+            attempt += 1
+            try:
                 orch.store.check_privileges("worker")
+                return True
+            except Exception as exc:
+                if not unreachable(exc, orch.database_url):
+                    raise
+                log_unreachable(exc, attempt=attempt, retry_in=delay)
+            self._stopping.wait(delay)
+            delay = min(2 * delay, most)
+        return False
+
+    def _run(self, kinds: list[str], until_idle: bool) -> None:
+        orch = self.orchestrator
         # Each saga in flight may hold two connections (its transaction and its heartbeat).
         orch.ensure_pool_size(2 * self.concurrency + 2)
         options = orch.runner_options(max_inline_sleep=self.short_wait_seconds)
         runner = Runner(orch.store, options, keeper=orch.lease_keeper, stopping=self._stopping)
-        if handle_signals is None:
-            handle_signals = threading.current_thread() is threading.main_thread()
         url, source = listen_target(self.listen_url, orch.database_url, orchestrator_route(orch))
         if url is None:
             warn_polling(orch.database_url, source, self.poll_seconds)
@@ -204,23 +274,22 @@ class Worker:
         unwatch = telemetry.watch_database(
             orch.database_url, orch.store.database_gauges, [s.name for s in orch.registered()]
         )
-        with self._signals(handle_signals):
-            listener.start()
-            try:
-                self._loop(runner, kinds, until_idle)
-            finally:
-                unwatch()
-                self._stopping.set()
-                self._drain()
-                with contextlib.suppress(Exception):
-                    orch.store.delete_worker(orch.owner)
-        _log.info("worker_stopped", owner=orch.owner)
+        listener.start()
+        try:
+            self._loop(runner, kinds, until_idle)
+        finally:
+            unwatch()
+            self._stopping.set()
+            self._drain()
+            with contextlib.suppress(Exception):
+                orch.store.delete_worker(orch.owner)
 
     # ----- the claim loop ------------------------------------------------------------------
 
     def _loop(self, runner: Runner, kinds: list[str], until_idle: bool) -> None:
         store = self.orchestrator.store
         announced = -math.inf
+        failures = 0
         while not self._stopping.is_set():
             self._wake.clear()
             try:
@@ -246,11 +315,17 @@ class Worker:
                 if until_idle and self.in_flight == 0 and store.count_open(kinds) == 0:
                     return
                 timeout = self._until_next(store.next_claimable_at(kinds))
+                failures = 0
             except Exception as exc:
-                if not is_transient(exc):
-                    raise
-                _log.warning("worker_database_error", error=f"{type(exc).__name__}: {exc}")
-                timeout = self.poll_seconds
+                # One failure never ends the worker: a lost database is waited for, and
+                # anything else is logged with its traceback and tried again, backing off.
+                if is_transient(exc):
+                    _log.warning("worker_database_error", error=f"{type(exc).__name__}: {exc}")
+                    timeout = self.poll_seconds
+                else:
+                    failures += 1
+                    timeout = loop_backoff(self.poll_seconds, failures)
+                    log_loop_error(exc, retry_in=timeout)
             self._wake.wait(timeout)
 
     def _until_next(self, at: datetime | None) -> float:

@@ -64,6 +64,7 @@ class WorkerProcess:
         self.owner = owner
         self.async_worker = async_worker
         log_dir.mkdir(parents=True, exist_ok=True)
+        self.started_at = time.monotonic()
         self.log_path = log_dir / f"worker-{time.monotonic_ns()}.log"
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(

@@ -191,6 +191,11 @@ class LostReplyProxy:
             )
             back.start()
             self._pump_forward(link)
+            # The client is gone (it closed, or its process died): close the server side
+            # too, as the kernel would for a direct connection, so that its backend ends
+            # and rolls back. Left open, a transaction of a killed client stayed idle on
+            # the server with its locks for as long as the proxy ran.
+            self._close(link)
             back.join()
         except OSError:
             pass

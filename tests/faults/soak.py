@@ -21,6 +21,11 @@ kind), so both drivers share the same sagas under the same faults.
 proxy and the sagas' server: the workers then reach PostgreSQL as they do behind a
 transaction pooler in production.
 
+A worker process must never end on its own: if one does, the soak fails saying how it
+ended (exit status or signal), with its whole log, and keeps every worker's log of the
+run in a directory it names (`SOAK_LOG_DIR` keeps them all, in that directory, whatever
+the outcome).
+
 Run it as `make soak`, or `PYTHONPATH=tests python -m faults.soak`.
 """
 
@@ -30,6 +35,7 @@ import contextlib
 import logging
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -75,6 +81,36 @@ def async_slots(mode: str, workers: int) -> list[bool]:
     raise SystemExit(f"soak: SOAK_ASYNC must be 0, 1 or half, not {mode!r}")
 
 
+def exit_reason(code: int) -> str:
+    """How a process ended, from its exit status (negative: the signal that ended it)."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    return f"exited with {code}"
+
+
+def worker_exit_report(worker: WorkerProcess, code: int, keep: Path) -> str:
+    """What the soak says of a worker process that ended on its own: how it ended, what it
+    was, its last line (the error, when it raised one) and its whole log; every worker's
+    log of the run is copied to `keep` first, so that nothing of it is lost with the
+    run's temporary directory."""
+    logs = worker.log_path.parent
+    if logs.resolve() != keep.resolve():
+        shutil.copytree(logs, keep, dirs_exist_ok=True)
+    output = worker.output()
+    lines = [line for line in output.splitlines() if line.strip()]
+    last = lines[-1].strip() if lines else "(no output)"
+    kind = "asyncio" if worker.async_worker else "sync"
+    fault = f", armed to die at {worker.fault}" if worker.fault else ""
+    return (
+        f"soak: worker pid {worker.pid} ({kind}{fault}) {exit_reason(code)} after "
+        f"{time.monotonic() - worker.started_at:.1f}s; its last line: {last}\n"
+        f"soak: its whole log ({keep / worker.log_path.name}; every worker's log of this "
+        f"run is kept in {keep}):\n{output}"
+    )
+
+
 def main() -> int:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     sagas = int(_env("SOAK_SAGAS", "10000"))
@@ -111,7 +147,10 @@ def main() -> int:
                 flush=True,
             )
             keys = start_sagas(pg.url, sagas, seed, prefix="soak")
-            logs = root / "logs"
+            # SOAK_LOG_DIR keeps every worker's log; otherwise they are kept when a worker
+            # ends on its own (in a directory named in the failure's output).
+            kept = os.environ.get("SOAK_LOG_DIR")
+            logs = Path(kept) if kept else root / "logs"
 
             def spawn(slot: int, fault: str | None = None) -> WorkerProcess:
                 return WorkerProcess(
@@ -138,8 +177,14 @@ def main() -> int:
                         if code is None:
                             continue
                         if code != -signal.SIGKILL:
-                            print(worker.output()[-3000:], file=sys.stderr)
-                            raise SystemExit(f"soak: a worker exited with {code}")
+                            keep = (
+                                logs if kept else Path(tempfile.mkdtemp(prefix="saga-soak-logs-"))
+                            )
+                            print(worker_exit_report(worker, code, keep), file=sys.stderr)
+                            raise SystemExit(
+                                f"soak: a worker exited with {code} ({exit_reason(code)}; "
+                                f"its whole log is above, every worker's log is kept in {keep})"
+                            )
                         if worker.fault:
                             kills += 1
                             armed_kills += 1

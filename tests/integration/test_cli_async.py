@@ -17,6 +17,7 @@ import cli_app_async
 import psycopg
 import pytest
 from cli_app import Job
+from psycopg.conninfo import make_conninfo
 from support import OrchestratorFactory, wait_until
 from test_cli import _env, _one_line_error, _park_unknown, _rows, saga_cmd
 
@@ -109,18 +110,68 @@ def _calls_of(order_id: str) -> list[str]:
 
 @pytest.mark.parametrize(
     "verb",
-    [["worker"], ["reconcile"], ["compensate", "--status", "needs_review"]],
-    ids=["worker", "reconcile", "compensate"],
+    [["reconcile"], ["compensate", "--status", "needs_review"]],
+    ids=["reconcile", "compensate"],
 )
 def test_async_app_on_an_unreachable_database_is_one_line(verb: list[str], app_dir: Path) -> None:
     """With an AsyncOrchestrator app too, an unreachable database is exit 1 and one line
-    on stderr naming host and port, never the password, nothing on stdout."""
+    on stderr naming host and port, never the password, nothing on stdout. (A worker
+    waits for it instead: `test_a_worker_waits_for_an_unreachable_database`.)"""
     url = "postgresql://ops:s3cret@127.0.0.1:1/nodb"
     result = saga_cmd(*verb, "--app", APP, "--database-url", url, app_dir=app_dir)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "127.0.0.1:1" in _one_line_error(result)
     assert "s3cret" not in result.stderr + result.stdout
     assert result.stdout == ""
+
+
+@pytest.mark.parametrize("app", ["cli_app:orch", APP], ids=["sync", "async"])
+def test_a_worker_waits_for_an_unreachable_database(
+    app: str, app_dir: Path, tmp_path: Path
+) -> None:
+    """`saga worker` on a database it cannot reach does not exit on its own: it logs each
+    try (`worker_database_unreachable`, host and port, never the password), backing off,
+    until SIGTERM stops it with exit 0. (It used to exit 1 at once.)"""
+    url = "postgresql://ops:s3cret@127.0.0.1:1/nodb"
+    err_path = tmp_path / "stderr"
+    with err_path.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "saga", "worker", "--app", app, "--database-url", url],
+            env=_env(app_dir),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+        try:
+            wait_until(
+                lambda: (
+                    proc.poll() is not None
+                    or err_path.read_text().count("worker_database_unreachable") >= 2
+                ),
+                timeout=30,
+            )
+            assert proc.poll() is None, err_path.read_text()
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    logged = err_path.read_text()
+    assert proc.returncode == 0, logged
+    assert "127.0.0.1:1" in logged and "Traceback" not in logged, logged
+    assert "s3cret" not in logged + out
+
+
+def test_a_worker_on_a_database_that_refuses_it_fails_at_once(
+    app_dir: Path, database_url: str
+) -> None:
+    """A refusal is no outage: a worker given a database that does not exist exits 1 with
+    one line naming it, as before."""
+    url = make_conninfo(database_url, dbname="no_such_saga_db")
+    result = saga_cmd("worker", "--app", APP, "--database-url", url, app_dir=app_dir)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "no_such_saga_db" in _one_line_error(result)
 
 
 def test_an_app_attribute_that_is_no_orchestrator_is_a_usage_error(app_dir: Path) -> None:

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +117,47 @@ def test_migrating_on_first_use_retries_a_connection_lost_meanwhile(
     with psycopg.connect(empty_database_url) as conn:
         row = conn.execute("SELECT count(*) FROM saga.schema_migrations").fetchone()
     assert row is not None and row[0] == len(migrate.load_migrations())
+
+
+_FROZEN_MIGRATOR = textwrap.dedent(
+    """
+    import os, time
+    from saga import migrate
+
+    def frozen():  # called inside the transaction that holds the migrations' lock
+        print("FROZEN", flush=True)
+        time.sleep(120)
+        return []
+
+    migrate.load_migrations = frozen
+    migrate.migrate_database(os.environ["SAGA_TEST_MIGRATE_URL"])
+    """
+)
+
+
+def test_a_migrator_frozen_inside_its_transaction_holds_the_lock_for_seconds_only(
+    database_url: str,
+) -> None:
+    """A migrator that stops inside its transaction (a frozen process, or a dead one
+    whose connection a proxy keeps open) has that transaction ended by the server after
+    `MIGRATION_IDLE_SECONDS` idle: the next migration check (every orchestrator's first
+    use, every worker's start) goes on instead of waiting on the lock for ever."""
+    env = {**os.environ, "SAGA_TEST_MIGRATE_URL": database_url}
+    with subprocess.Popen(
+        [sys.executable, "-c", _FROZEN_MIGRATOR],
+        env=env,
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as frozen:
+        try:
+            assert frozen.stdout is not None and frozen.stdout.readline().strip() == "FROZEN"
+            done: list[list[int]] = []
+            checker = threading.Thread(
+                target=lambda: done.append(migrate.migrate_database(database_url)), daemon=True
+            )
+            checker.start()
+            checker.join(migrate.MIGRATION_IDLE_SECONDS + 20)
+            assert done == [[]], "the migration check still waits on the frozen migrator's lock"
+        finally:
+            frozen.kill()
