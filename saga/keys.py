@@ -164,7 +164,7 @@ def canonical_json(value: JsonValue) -> str:
 # which writes 4200.0 and 4200 differently. 2: SHA-256 of RFC 8785 (JSON Canonicalization
 # Scheme), where JSON numbers that are equal are written alike, so a tool in any language
 # with a JCS implementation computes the same hash. Every stored operation records the
-# version its hash was computed under (column `hash_version`, migration 0024).
+# version its hash was computed under (column `hash_version`, migration 0023).
 HASH_VERSION = 2
 HASH_VERSIONS = (1, 2)
 

@@ -634,7 +634,7 @@ def session_options(url: str, lease_seconds: float) -> str:
     """Server settings of the orchestrator's connections (libpq `options`, added to any the
     URL or PGOPTIONS give): no transaction of ours holds its locks, or waits for another's,
     longer than a lease; and the request hash version of the rows they write
-    (`saga.hash_version`, migration 0024).
+    (`saga.hash_version`, migration 0023).
 
     A claim plans the saga's first move (cost functions, confirm rules, input models: user
     code) while the saga row is locked; a holder frozen there (SIGSTOP, a GC pause, a slow

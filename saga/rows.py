@@ -47,7 +47,7 @@ class OpRow:
     spent: float = 0.0
     attempt_spend: float = 0.0
     peak_spend: float = 0.0
-    # The version request_hash was computed under (saga.keys.HASH_VERSIONS, migration 0024).
+    # The version request_hash was computed under (saga.keys.HASH_VERSIONS, migration 0023).
     hash_version: int = HASH_VERSION
     new: bool = False
     dirty: bool = False
@@ -86,7 +86,7 @@ class SagaRow:
     # The W3C trace context of the code that started the saga (migration 0018), for the
     # drivers' telemetry: data to the core, which never reads it.
     trace_context: dict[str, str] | None = None
-    # The version input_hash was computed under (saga.keys.HASH_VERSIONS, migration 0024).
+    # The version input_hash was computed under (saga.keys.HASH_VERSIONS, migration 0023).
     hash_version: int = HASH_VERSION
 
 

@@ -319,14 +319,14 @@ SELECT saga.assert_fence(%(saga_id)s, %(owner)s, %(fence)s, %(lease_seconds)s)
 -- events, confirmations, wake-up, the write's token and, when asked, its state as it now
 -- stands (see migrations 0008, 0010, 0011 and 0013).
 -- saga.hashed_under(2, ...): the rows it writes record request hash version 2
--- (saga.keys.HASH_VERSION, migration 0024).
+-- (saga.keys.HASH_VERSION, migration 0023).
 SELECT saga.write_saga_v4(saga.hashed_under(2, %(write)s::jsonb)) AS state
 
 -- write_sagas --
 -- The writes of several sagas in one statement and one commit (group commit, migration
 -- 0014): one result per write, in order, each its state or the error that refused it.
 -- saga.hashed_under(2, ...): the rows it writes record request hash version 2
--- (saga.keys.HASH_VERSION, migration 0024).
+-- (saga.keys.HASH_VERSION, migration 0023).
 SELECT saga.write_sagas_v1(saga.hashed_under(2, %(writes)s::jsonb)) AS results
 
 -- own_claim --
@@ -362,14 +362,14 @@ WHERE id = %(saga_id)s
 -- the trace context of its starter (migration 0018) and the start's write token
 -- (migration 0020).
 -- saga.hashed_under(2, ...): the rows it writes record request hash version 2
--- (saga.keys.HASH_VERSION, migration 0024).
+-- (saga.keys.HASH_VERSION, migration 0023).
 SELECT saga.start_saga_v3(saga.hashed_under(2, %(start)s::jsonb)) AS outcome
 
 -- claim_started --
 -- Claim a saga unclaimed and unchanged since the start that stored `start_token`, and
 -- record the first move its starter planned, in one statement (migration 0020).
 -- saga.hashed_under(2, ...): the rows it writes record request hash version 2
--- (saga.keys.HASH_VERSION, migration 0024).
+-- (saga.keys.HASH_VERSION, migration 0023).
 SELECT saga.claim_started_v1(saga.hashed_under(2, %(claim)s::jsonb)) AS outcome
 
 -- database_gauges --
@@ -447,7 +447,7 @@ WHERE id IN (%(source)s, %(fork)s)
 -- for the verdicts, and 0022 for the call's name (step), short unless another key's
 -- call has it.
 -- saga.hashed_under(2, ...): the rows it writes record request hash version 2
--- (saga.keys.HASH_VERSION, migration 0024).
+-- (saga.keys.HASH_VERSION, migration 0023).
 SELECT *
 FROM saga.ledger_claim_v2(%(tenant)s, %(name)s, %(channel)s, %(new_id)s, %(input_hash)s,
                           %(step)s, %(long_step)s, %(idempotency_key)s,
@@ -480,7 +480,7 @@ FROM saga.ledger_close(%(tenant)s, %(name)s, %(channel)s, %(actor)s)
 -- transaction pooler (which refuses them as startup options, and would carry a session
 -- setting over to other clients): a frozen client's transaction is ended once it has
 -- waited a lease, and a wait for a row lock ends after a lease too. The request hash
--- version the rows it writes are hashed under (migration 0024) goes the same way.
+-- version the rows it writes are hashed under (migration 0023) goes the same way.
 SELECT set_config('idle_in_transaction_session_timeout', %(idle_ms)s, true),
        set_config('lock_timeout', %(lock_ms)s, true),
        set_config('saga.hash_version', %(hash_version)s, true)

@@ -115,7 +115,7 @@ def test_rows_written_behind_the_pooler_record_their_hash_version(
     pooled_url: str, database_url: str
 ) -> None:
     """The request hash version is said per transaction behind the pooler (migration
-    0024), like the timeouts: the rows written record 2, and the shared server session
+    0023), like the timeouts: the rows written record 2, and the shared server session
     keeps no setting an older release's transactions would pick up."""
     saga, data = app.make_input(24, 0, prefix="hashed")
     with Orchestrator(pooled_url, sagas=app.ALL_SAGAS) as orch:

@@ -417,7 +417,7 @@ def test_floats_too_large_to_store_exactly_are_refused(number: float) -> None:
 
 def test_the_writing_statements_record_the_current_hash_version() -> None:
     """Each statement that writes operations or sagas says which request hash version its
-    rows were hashed under (saga.hashed_under, migration 0024): the current one."""
+    rows were hashed under (saga.hashed_under, migration 0023): the current one."""
     queries = (Path(saga.__file__).parent / "sql" / "queries.sql").read_text(encoding="utf-8")
     code = "\n".join(line for line in queries.splitlines() if not line.startswith("--"))
     marks = re.findall(r"saga\.hashed_under\((\d+),", code)
