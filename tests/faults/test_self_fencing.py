@@ -114,23 +114,31 @@ def _stalled_run(url: str, saga: Saga[Booking], saga_id: str, door: str) -> Call
     return lambda: asyncio.run(arun())
 
 
-@pytest.mark.parametrize("door", ["sync", "asyncio"])
+@pytest.mark.parametrize(
+    ("door", "pooled"), [("sync", False), ("asyncio", False), ("sync", True), ("asyncio", True)]
+)
 def test_an_owner_whose_lease_lapsed_does_not_start_its_call(
-    bookings: str, held_before_call: tuple[threading.Event, threading.Event], door: str
+    bookings: str,
+    held_before_call: tuple[threading.Event, threading.Event],
+    door: str,
+    pooled: bool,
+    request: pytest.FixtureRequest,
 ) -> None:
     """The first owner reaches its call past its lease, after a taker has reconciled
     (`Absent`) and booked: it confirms its lease before calling, finds it lost, and does
-    not call. One booking, by the taker, under its newer fence."""
+    not call. One booking, by the taker, under its newer fence. `pooled`: both owners
+    reach the server through PgBouncer in transaction mode."""
     url = bookings
+    orchestrators = str(request.getfixturevalue("pooled_url")) if pooled else url
     reached, release = held_before_call
     saga = _booking_saga(url)
-    with Orchestrator(url, sagas=[saga], lease_seconds=LEASE, owner="taker") as taker:
+    with Orchestrator(orchestrators, sagas=[saga], lease_seconds=LEASE, owner="taker") as taker:
         saga_id = taker.start(saga, Booking(ref="r-1")).id
         errors: list[BaseException] = []
 
         def stalled() -> None:
             try:
-                _stalled_run(url, saga, saga_id, door)()
+                _stalled_run(orchestrators, saga, saga_id, door)()
             except BaseException as exc:  # reported below
                 errors.append(exc)
 
