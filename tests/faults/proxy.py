@@ -191,6 +191,10 @@ class LostReplyProxy:
             )
             back.start()
             self._pump_forward(link)
+            # The client went away (a killed worker sends no Terminate): the server side
+            # goes too, as it would without the proxy, so that the server ends whatever
+            # transaction the client had open (and its locks) instead of keeping it idle.
+            self._close(link)
             back.join()
         except OSError:
             pass
