@@ -441,6 +441,13 @@ class Flows:
         loaded = yield from self._load(saga_id)
         if loaded is None:
             return None
+        # Still our claim's, as read? Every write (another owner's claim, its reconcile,
+        # the attempt it starts) changes the token: a read that came after one would hand
+        # us the new owner's attempt, under its fence, to call a second time.
+        again = yield db("write_token", saga_id)
+        if again != written:
+            _log.info("claim_taken_over", saga_id=saga_id, fence=loaded[0].fence)
+            return None
         planner = self._planner(lookup(loaded[0].name, loaded[0].version), loaded)
         _log.info("claim_landed", saga_id=saga_id, fence=planner.saga.fence)
         started = [o for o in planner.ops if o.status == OperationStatus.RUNNING]

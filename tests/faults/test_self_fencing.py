@@ -185,3 +185,85 @@ def test_a_lease_confirmed_by_the_last_write_is_not_confirmed_again(
             state = asyncio.run(main())
     assert state.status == SagaStatus.COMPLETED
     assert not [entry for entry in logs if entry["event"] == "lease_confirmed_again"]
+
+
+@pytest.mark.parametrize("taker_owner", ["taker", "first"])
+def test_a_claim_found_again_never_adopts_the_next_owners_attempt(
+    database_url: str, provider_url: str, taker_owner: str
+) -> None:
+    """The pooled soak's duplicate, step by step. A claim lands but its reply is lost
+    (behind a restarting server, a pooler); its owner finds it again by its token, then
+    reads the saga. Before that read, its lease has run out and a taker has claimed the
+    saga, reconciled step `a` (`Absent`, fence 2 seen by the fenced provider) and started
+    attempt 2 under fence 2. The late read handed the first owner that running attempt,
+    fence 2 and all: it called it, the taker called it, and the fenced provider performed
+    both (same fence, nothing stale). Now the first owner sees the saga is no longer its
+    claim's and calls nothing: one effect. `taker_owner="first"`: the taker is another
+    driver of the same worker (same owner name, newer fence)."""
+    from faults import app
+    from faults.proxy import LostReplyProxy
+
+    saga = app.SAGAS["fault4"]
+    with Orchestrator(database_url, sagas=app.ALL_SAGAS) as starter:
+        saga_id = starter.start(saga, app.FaultInput(key="race-1")).id
+    loading, go_on = threading.Event(), threading.Event()
+    taker_at_call, taker_go = threading.Event(), threading.Event()
+
+    def hold_taker(name: str, context: Mapping[str, Any]) -> None:
+        if name == "before_call" and threading.current_thread().name == "taker":
+            taker_at_call.set()
+            taker_go.wait(30)
+
+    previous = fault_points.arm(hold_taker)
+    with LostReplyProxy(database_url) as proxy:
+        proxy.lose_reply("saga.write_saga", times=1)  # the claim's first write commits
+        first = Orchestrator(proxy.url, sagas=app.ALL_SAGAS, lease_seconds=LEASE, owner="first")
+        store: Any = first.store
+        load_txn = store.load_txn
+
+        def held_load(*args: Any, **kwargs: Any) -> Any:
+            if not loading.is_set():  # the read after the claim was found again
+                loading.set()
+                go_on.wait(30)
+            return load_txn(*args, **kwargs)
+
+        store.load_txn = held_load
+        taker = Orchestrator(
+            database_url, sagas=app.ALL_SAGAS, lease_seconds=LEASE, owner=taker_owner
+        )
+        threads = [
+            threading.Thread(target=lambda: first.run(saga_id), name="first"),
+            threading.Thread(target=lambda: taker.run(saga_id), name="taker"),
+        ]
+        try:
+            threads[0].start()
+            assert loading.wait(30), "the first owner never found its claim again"
+            assert proxy.lost_replies(), "the claim's reply was not lost"
+            wait_for(
+                lambda: scalar(database_url, "SELECT lease_expires_at < now() FROM saga.sagas"),
+                timeout=10,
+                what="the first owner's lease to lapse",
+            )
+            threads[1].start()
+            assert taker_at_call.wait(30), "the taker never started attempt 2"
+            go_on.set()
+            threads[0].join(30)
+            taker_go.set()
+            threads[1].join(30)
+            assert taker.get(saga_id).status == SagaStatus.COMPLETED
+        finally:
+            go_on.set()
+            taker_go.set()
+            for thread in threads:
+                if thread.is_alive():
+                    thread.join(30)
+            fault_points.arm(previous)
+            first.close()
+            taker.close()
+    with psycopg.connect(database_url) as conn:
+        rows = conn.execute(
+            "SELECT attempt, fence, performed FROM fault_provider.requests"
+            " WHERE idempotency_key LIKE %s ORDER BY id",
+            ("%:race-1:a",),
+        ).fetchall()
+    assert [r for r in rows if r[2]] == [(2, 2, True)], f"(attempt, fence, performed): {rows}"
