@@ -356,8 +356,12 @@ class Engine:
         # A start whose reply was lost is retried; the retry that finds this very saga
         # (by its new id) knows the first one landed, and goes on as its creator.
         start_token = None if claim else new_token()
+        # When the first try was sent: a start that claims confirms its lease no earlier.
+        sent: list[float] = []
 
         def once() -> Flow[dict[str, Any]]:
+            if not sent:
+                sent.append(time.monotonic())
             outcome: dict[str, Any] = yield db(
                 "start_saga",
                 row,
@@ -375,6 +379,7 @@ class Engine:
             saga_id = row.id
             _log.info("saga_started", saga_id=saga_id, saga=saga.name, tenant_id=tenant, key=key)
             if claimed is not None:
+                claimed[0].lease_confirmed_at = sent[0]
                 log_events(claimed[0], events[1:])
             elif start_token is not None and row.run_after is not None:
                 # As the start wrote it (a start retried after a lost reply has not heard

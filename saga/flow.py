@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ from saga.protocol import (
 )
 from saga.retry import is_ambiguous
 from saga.rows import describe
+from saga.selffence import may_start_call
 from saga.started import Started
 from saga.state import OperationStatus, SagaState
 from saga.store import Loaded, new_token
@@ -188,6 +190,7 @@ class Flows:
             tried[0] = True
             if isinstance(nxt, Invoke):
                 faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
+            sent = time.monotonic()
             claimed, state = yield db(
                 "claim_started",
                 write,
@@ -198,6 +201,7 @@ class Flows:
             )
             if not claimed:
                 return None
+            planner.lease_confirmed_at = sent
             if write.release:
                 planner.final_state = state
             log_events(planner, write.events)
@@ -241,6 +245,7 @@ class Flows:
     def _claim_by_id(
         self, lookup: Lookup, saga_id: str, token: str
     ) -> Flow[tuple[Planner, Next] | None]:
+        sent = time.monotonic()
         yield Begin()
         loaded = yield db("claim_txn", saga_id, owner=self.owner, lease_seconds=self.lease_seconds)
         if loaded is None:
@@ -251,6 +256,7 @@ class Flows:
             lookup(row.name, row.version), loaded, token
         )
         yield Commit()
+        planner.lease_confirmed_at = sent
         if read is not None:
             planner.final_state = yield Fetch(read)
         log_events(planner, events)
@@ -286,6 +292,7 @@ class Flows:
     def _claim_next_once(
         self, kinds: Sequence[str], lookup: Lookup, token: str
     ) -> Flow[tuple[Planner, Next] | None]:
+        sent = time.monotonic()
         yield Begin()
         loaded = yield db(
             "claim_next_txn", kinds=kinds, owner=self.owner, lease_seconds=self.lease_seconds
@@ -298,6 +305,7 @@ class Flows:
             lookup(row.name, row.version), loaded, token
         )
         yield Commit()
+        planner.lease_confirmed_at = sent
         if read is not None:
             planner.final_state = yield Fetch(read)
         log_events(planner, events)
@@ -362,6 +370,7 @@ class Flows:
     def _claim_batch_once(
         self, kinds: Sequence[str], lookup: Lookup, tokens: Sequence[str]
     ) -> Flow[list[tuple[Planner, Next]]]:
+        sent = time.monotonic()
         yield Begin()
         batch: list[Loaded] = yield db(
             "claim_batch_txn",
@@ -413,6 +422,7 @@ class Flows:
                     _log.exception("saga_park_failed", saga_id=planner.saga.id)
                     yield from self.release_after_error(planner.saga)
                 continue
+            planner.lease_confirmed_at = sent
             if write.release:
                 planner.final_state = answer
             log_events(planner, write.events)
@@ -432,6 +442,13 @@ class Flows:
             return None
         loaded = yield from self._load(saga_id)
         if loaded is None:
+            return None
+        # Still our claim's, as read? Every write (another owner's claim, its reconcile,
+        # the attempt it starts) changes the token: a read that came after one would hand
+        # us the new owner's attempt, under its fence, to call a second time.
+        again = yield db("write_token", saga_id)
+        if again != written:
+            _log.info("claim_taken_over", saga_id=saga_id, fence=loaded[0].fence)
             return None
         planner = self._planner(lookup(loaded[0].name, loaded[0].version), loaded)
         _log.info("claim_landed", saga_id=saga_id, fence=planner.saga.fence)
@@ -665,6 +682,8 @@ class Flows:
 
         def again() -> Flow[tuple[Planner, Next]]:
             if (yield from self._landed(unsure[0])):
+                # Confirmed when that write was sent, however long finding it out took.
+                unsure[0].planner.lease_confirmed_at = unsure[0].sent
                 return unsure[0].planner, unsure[0].nxt
             fresh = yield from self._reload(unsure[0].planner)
             try:
@@ -685,12 +704,14 @@ class Flows:
         write = self._write(planner, nxt)
         if isinstance(nxt, Invoke):
             faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
+        sent = time.monotonic()
         try:
             yield from self._transact_at_once(planner, write, token)
         except Exception as exc:
             if not is_transient(exc):
                 raise
-            raise _Unsure(planner, nxt, token, list(write.events), exc) from exc
+            raise _Unsure(planner, nxt, token, list(write.events), exc, sent) from exc
+        planner.lease_confirmed_at = sent
         log_events(planner, write.events)
         return nxt
 
@@ -725,6 +746,7 @@ class Flows:
         """A fresh planner from the database, once the lease is checked to be still ours
         (`LeaseLost` otherwise)."""
         saga = planner.saga
+        sent = time.monotonic()
         yield Begin()
         yield db(
             "assert_fence_txn",
@@ -736,7 +758,9 @@ class Flows:
         loaded = yield db("load_txn", saga.id)
         yield Commit()
         assert loaded is not None  # the fence check found the row
-        return self._planner(planner.definition, loaded)
+        fresh = self._planner(planner.definition, loaded)
+        fresh.lease_confirmed_at = sent  # the fence check renewed the lease
+        return fresh
 
     def _planner(self, definition: Saga[Any], loaded: Loaded) -> Planner:
         """A planner of a saga as read, at the time now, with this runner's approval
@@ -850,6 +874,7 @@ class Flows:
             )
             return (yield from self._transact(planner, inputs.NotCalled(op.step, op.kind, reason)))
         faults.point("before_call", **where)
+        yield from self._self_fence(planner, op)
         try:
             value = yield Call(
                 spec.fn,
@@ -932,6 +957,7 @@ class Flows:
             return (yield from self._transact(planner, inputs.Parked(running)))
         ctx = self._context(planner, op)
         outcome: inputs.OpOutcome
+        yield from self._self_fence(planner, op)
         try:
             answer = yield Call(fn, (ctx, *planner.arguments(op)))
             if isinstance(answer, Found):
@@ -967,6 +993,31 @@ class Flows:
         faults.point("after_record", step=op.step, kind=op.kind)
         return result
 
+    def _self_fence(self, planner: Planner, op: OpRow) -> Flow[None]:
+        """Start a call only while the lease cannot have ended, less a margin
+        (`saga.selffence`), by this process's clock from when the write that last
+        confirmed it was sent. Past that (a reply held by a pooler, a lost reply found
+        again, a stalled process), the lease is confirmed again by a fenced renewal first;
+        `LeaseLost` when it is no longer ours: another owner may have settled the attempt
+        meanwhile (a reconcile that found nothing), and this call must not start."""
+        saga, lease = planner.saga, self.lease_seconds
+        held = (saga.id, saga.fence)
+
+        def renew() -> Flow[tuple[float, bool]]:
+            sent = time.monotonic()
+            alive = yield db("renew_leases", {held}, owner=self.owner, lease_seconds=lease)
+            return sent, held in alive
+
+        while not may_start_call(planner.lease_confirmed_at, time.monotonic(), lease):
+            sent, alive = yield from retried("confirm_lease", renew)
+            if not alive:
+                raise LeaseLost(
+                    f"the lease of saga {saga.id} at fence {saga.fence} may have ended before "
+                    f"{describe(op)} was called, and it is no longer ours: not called"
+                )
+            _log.info("lease_confirmed_again", saga_id=saga.id, fence=saga.fence, step=op.step)
+            planner.lease_confirmed_at = sent
+
     def _abandoned_attempt(self, planner: Planner, op: OpRow) -> Flow[str | None]:
         """Wait, under the lease, for attempts of `op` abandoned at their timeout that still
         run in this process; the reason to park if one outlives the wait (a reconcile
@@ -984,7 +1035,13 @@ class _Unsure(Exception):
     """A write failed for a transient reason, and may have landed all the same."""
 
     def __init__(
-        self, planner: Planner, nxt: Next, token: str, events: list[Event], cause: Exception
+        self,
+        planner: Planner,
+        nxt: Next,
+        token: str,
+        events: list[Event],
+        cause: Exception,
+        sent: float,
     ) -> None:
         super().__init__(str(cause))
         self.planner = planner
@@ -992,6 +1049,8 @@ class _Unsure(Exception):
         self.token = token
         self.events = events
         self.cause = cause
+        # When the write was sent (monotonic): if it landed, it confirmed the lease then.
+        self.sent = sent
 
 
 # Longest traceback kept in an audit event (characters; its last lines are kept).

@@ -170,6 +170,10 @@ class Planner:
         # (`advance`, `saga.inputs.apply`, an operator's change) carries its own.
         self.now = now
         self.may_call = True
+        # When the write that last confirmed this planner's lease was sent, on the
+        # driver's monotonic clock (set by the flows; the core reads no clock). None: not
+        # confirmed by this planner's writes, so it is confirmed again before a call.
+        self.lease_confirmed_at: float | None = None
         # Set by the runner when it hands the saga back: the state its last commit left.
         self.final_state: SagaState | None = None
         for op in ops:
