@@ -89,6 +89,12 @@ def unreachable(exc: BaseException, url: str) -> bool:
         return False
     if isinstance(exc, DatabaseUnavailable):
         return not is_malformed_url(url)
+    # A reply the client could not make sense of (psycopg's own InternalError, with no
+    # SQLSTATE: "received 2 results from command 'COMMIT'" when a server restarts behind a
+    # pooler mid-reply): the connection is broken, not the request refused. What a worker
+    # does at start (migrate, check its privileges) is safe to do again.
+    if isinstance(exc, psycopg.InternalError) and exc.sqlstate is None:
+        return True
     return is_transient(exc)
 
 
