@@ -516,9 +516,7 @@ def unsettled_call(
     candidates = [
         c
         for c in of_step
-        if any(
-            op.step == c and (kind is None or op.kind == kind) and unsettled(op) for op in ops
-        )
+        if any(op.step == c and (kind is None or op.kind == kind) and unsettled(op) for op in ops)
     ]
     if len(candidates) == 1:
         return candidates[0]
