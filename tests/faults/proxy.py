@@ -81,13 +81,7 @@ class LostReplyProxy:
     """Forwards connections from a port of 127.0.0.1 to the PostgreSQL of `upstream_url`."""
 
     def __init__(self, upstream_url: str, *, seed: int = 0) -> None:
-        params = conninfo_to_dict(upstream_url)
-        host = str(params.get("host") or "127.0.0.1")
-        port = int(params.get("port") or 5432)
-        # A host that is a directory names a Unix socket there, as for libpq.
-        self._upstream: str | tuple[str, int] = (
-            f"{host}/.s.PGSQL.{port}" if host.startswith("/") else (host, port)
-        )
+        self._upstream = upstream_address(upstream_url)
         self._upstream_url = upstream_url
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
@@ -176,7 +170,7 @@ class LostReplyProxy:
 
     def _serve(self, client: socket.socket) -> None:
         try:
-            server = _connect(self._upstream)
+            server = connect_upstream(self._upstream)
         except OSError:
             client.close()
             return
@@ -310,7 +304,17 @@ class LostReplyProxy:
                 sock.close()
 
 
-def _connect(upstream: str | tuple[str, int]) -> socket.socket:
+def upstream_address(url: str) -> str | tuple[str, int]:
+    """Where the server of `url` listens: a Unix socket's path when its host is a directory
+    (as for libpq: the embedded server), else (host, port)."""
+    params = conninfo_to_dict(url)
+    host = str(params.get("host") or "127.0.0.1")
+    port = int(params.get("port") or 5432)
+    return f"{host}/.s.PGSQL.{port}" if host.startswith("/") else (host, port)
+
+
+def connect_upstream(upstream: str | tuple[str, int]) -> socket.socket:
+    """A socket connected to `upstream` (see `upstream_address`)."""
     if isinstance(upstream, str):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import make_conninfo
 
 from faults.harness import WorkerProcess, scalar, settled_count, start_sagas, wait_for
+from faults.proxy import connect_upstream, upstream_address
 
 pytestmark = [pytest.mark.integration]
 
@@ -28,8 +29,7 @@ class _Gate:
     "server closed the connection unexpectedly"); once opened, it forwards."""
 
     def __init__(self, url: str) -> None:
-        params = conninfo_to_dict(url)
-        self.upstream = (str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+        self.upstream = upstream_address(url)
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = make_conninfo(url, host="127.0.0.1", port=self.listener.getsockname()[1])
         self.opened = threading.Event()
@@ -55,7 +55,11 @@ class _Gate:
                 self.shut_out += 1
                 client.close()
                 continue
-            server = socket.create_connection(self.upstream)
+            try:
+                server = connect_upstream(self.upstream)
+            except OSError:
+                client.close()
+                continue
             self._socks += [client, server]
             for a, b in ((client, server), (server, client)):
                 threading.Thread(target=_pump, args=(a, b), daemon=True).start()
