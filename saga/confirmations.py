@@ -74,15 +74,14 @@ def _use_approval(
     preview = _preview(planner, op, spec, cost)
     digest = preview["request_hash"]
     confirmation = _confirmation_for(planner, op.step, digest)
-    for version in HASH_VERSIONS:
-        if confirmation is not None:
-            break
+    if confirmation is None:
         # Asked and approved before an upgrade of the hash: bound to the preview's hash
         # under the version of its day.
-        digest = preview_hash(preview, version=version)
-        confirmation = _confirmation_for(planner, op.step, digest)
-    if confirmation is None:
-        digest = preview["request_hash"]
+        for earlier in (preview_hash(preview, version=v) for v in HASH_VERSIONS):
+            found = None if earlier == digest else _confirmation_for(planner, op.step, earlier)
+            if found is not None:
+                digest, confirmation = earlier, found
+                break
     if (
         confirmation is None
         or confirmation.approved_at is None

@@ -63,7 +63,7 @@ def embedded_database_url(data_dir: Path | None = None) -> str:
         ) from exc
 
 
-def _malformed(url: str) -> bool:
+def is_malformed_url(url: str) -> bool:
     """Whether `url` does not parse, or parses into other pieces than its own text says (a
     `/`, `?`, `#` or `@` left unescaped in the password moves the rest into host or dbname)."""
     try:
@@ -80,16 +80,10 @@ def _malformed(url: str) -> bool:
     return str(params.get("password") or "") != written
 
 
-def is_malformed_url(url: str) -> bool:
-    """Whether `url` is no PostgreSQL URL as written (see `unavailable`): no connection
-    to it can succeed until it is corrected."""
-    return _malformed(url)
-
-
 def describe_url(url: str) -> str:
     """`host:port/dbname` of a connection URL, never its password: a URL that does not
     parse as itself is shown with everything up to its last `@` masked."""
-    if _malformed(url):
+    if is_malformed_url(url):
         return scrub(redact_url(url), url)
     params = conninfo_to_dict(url)
     host = str(params.get("host") or "localhost")
@@ -129,7 +123,7 @@ def unavailable(url: str, exc: BaseException) -> DatabaseUnavailable:
     text = scrub(str(exc).strip(), url)
     reason = text.splitlines()[0] if text else type(exc).__name__
     where = describe_url(url)
-    if _malformed(url):
+    if is_malformed_url(url):
         return DatabaseUnavailable(
             f"the database URL {where} is not a valid PostgreSQL URL ({reason}); write it as "
             "postgresql://USER:PASSWORD@HOST:PORT/DBNAME with any / ? # @ % in the password "
@@ -151,7 +145,7 @@ def check_connection(
     A server that answers it is restarting (or a pooler that says its server is) is asked
     again for up to `restart_seconds`; a server that does not answer, or refuses, is
     reported at once."""
-    if _malformed(url):
+    if is_malformed_url(url):
         try:
             conninfo_to_dict(url)
         except Exception as exc:

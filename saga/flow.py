@@ -902,30 +902,23 @@ class Flows:
         except Exception as exc:
             error = _describe_error(exc)
             verdict = policy.classify(exc)
-            if verdict == "unknown" and is_ambiguous(exc):
-                # The reply was cut off, the provider may have acted: settled as unknown (a
-                # reconcile hook, a same-key retry of an idempotent operation, else a park),
-                # a retry only after the policy's backoff.
-                reason = (
-                    f"attempt {op.attempts} raised {error}, an ambiguous error (the provider "
-                    "may have acted before the reply was cut off): its outcome is unknown"
-                )
-                outcome = inputs.Raised(
-                    op.step,
-                    op.kind,
-                    reason,
-                    "unknown",
-                    policy.delay_after(op.attempts),
-                    traceback=traceback_of(exc),
-                )
-            elif verdict == "unknown":
+            if verdict == "unknown":
                 # Not a verdict: the exception may come after the effect (discipline 7).
-                reason = (
-                    f"attempt {op.attempts} raised {error}, which is neither a PermanentError "
-                    "nor listed in fail_on or retry_on: its outcome is unknown"
-                )
+                if is_ambiguous(exc):
+                    # The reply was cut off, the provider may have acted: settled as unknown
+                    # (a reconcile hook, a same-key retry of an idempotent operation, else a
+                    # park), a retry only after the policy's backoff.
+                    why = (
+                        "an ambiguous error (the provider may have acted before the reply "
+                        "was cut off)"
+                    )
+                    delay = policy.delay_after(op.attempts)
+                else:
+                    why = "which is neither a PermanentError nor listed in fail_on or retry_on"
+                    delay = 0.0
+                reason = f"attempt {op.attempts} raised {error}, {why}: its outcome is unknown"
                 outcome = inputs.Raised(
-                    op.step, op.kind, reason, "unknown", traceback=traceback_of(exc)
+                    op.step, op.kind, reason, "unknown", delay, traceback=traceback_of(exc)
                 )
             else:
                 retryable = verdict == "retry"

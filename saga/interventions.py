@@ -513,11 +513,8 @@ def unsettled_call(
         )
 
     of_step = [c for c in calls if c.rsplit(".", 1)[0] == step]
-    candidates = [
-        c
-        for c in of_step
-        if any(op.step == c and (kind is None or op.kind == kind) and unsettled(op) for op in ops)
-    ]
+    open_steps = {op.step for op in ops if (kind is None or op.kind == kind) and unsettled(op)}
+    candidates = [c for c in of_step if c in open_steps]
     if len(candidates) == 1:
         return candidates[0]
     if candidates:

@@ -179,11 +179,11 @@ def canonical_form(value: JsonValue, *, version: int = HASH_VERSION) -> bytes:
     its digits instead of being refused, so that two different large integers (ids) stay
     two requests.
     """
-    check_json(value, where="canonical JSON")
     if version == 1:
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        return canonical_json(value).encode()
     if version != 2:
         raise ValueError(f"unknown request hash version {version!r}; known: {HASH_VERSIONS}")
+    check_json(value, where="canonical JSON")
     try:
         return rfc8785.dumps(value)
     except rfc8785.IntegerDomainError:

@@ -40,9 +40,9 @@ from saga.keys import call_operation_long_name, call_operation_name, operation_k
 from saga.keys import request_hash as hash_fields
 from saga.protocol import Planner, SagaRow
 from saga.retry import RetryPolicy
-from saga.rows import Event
+from saga.rows import Event, OpRow
 from saga.signatures import is_async
-from saga.state import HistoryEvent, OperationStatus, SagaState, SagaStatus
+from saga.state import HistoryEvent, OperationState, OperationStatus, SagaState, SagaStatus
 
 if TYPE_CHECKING:
     from saga.adriver import AsyncRunner
@@ -578,14 +578,19 @@ class _Ledger:
 
     def _call_identity(self, name: str) -> str | None:
         """The idempotency key of the session's call `name`, or None when it has none."""
+        row = self._row(name)
+        return None if row is None else row.idempotency_key
+
+    def _row(self, name: str) -> OpRow | OperationState | None:
+        """The session's call `name` as this block knows it: its planner's row while
+        entered, else the state it finished with; None when there is no such call."""
         if self.planner is not None:
-            op = self.planner.find(name, "action")
-            return None if op is None else op.idempotency_key
+            return self.planner.find(name, "action")
         if self.finished is None:  # not entered yet: no call is stored
             return None
         for state in self.finished.operations:
             if state.step == name and state.kind == "action":
-                return state.idempotency_key
+                return state
         return None
 
     def _identity(self, name: str) -> str:
@@ -598,22 +603,10 @@ class _Ledger:
         return operation_key(state.saga, state.version, state.tenant_id, state.key, name, "action")
 
     def _stored(self, name: str) -> tuple[OperationStatus, str, int, Any, str | None] | None:
-        if self.planner is not None:
-            op = self.planner.find(name, "action")
-            if op is None:
-                return None
-            return op.status, op.request_hash, op.hash_version, op.result, op.error
-        assert self.finished is not None
-        for state in self.finished.operations:
-            if state.step == name and state.kind == "action":
-                return (
-                    state.status,
-                    state.request_hash,
-                    state.hash_version,
-                    state.result,
-                    state.error,
-                )
-        return None
+        row = self._row(name)
+        if row is None:
+            return None
+        return row.status, row.request_hash, row.hash_version, row.result, row.error
 
     def _raised(self, name: str, error: str | None) -> BaseException:
         """The error a failed call raises to the session's code: what the step raised when
