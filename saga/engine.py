@@ -645,10 +645,7 @@ class Engine:
                 "from_version": from_version,
                 "to_version": to_version,
                 "renamed": plan.renamed,
-                "kept": [m.to for m in plan.moves if m.move == "kept"],
-                "replaced": [m.to for m in plan.moves if m.move == "replaced"],
-                "added": [m.to for m in plan.moves if m.move == "added"],
-                "dropped": [m.step for m in plan.moves if m.move == "dropped"],
+                "moves": [m.as_dict() for m in plan.moves],
                 "fence": row.fence,
             },
         )

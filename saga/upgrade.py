@@ -39,7 +39,7 @@ from saga.errors import StepStateError
 from saga.protocol import new_action_rows
 from saga.rows import OpRow, SagaRow
 from saga.session import LEDGER_PREFIX, SESSION_PREFIX
-from saga.state import OperationStatus, SagaStatus
+from saga.state import HistoryEvent, OperationStatus, SagaState, SagaStatus
 
 __all__ = [
     "StepMove",
@@ -115,6 +115,29 @@ class UpgradePlan:
             for m in self.moves
             if m.move == "kept" and m.step is not None and m.to is not None and m.step != m.to
         }
+
+    @classmethod
+    def recorded(cls, state: SagaState, event: HistoryEvent) -> UpgradePlan:
+        """The plan an upgrade made, as its `saga_upgraded` event of `state` records it."""
+        detail = event.detail
+        return cls(
+            saga_id=state.id,
+            saga=state.saga,
+            from_version=int(detail["from_version"]),
+            to_version=int(detail["to_version"]),
+            status=state.status,
+            moves=tuple(
+                StepMove(
+                    move=m["move"],
+                    step=m["step"],
+                    to=m["to"],
+                    status=OperationStatus(m["status"]),
+                    attempts=int(m["attempts"]),
+                    key=m["key"],
+                )
+                for m in detail.get("moves", ())
+            ),
+        )
 
     def refusal(self) -> str:
         """The refusal as one message (empty when allowed)."""
@@ -256,11 +279,13 @@ def plan_upgrade(
     renames: list[tuple[str, str, str, int]] = []
     kept: dict[str, tuple[OpRow, Step]] = {}  # by the target step's name
     replaced: dict[str, OpRow] = {}  # never attempted, by the target step's name
+    unmapped = False  # an operation that took effect has no step: the map is to be fixed
     for op in (o for o in actions if _attempted(o)):
         name = mapping.get(op.step, op.step)
         step = target.step_named(name)
         if step is None:
             if took_effect(op):
+                unmapped = True
                 reasons.append(
                     f"step {op.step!r} {_what(op)} and version {to_version} has no step "
                     f"{name!r}: map it onto the step that carries its effect (step_map "
@@ -310,7 +335,7 @@ def plan_upgrade(
     for new in new_action_rows(target, row.tenant_id, row.key, business):
         if new.step in kept:
             continue
-        if last_effect is not None and new.position < last_effect.index:
+        if not unmapped and last_effect is not None and new.position < last_effect.index:
             reasons.append(
                 f"step {new.step!r} of version {to_version} comes before "
                 f"{last_effect.name!r}, which has run already: the saga would run it out of "
