@@ -76,4 +76,7 @@ def trial(ctx: StepContext, job: Job) -> dict[str, Any]:
     return {"days": 14}
 
 
+# The release that upgrades: both versions registered.
 orch = Orchestrator(sagas=[signup_v1, signup_v2], lease_seconds=1.0)
+# The app of the release after: version 1 no longer registered (`saga versions` gates it).
+only_v2 = Orchestrator(sagas=[signup_v2], lease_seconds=1.0)
