@@ -59,8 +59,9 @@ TOOK_EFFECT = (OperationStatus.SUCCEEDED, OperationStatus.RUNNING, OperationStat
 
 
 def took_effect(op: OpRow) -> bool:
-    """Whether an operation took effect, or may have (running, or its outcome unknown)."""
-    return op.status in TOOK_EFFECT
+    """Whether an operation took effect, or may have (running, or its outcome unknown;
+    an unknown one an earlier release set back to pending for its retry included)."""
+    return op.status in TOOK_EFFECT or op.retrying_unknown
 
 
 @dataclass(frozen=True, slots=True)

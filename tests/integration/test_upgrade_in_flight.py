@@ -213,3 +213,38 @@ def test_the_async_door_upgrades_the_same_way(
 
     asyncio.run(main())
     assert upgrade_app.signup_v2.step_named("trial") is not None
+
+
+def test_two_steps_may_swap_names(make_orch: OrchestratorFactory) -> None:
+    """step_map swaps the names of two steps that succeeded: each row is kept under the
+    other's name with its own key, and neither runs again."""
+    ran: list[str] = []
+
+    def step(version: int, name: str, **options: Any) -> Any:
+        def fn(ctx: StepContext, job: Job) -> Any:
+            ran.append(f"v{version}:{name}")
+            return {"not", "json"} if (version, name) == (1, "c") else {"step": name}
+
+        return fn
+
+    v1 = Saga("swap", version=1, input=Job, key=lambda j: j.order_id)
+    v2 = Saga("swap", version=2, input=Job, key=lambda j: j.order_id)
+    for name in ("a", "b", "c"):
+        v1.step(name=name)(step(1, name))
+    v2.step(name="b")(step(2, "b"))
+    v2.step(name="a")(step(2, "a"))
+    v2.step(name="c", idempotent=True)(step(2, "c"))
+    orch = make_orch(v1, v2)
+    saga_id = orch.start(v1, Job(order_id="s-1")).id
+    assert orch.run(saga_id).status == "needs_review"
+
+    state = orch.upgrade(saga_id, 2, step_map={"a": "b", "b": "a"}, actor="alice")
+
+    assert [(op.step, op.idempotency_key) for op in state.operations] == [
+        ("b", "swap:v1::s-1:a"),
+        ("a", "swap:v1::s-1:b"),
+        ("c", "swap:v1::s-1:c"),
+    ]
+    orch.retry(saga_id, actor="alice")
+    assert orch.run(saga_id).status == "completed"
+    assert ran == ["v1:a", "v1:b", "v1:c", "v2:c"]
