@@ -644,8 +644,9 @@ class Engine:
                 "actor": actor,
                 "from_version": from_version,
                 "to_version": to_version,
-                "renamed": plan.renamed,
-                "moves": [m.as_dict() for m in plan.moves],
+                # jsonb orders keys by length: `saga show` gives the actor and versions first.
+                "renamed_steps": plan.renamed,
+                "upgrade_moves": [m.as_dict() for m in plan.moves],
                 "fence": row.fence,
             },
         )

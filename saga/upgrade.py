@@ -136,7 +136,7 @@ class UpgradePlan:
                     attempts=int(m["attempts"]),
                     key=m["key"],
                 )
-                for m in detail.get("moves", ())
+                for m in detail.get("upgrade_moves", ())
             ),
         )
 

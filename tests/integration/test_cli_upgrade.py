@@ -64,6 +64,10 @@ def test_upgrade_refuses_then_dry_runs_then_upgrades(
     history = saga_cmd("show", "--database-url", database_url, "--json", saga_id)
     upgraded = [e for e in json.loads(history.stdout)["history"] if e["event"] == "saga_upgraded"]
     assert [e["detail"]["actor"] for e in upgraded] == ["alice"]
+    shown = saga_cmd("show", "--database-url", database_url, saga_id)
+    assert shown.returncode == 0, shown.stderr
+    line = next(x for x in shown.stdout.splitlines() if "saga_upgraded" in x)
+    assert "actor=alice fence=2 to_version=2 from_version=1 renamed_steps=" in line, line
 
     resumed = saga_cmd("retry", *APP, *db, saga_id, "--run", app_dir=app_dir)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr

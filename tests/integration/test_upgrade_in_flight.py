@@ -69,7 +69,7 @@ def test_an_upgraded_saga_finishes_under_v2_without_repeating_a_step(
     assert event.event == "saga_upgraded"
     assert event.detail["actor"] == "alice"
     assert (event.detail["from_version"], event.detail["to_version"]) == (1, 2)
-    assert event.detail["renamed"] == RENAME
+    assert event.detail["renamed_steps"] == RENAME
 
     orch.retry(saga_id, actor="alice")  # v2's mail is idempotent: retried, not refused
     orch.worker().run(until_idle=True)
