@@ -1386,7 +1386,8 @@ def _upgrade(args: argparse.Namespace) -> int:
             "summary": True,
             "command": "upgrade",
             "dry_run": args.dry_run,
-            "upgraded": upgraded,
+            "allowed": upgraded,  # with --dry-run: would be upgraded
+            "upgraded": 0 if args.dry_run else upgraded,
             "refused": refused,
         }
         print(json.dumps(summary, separators=(",", ":")))

@@ -116,6 +116,7 @@ def test_a_batch_reports_each_saga_and_fails_when_one_is_refused(
         "summary": True,
         "command": "upgrade",
         "dry_run": False,
+        "allowed": 1,
         "upgraded": 1,
         "refused": 1,
     }
@@ -128,3 +129,29 @@ def test_a_batch_reports_each_saga_and_fails_when_one_is_refused(
         "upgrade: 1 saga(s) of signup v1 selected, 1 upgraded to v2, 0 refused"
     )
     assert saga_cmd(*gate, app_dir=app_dir).returncode == 0
+
+
+def test_an_async_app_upgrades_the_same_way(
+    make_orch: OrchestratorFactory, database_url: str, app_dir: Path
+) -> None:
+    """With an AsyncOrchestrator app the command plans and upgrades alike."""
+    saga_id = stuck_signup(make_orch(signup_v1, signup_v2), "a-1")
+    args = ["--app", "upgrade_app:aorch", "--database-url", database_url, saga_id, "--to", "2"]
+    mapped = [*args, "--map", "account=create_account", "--json"]
+
+    dry = saga_cmd("upgrade", *mapped, "--dry-run", app_dir=app_dir)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    plan, summary = [json.loads(line) for line in dry.stdout.splitlines()]
+    assert (plan["allowed"], plan["upgraded"]) == (True, False)
+    assert (summary["allowed"], summary["upgraded"], summary["refused"]) == (1, 0, 0)
+
+    done = saga_cmd("upgrade", *mapped, app_dir=app_dir)
+    assert done.returncode == 0, done.stdout + done.stderr
+    made = json.loads(done.stdout.splitlines()[0])
+    assert made["upgraded"] is True
+    assert [(m["move"], m["to"], m["key"]) for m in made["moves"]] == [
+        ("kept", "create_account", "signup:v1:acme:a-1:account"),
+        ("kept", "mail", "signup:v1:acme:a-1:mail"),
+        ("added", "trial", "signup:v2:acme:a-1:trial"),
+    ]
+    assert scalar(database_url, "SELECT version FROM saga.sagas WHERE id = %s", (saga_id,)) == 2

@@ -15,7 +15,7 @@ from typing import Any
 
 from cli_app import Job, log_call
 
-from saga import Orchestrator, Saga, StepContext
+from saga import AsyncOrchestrator, Orchestrator, Saga, StepContext
 
 
 def _signup(version: int) -> Saga[Job]:
@@ -80,3 +80,5 @@ def trial(ctx: StepContext, job: Job) -> dict[str, Any]:
 orch = Orchestrator(sagas=[signup_v1, signup_v2], lease_seconds=1.0)
 # The app of the release after: version 1 no longer registered (`saga versions` gates it).
 only_v2 = Orchestrator(sagas=[signup_v2], lease_seconds=1.0)
+# The same release behind an AsyncOrchestrator (`--app upgrade_app:aorch`).
+aorch = AsyncOrchestrator(sagas=[signup_v1, signup_v2], lease_seconds=1.0)
