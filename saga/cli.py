@@ -63,10 +63,10 @@ _EPILOG = """exit codes:
 The database comes from --database-url, else SAGA_DATABASE_URL, else an embedded
 PostgreSQL in a local data directory (SAGA_EMBEDDED_DIR). Commands that run your
 code or need its saga definitions (worker, compensate, resolve, retry, cancel, fork,
-reconcile) load it with --app MODULE[:ATTR] or SAGA_APP: MODULE is imported (from the
-current directory or PYTHONPATH) and ATTR names its Orchestrator or AsyncOrchestrator
-(found by itself when there is only one; an AsyncOrchestrator's worker is an
-AsyncWorker on an event loop).
+reconcile, upgrade) load it with --app MODULE[:ATTR] or SAGA_APP: MODULE is imported
+(from the current directory or PYTHONPATH) and ATTR names its Orchestrator or
+AsyncOrchestrator (found by itself when there is only one; an AsyncOrchestrator's
+worker is an AsyncWorker on an event loop).
 Mutating commands are recorded in each saga's audit trail with --actor (default:
 your OS user). Errors are one line on stderr; SAGA_TRACEBACK=1 adds the traceback.
 
@@ -466,7 +466,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     upgrade.add_argument("saga_id", metavar="ID", nargs="?", help="the saga to upgrade")
     upgrade.add_argument(
-        "--to", dest="to_version", type=_positive, required=True, metavar="N", help="the version"
+        "--to",
+        dest="to_version",
+        type=_positive,
+        required=True,
+        metavar="N",
+        help="the version to move them to: newer than theirs, registered by --app beside theirs",
     )
     upgrade.add_argument(
         "--map",
@@ -488,7 +493,9 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         help="batch: only sagas in this status (repeatable; default: every saga in flight)",
     )
-    upgrade.add_argument("--limit", type=_positive, default=1000, help="batch: at most this many")
+    upgrade.add_argument(
+        "--limit", type=_positive, default=1000, help="batch: at most this many (1000)"
+    )
     upgrade.add_argument(
         "--dry-run",
         action="store_true",
