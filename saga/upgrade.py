@@ -393,7 +393,7 @@ def _move(move: Move, op: OpRow, to: str | None, key: str) -> StepMove:
 def _what(op: OpRow) -> str:
     if op.status == OperationStatus.SUCCEEDED:
         return "succeeded"
-    if op.status == OperationStatus.UNKNOWN:
+    if op.status == OperationStatus.UNKNOWN or op.retrying_unknown:
         return "has an unknown outcome (it may have taken effect)"
     return "is running (it may have taken effect)"
 
