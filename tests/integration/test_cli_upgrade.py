@@ -155,3 +155,19 @@ def test_an_async_app_upgrades_the_same_way(
         ("added", "trial", "signup:v2:acme:a-1:trial"),
     ]
     assert scalar(database_url, "SELECT version FROM saga.sagas WHERE id = %s", (saga_id,)) == 2
+
+
+def test_usage_errors_exit_2_before_anything_is_read(database_url: str) -> None:
+    """A --map that is not OLD=NEW, the same step mapped twice, a batch flag beside an
+    ID, or neither an ID nor --saga and --version: exit 2, one line saying what is wrong."""
+    base = ["upgrade", "--database-url", database_url, "--to", "2"]
+    cases = [
+        ([*base, "x", "--map", "account"], "expected OLD=NEW (two step names), got 'account'"),
+        ([*base, "x", "--map", "a=b", "--map", "a=c"], "--map a=... is given twice: a=b, a=c"),
+        ([*base, "x", "--saga", "signup"], "--saga select a batch; they do not go with a saga ID"),
+        ([*base, "--saga", "signup"], "give a saga ID, or select a batch with --saga NAME and"),
+    ]
+    for args, message in cases:
+        result = saga_cmd(*args)
+        assert result.returncode == 2, (args, result.stdout, result.stderr)
+        assert message in result.stderr, result.stderr
