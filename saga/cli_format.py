@@ -268,7 +268,8 @@ def _operations(ops: Sequence[OperationState]) -> str:
 
 def history(state: SagaState, events: Sequence[HistoryEvent]) -> str:
     """`saga history`: which saga, then its whole audit trail, oldest first, with who
-    acted (an operator's events) in a column of its own and the detail uncut."""
+    acted (an operator's events) in a column of its own, and more of each detail than
+    `show` prints (`history_json` has all of it)."""
     tenant = state.tenant_id or "-"
     head = (
         f"saga {state.id}  {state.saga} v{state.version}  tenant {tenant}  key {state.key}  "
@@ -325,7 +326,7 @@ def _timeline(history: Sequence[HistoryEvent], *, actors: bool = False) -> str:
             shown = {k: v for k, v in e.detail.items() if k != "actor" and v is not None}
             detail = " ".join(f"{k}={_value(v)}" for k, v in shown.items())
             who = "-" if actor is None else str(actor)
-            rows.append([timestamp(e.at), e.event, where, took, who, detail or "-"])
+            rows.append([timestamp(e.at), e.event, where, took, who, one_line(detail, 200)])
             continue
         detail = " ".join(f"{k}={_value(v)}" for k, v in e.detail.items() if v is not None)
         rows.append([timestamp(e.at), e.event, where, took, one_line(detail, 90)])
