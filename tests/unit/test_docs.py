@@ -138,3 +138,26 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     assert "crash_test" in reference
     orchestrators = (site / "reference" / "orchestrators.html").read_text("utf-8")
     assert "AsyncOrchestrator" in orchestrators
+
+
+def test_the_home_page_says_which_exceptions_fail_a_step() -> None:
+    """docs/index.md names what fails a step as `RetryPolicy` classifies it: a `retry_on`
+    error fails it too once its retries run out, an ambiguous one not listed is unknown."""
+    from saga import PermanentError, RetryPolicy, TransientError
+
+    policy = RetryPolicy()
+    assert policy.classify(PermanentError("no")) == "failed"
+    assert policy.classify(TransientError("later")) == "retry"
+    assert policy.classify(ConnectionResetError()) == policy.classify(KeyError()) == "unknown"
+    page = " ".join((DOCS / "index.md").read_text(encoding="utf-8").split())
+    start = page.index("**An exception is not a verdict.**")
+    bullet = page[start : page.index(" - **", start)]
+    assert "Only `PermanentError`" not in bullet
+    for words in (
+        "`PermanentError` or an exception it lists in `fail_on`",
+        "`retry_on` (by default `TransientError` alone) run out",
+        "`max_attempts` is reached",
+        "`ConnectionError` or `TimeoutError` not listed in `retry_on`",
+        "outcome is unknown",
+    ):
+        assert words in bullet, words
