@@ -66,6 +66,10 @@ reconcile) load it with --app MODULE[:ATTR] or SAGA_APP: MODULE is imported (fro
 current directory or PYTHONPATH) and ATTR names its Orchestrator or AsyncOrchestrator
 (found by itself when there is only one; an AsyncOrchestrator's worker is an
 AsyncWorker on an event loop).
+An ID names a saga by its id, a unique prefix of its id (at least 4 characters), or its
+business key (as started, e.g. `saga show crashB-013`); a text that names several sagas
+(a key of several tenants or saga names, or a key that is also an id prefix) lists them
+and exits 2: give the full id of the one you mean.
 Mutating commands are recorded in each saga's audit trail with --actor (default:
 your OS user). Errors are one line on stderr; SAGA_TRACEBACK=1 adds the traceback.
 
@@ -226,6 +230,11 @@ def _parser() -> argparse.ArgumentParser:
     listing.add_argument("--saga", metavar="NAME", help="only sagas of this name")
     listing.add_argument("--tenant", metavar="T", help="only sagas of this tenant")
     listing.add_argument(
+        "--key",
+        metavar="KEY",
+        help="only sagas of this business key, matched exactly (one per saga name and tenant)",
+    )
+    listing.add_argument(
         "--older-than",
         type=_duration,
         metavar="AGE",
@@ -242,6 +251,19 @@ def _parser() -> argparse.ArgumentParser:
         choices=("text", "json", "mermaid"),
         help="text (the default), json (as --json), or mermaid: a Mermaid Gantt diagram of "
         "its operations, to paste into an incident ticket",
+    )
+
+    history = add(
+        "history",
+        "print a saga's audit trail, oldest first: every event with when, which operation "
+        "and attempt, who (for an operator's action) and its detail",
+    )
+    history.add_argument("saga_id", metavar="ID")
+    history.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON document: the saga (id, saga, version, tenant_id, key, status) and "
+        "its events (at, event, step, kind, attempt, actor, detail)",
     )
 
     comp = add(
@@ -706,7 +728,8 @@ def _operator(args: argparse.Namespace, *, runs_code: bool = True) -> Orchestrat
 
 
 def _full_id(orch: Orchestrator, args: argparse.Namespace) -> str:
-    """The saga id given, expanded from a unique prefix (`saga show 6f0c`)."""
+    """The saga id given, expanded from a unique prefix (`saga show 6f0c`) or a business
+    key (`saga show crashB-013`); see `operator.expand_id` for the precedence."""
     args.saga_id = operator.expand_id(orch.store, args.saga_id)
     return str(args.saga_id)
 
@@ -822,6 +845,7 @@ def _list(args: argparse.Namespace) -> int:
             tenant=args.tenant,
             limit=args.limit,
             older_than=None if args.older_than is None else timedelta(seconds=args.older_than),
+            key=args.key,
         )
         known = {kind for worker in orch.workers() for kind in worker.kinds}
     if args.json:
@@ -847,6 +871,14 @@ def _show(args: argparse.Namespace) -> int:
         print(fmt.mermaid(state, history))
     else:
         print(fmt.show(state, history))
+    return EXIT_OK
+
+
+def _history(args: argparse.Namespace) -> int:
+    with _reader(args.database_url) as orch:
+        state = orch.get(_full_id(orch, args))
+        history = orch.history(state.id)
+    print(fmt.history_json(state, history) if args.json else fmt.history(state, history))
     return EXIT_OK
 
 
@@ -1334,6 +1366,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "worker": _worker,
     "list": _list,
     "show": _show,
+    "history": _history,
     "compensate": _compensate,
     "resolve": _resolve,
     "retry": _retry,

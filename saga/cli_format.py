@@ -315,7 +315,47 @@ def _operations(ops: Sequence[OperationState], provenance: Provenance) -> str:
     return table(rows, headers)
 
 
-def _timeline(history: Sequence[HistoryEvent]) -> str:
+def history(state: SagaState, events: Sequence[HistoryEvent]) -> str:
+    """`saga history`: which saga, then its whole audit trail, oldest first, with who
+    acted (an operator's events) in a column of its own, and more of each detail than
+    `show` prints (`history_json` has all of it)."""
+    tenant = state.tenant_id or "-"
+    head = (
+        f"saga {state.id}  {state.saga} v{state.version}  tenant {tenant}  key {state.key}  "
+        f"{state.status}"
+    )
+    return printable(head) + "\n" + _timeline(events, actors=True)
+
+
+def history_json(state: SagaState, events: Sequence[HistoryEvent]) -> str:
+    """`saga history --json`: one JSON document, the saga's identity and its events
+    oldest first, each `at` (ISO 8601), `event`, `step`, `kind` (`action` or
+    `compensation`; null for a saga-level event), `attempt`, `actor` (who acted, for an
+    operator's event; else null) and `detail` (the event's whole detail, actor included)."""
+    data = {
+        "id": state.id,
+        "saga": state.saga,
+        "version": state.version,
+        "tenant_id": state.tenant_id,
+        "key": state.key,
+        "status": str(state.status),
+        "events": [
+            {
+                "at": e.at.isoformat(),
+                "event": e.event,
+                "step": e.step,
+                "kind": e.kind,
+                "attempt": e.attempt,
+                "actor": e.detail.get("actor"),
+                "detail": e.detail,
+            }
+            for e in events
+        ],
+    }
+    return json.dumps(data, separators=(",", ":"))
+
+
+def _timeline(history: Sequence[HistoryEvent], *, actors: bool = False) -> str:
     started: dict[tuple[str | None, str | None, int | None], datetime] = {}
     rows = []
     for e in history:
@@ -330,8 +370,17 @@ def _timeline(history: Sequence[HistoryEvent]) -> str:
             started[ident] = e.at
         elif e.event in _OUTCOME_EVENTS and ident in started:
             took = seconds(started[ident], e.at)
+        if actors:
+            actor = e.detail.get("actor")
+            shown = {k: v for k, v in e.detail.items() if k != "actor" and v is not None}
+            detail = " ".join(f"{k}={_value(v)}" for k, v in shown.items())
+            who = "-" if actor is None else str(actor)
+            rows.append([timestamp(e.at), e.event, where, took, who, one_line(detail, 200)])
+            continue
         detail = " ".join(f"{k}={_value(v)}" for k, v in e.detail.items() if v is not None)
         rows.append([timestamp(e.at), e.event, where, took, one_line(detail, 90)])
+    if actors:
+        return table(rows, ["AT", "EVENT", "OPERATION", "TOOK", "ACTOR", "DETAIL"])
     return table(rows, ["AT", "EVENT", "OPERATION", "TOOK", "DETAIL"])
 
 

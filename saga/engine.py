@@ -80,6 +80,13 @@ def list_filters(
     return status, seconds
 
 
+def list_key(key: object) -> str | None:
+    """The business key `list` filters by, checked: `ValueError` for one not a string."""
+    if key is None or isinstance(key, str):
+        return key
+    raise ValueError(f"key must be a string (a saga's business key), got {key!r}")
+
+
 class Engine:
     """Settings and registry of an orchestrator, and the flows of its verbs (see
     `Orchestrator` for the arguments)."""

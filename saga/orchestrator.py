@@ -22,6 +22,7 @@ from saga.engine import (
     ENV_CONFIRMATION_KEY,
     Engine,
     list_filters,
+    list_key,
     resolve_arguments,
 )
 from saga.keys import HASH_VERSION
@@ -581,15 +582,24 @@ class Orchestrator(Engine):
         limit: int = 100,
         *,
         older_than: timedelta | None = None,
+        key: str | None = None,
     ) -> builtins.list[SagaState]:
         """Sagas filtered by status, saga name and tenant, newest first.
 
         `older_than` keeps sagas whose last change (`updated_at`, by the database
         clock) is at least that long ago: for a parked saga, how long it has waited.
+        `key` keeps the sagas of that business key (the `key` a saga was started with,
+        matched exactly): one per saga name and tenant, found through an index, so the
+        lookup does not read the finished history.
         """
         status, seconds = list_filters(status, limit, older_than)
         return self.store.list_states(
-            status=status, name=saga, tenant_id=tenant, limit=limit, older_than_seconds=seconds
+            status=status,
+            name=saga,
+            tenant_id=tenant,
+            limit=limit,
+            older_than_seconds=seconds,
+            key=list_key(key),
         )
 
     @sync_only()

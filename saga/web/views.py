@@ -46,6 +46,8 @@ class Filters:
     tenant: str | None = None
     older_than: str | None = None
     limit: int = DEFAULT_LIMIT
+    # A saga's business key, matched exactly (the search box).
+    key: str | None = None
 
     @classmethod
     def parse(cls, query: Mapping[str, str]) -> Filters:
@@ -71,7 +73,7 @@ class Filters:
             if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_LIMIT:
                 raise FilterError(f"limit {raw_limit!r}: give a whole number from 1 to {MAX_LIMIT}")
             limit = int(raw_limit)
-        return cls(status, text("saga"), text("tenant"), older_than, limit)
+        return cls(status, text("saga"), text("tenant"), older_than, limit, key=text("key"))
 
     @property
     def age(self) -> timedelta | None:
@@ -82,6 +84,7 @@ class Filters:
     def query(self) -> str:
         """The filters as a query string (without `?`), only those given."""
         pairs = [
+            ("key", self.key),
             ("status", self.status),
             ("saga", self.saga),
             ("tenant", self.tenant),
@@ -326,6 +329,7 @@ class Reader:
             tenant=filters.tenant,
             limit=filters.limit,
             older_than=filters.age,
+            key=filters.key,
         )
         parked = self.orch.list(status=SagaStatus.NEEDS_REVIEW.value, limit=DEFAULT_LIMIT)
         known = self._known_kinds()
@@ -335,7 +339,8 @@ class Reader:
         return ListPage(filters, rows, queue, names, datetime.now(UTC))
 
     def expand(self, text: str) -> str:
-        """The full id of a saga given by its id or a unique prefix of it."""
+        """The full id of a saga given by its id, a unique prefix of it, or its business
+        key (see `operator.expand_id`)."""
         return operator.expand_id(self.orch.store, text)
 
     def fingerprint(self, saga_id: str, page: int = 1) -> str:

@@ -401,6 +401,28 @@ def test_the_list_filters_by_status_saga_tenant_and_age(
     wait_until(lambda: browser.current_url == dashboard.base + "/")
 
 
+def test_the_search_box_finds_sagas_by_business_key(
+    world: World, dashboard: Dashboard, browser: Any
+) -> None:
+    """A key typed into the search box lists the sagas of that exact key, and stays in
+    the box; `/sagas/KEY` opens the saga of a key."""
+    browser.get(dashboard.base + "/")
+    box = browser.find_element("id", "filter-key")
+    box.send_keys("o-4")
+    browser.find_element("id", "filter-apply").click()
+    wait_until(lambda: "key=o-4" in browser.current_url)
+    assert list(_rows(browser, "saga-table")) == [world.parked]
+    assert browser.find_element("id", "filter-key").get_attribute("value") == "o-4"
+
+    browser.get(dashboard.base + "/?key=o-")
+    assert browser.find_element("id", "no-sagas").text == "No saga matches these filters."
+    browser.get(dashboard.base + "/?key=o-2&tenant=globex")
+    assert list(_rows(browser, "saga-table")) == [world.flaky]
+
+    browser.get(dashboard.base + "/sagas/o-4")
+    wait_until(lambda: browser.current_url == f"{dashboard.base}/sagas/{world.parked}")
+
+
 # ----- one saga -----------------------------------------------------------------------
 
 
