@@ -602,6 +602,7 @@ def test_the_needs_review_queue_and_a_parked_sagas_page_say_what_to_run(
 
     browser.get(f"{dashboard.base}/sagas/{parked}")
     assert _commands(browser, "#live") == expected
+    _screenshot(browser, tmp_path / "parked.png")
     browser.get(f"{dashboard.base}/sagas/{world.completed}")
     assert _commands(browser, "#live") == []
 
