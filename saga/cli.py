@@ -44,7 +44,7 @@ from saga.errors import (
     StepStateError,
 )
 from saga.interventions import AmbiguousCall
-from saga.logs import EVENTS_CHANNEL
+from saga.logs import EVENTS_CHANNEL, get_logger
 from saga.migrate import migrate_database
 from saga.orchestrator import ENV_APPROVAL_PUBLIC_KEY, ENV_CONFIRMATION_KEY, Orchestrator
 from saga.redact import scrub
@@ -555,6 +555,24 @@ def _configure_logging(level: int, log_format: str = "console") -> None:
     _log_format = log_format
 
 
+def _stdlib_formatter() -> logging.Formatter:
+    """Records of stdlib `logging` (uvicorn's, under `saga dashboard`) as the saga
+    command's own logs look, in the --log-format chosen."""
+    renderer: structlog.typing.Processor = (
+        structlog.processors.JSONRenderer(default=str)
+        if _log_format == "json"
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    return structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[
+            structlog.stdlib.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            *([structlog.stdlib.add_logger_name] if _log_format == "json" else []),
+        ],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+    )
+
+
 class _StderrLogger(structlog.PrintLogger):
     """structlog's PrintLogger on stderr, knowing the name it was asked for."""
 
@@ -586,13 +604,13 @@ def _add_logger_name(
     return event_dict
 
 
-def _announce(text: str, event: str, **fields: object) -> None:
+def _announce(text: str, event: str, *, level: str = "info", **fields: object) -> None:
     """A line of a long-running command on stderr (it started, where, it stopped), shown
     whatever the log level: as is, or with --log-format json as a JSON object whose
     `message` is the line, so that every line of stderr parses."""
     if _log_format == "json":
         now = datetime.now(UTC).isoformat().replace("+00:00", "Z")
-        record = {"event": event, "message": text, **fields, "level": "info", "timestamp": now}
+        record = {"event": event, "message": text, **fields, "level": level, "timestamp": now}
         text = json.dumps(record, default=str)
     print(text, file=sys.stderr, flush=True)
 
@@ -859,7 +877,7 @@ class _StopSignals:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.received = signal.Signals(signum).name
-        structlog.get_logger("saga.worker").info("worker_stopping", signal=self.received)
+        get_logger("saga.worker").info("worker_stopping", signal=self.received)
         if self._worker is not None:
             self._worker.stop()
 
@@ -1497,7 +1515,14 @@ def _dashboard(args: argparse.Namespace) -> int:
             f"the dashboard needs the web extra, and {missing} is not installed: {WEB_EXTRA}"
         ) from None
     try:
-        web.serve(args.database_url, host=args.host, port=args.port, verbose=args.verbose)
+        web.serve(
+            args.database_url,
+            host=args.host,
+            port=args.port,
+            verbose=args.verbose,
+            log_formatter=_stdlib_formatter(),
+            announce=_announce,
+        )
     except web.DashboardError as exc:
         raise UsageError(str(exc)) from None
     return EXIT_OK

@@ -5,6 +5,7 @@ command in a subprocess, on a real PostgreSQL."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import cli_app
+import httpx
 import pytest
 from cli_app import Job
 from support import OrchestratorFactory, wait_until
@@ -134,3 +136,45 @@ def test_a_worker_signalled_while_it_starts_stops_with_exit_0(
     assert "driving" not in err and "Traceback" not in err, err
     assert orch.get(saga_id).status == "pending"
     assert orch.workers() == []
+
+
+def test_dashboard_logs_json_on_stderr_only(database_url: str, tmp_path: Path) -> None:
+    """`saga dashboard -v --log-format json`: its own lines and uvicorn's, one line per
+    request included, are JSON objects on stderr; stdout stays empty. (uvicorn's request
+    lines used to go to stdout, in its own format.)"""
+    err_path = tmp_path / "stderr"
+    with err_path.open("w") as err:
+        proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "saga", "dashboard", "--port", "0", "-v"),
+                *("--log-format", "json", "--database-url", database_url),
+            ],
+            env=_env(None),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+    try:
+        found = wait_until(
+            lambda: (
+                re.search(r"http://127\.0\.0\.1:\d+/", err_path.read_text())
+                or proc.poll() is not None
+            ),
+            timeout=60,
+        )
+        assert isinstance(found, re.Match), err_path.read_text()
+        assert httpx.get(found.group(0), timeout=10).status_code == 200
+        wait_until(lambda: '\\"GET / HTTP/1.1\\" 200' in err_path.read_text())
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err_path.read_text()
+    assert out == "", out
+    records = [json.loads(line) for line in err_path.read_text().splitlines()]
+    by_event = {r["event"]: r for r in records}
+    assert "dashboard_ready" in by_event and "dashboard_stopped" in by_event
+    access = [r for r in records if r.get("logger") == "uvicorn.access"]
+    assert access and access[0]["level"] == "info", records
