@@ -33,7 +33,7 @@ from saga.flow import Flows, RunnerOptions, log_events, retried
 from saga.keys import check_saga_input, same_request
 from saga.keys import request_hash as hash_business_fields
 from saga.live_calls import RunningCall, claimed_refusal, leased_refusal, touched
-from saga.logs import get_logger
+from saga.logs import events_logger, get_logger
 from saga.operator import check_actor
 from saga.protocol import Event, Next, Planner, SagaRow, new_action_rows
 from saga.rows import OpRow
@@ -43,6 +43,7 @@ from saga.state import HistoryEvent, SagaHandle, SagaState, SagaStatus
 from saga.store import new_token, parse_id
 
 _log = get_logger("saga")
+_events = events_logger()
 
 ENV_CONFIRMATION_KEY = "SAGA_CONFIRMATION_KEY"
 ENV_APPROVAL_PUBLIC_KEY = approvals.ENV_APPROVAL_PUBLIC_KEY
@@ -384,7 +385,7 @@ class Engine:
         created = bool(outcome["created"])
         if created:
             saga_id = row.id
-            _log.info("saga_started", saga_id=saga_id, saga=saga.name, tenant_id=tenant, key=key)
+            _events.info("saga_started", saga_id=saga_id, saga=saga.name, tenant_id=tenant, key=key)
             if claimed is not None:
                 claimed[0].lease_confirmed_at = sent[0]
                 log_events(claimed[0], events[1:])
@@ -395,7 +396,7 @@ class Engine:
         else:
             claimed = None
             saga_id = _check_duplicate(saga, row, outcome, business)
-            _log.info(
+            _events.info(
                 "saga_start_deduplicated",
                 saga_id=saga_id,
                 saga=saga.name,
