@@ -244,18 +244,67 @@ def show(state: SagaState, history: Sequence[HistoryEvent]) -> str:
     ]
     width = max(len(k) for k, _ in head)
     lines = [f"{k.ljust(width)}  {printable(v)}" for k, v in head]
-    lines += ["", "OPERATIONS", _operations(state.operations), "", "TIMELINE", _timeline(history)]
+    ops = _operations(state.operations, Provenance.of(history))
+    lines += ["", "OPERATIONS", ops, "", "TIMELINE", _timeline(history)]
     return "\n".join(lines)
 
 
-def _operations(ops: Sequence[OperationState]) -> str:
+def short_id(saga_id: str) -> str:
+    """A saga id's first 8 characters, as the commands take it (a unique prefix)."""
+    return saga_id[:8]
+
+
+@dataclass(frozen=True, slots=True)
+class Provenance:
+    """Where operations' outcomes came from when no attempt of this saga's timed them:
+    a person's `saga resolve`, or the saga a fork inherited them from. Read from the
+    saga's audit trail (`orch.history`)."""
+
+    # (step, kind) -> who resolved it, for those whose last outcome a person gave.
+    resolved_by: Mapping[tuple[str, OperationKind], str]
+    # The saga a fork was forked from, and the steps it inherited from it.
+    source: str | None
+    inherited: frozenset[str]
+
+    @classmethod
+    def of(cls, history: Sequence[HistoryEvent]) -> Provenance:
+        """What the audit trail says: each `operation_resolved` stands until an attempt
+        starts after it; a fork's `saga_forked_from` names its source and inherited steps."""
+        resolved: dict[tuple[str, OperationKind], str] = {}
+        source: str | None = None
+        inherited: frozenset[str] = frozenset()
+        for e in history:
+            if e.event == "saga_forked_from":
+                source = str(e.detail.get("saga_id") or "") or None
+                inherited = frozenset(str(s) for s in e.detail.get("inherited") or ())
+            if e.step is None:
+                continue
+            ident: tuple[str, OperationKind] = (e.step, e.kind or "action")
+            if e.event == "operation_resolved":
+                resolved[ident] = str(e.detail.get("actor") or "an operator")
+            elif e.event == "attempt_started":
+                resolved.pop(ident, None)
+        return cls(resolved, source, inherited)
+
+    def note(self, op: OperationState) -> str | None:
+        """`resolved by X` or `inherited from SOURCE` (short id) for an operation whose
+        outcome no attempt of this saga timed; None for the others."""
+        who = self.resolved_by.get((op.step, op.kind))
+        if who is not None:
+            return f"resolved by {who}"
+        if self.source is not None and op.kind == "action" and op.step in self.inherited:
+            return f"inherited from {short_id(self.source)}"
+        return None
+
+
+def _operations(ops: Sequence[OperationState], provenance: Provenance) -> str:
     rows = [
         [
             op.step,
             op.kind,
             str(op.status),
             f"{op.attempts}/{op.max_attempts}",
-            seconds(op.started_at, op.finished_at),
+            provenance.note(op) or seconds(op.started_at, op.finished_at),
             op.provider_reference or "-",
             op.idempotency_key,
             one_line(op.error, 60),
@@ -700,8 +749,10 @@ def mermaid(state: SagaState, history: Sequence[HistoryEvent]) -> str:
             f"    {_mermaid_text(f'{name} {op.status}, {tried}')} :{tags}, op{number}, "
             f"{_mermaid_ms(start)}, {max(_mermaid_ms(end), _mermaid_ms(start) + 1)}"
         )
+    provenance = Provenance.of(history)
     for op in state.operations:
         if (op.step, op.kind) not in first:
             what = op.step if op.kind == "action" else f"compensation of {op.step}"
-            lines.append(printable(f"    %% {what}: {op.status}, never attempted"))
+            how = provenance.note(op) or "never attempted"
+            lines.append(printable(f"    %% {what}: {op.status}, {how}"))
     return "\n".join(lines)

@@ -15,6 +15,7 @@ from saga import cli_format as fmt
 from saga import operator
 from saga.errors import SagaNotFound
 from saga.orchestrator import Orchestrator
+from saga.remedies import parked_commands
 from saga.session import LEDGER_PREFIX, SESSION_PREFIX
 from saga.state import HistoryEvent, OperationState, SagaState, SagaStatus
 from saga.store import parse_id
@@ -164,6 +165,11 @@ class Row:
         """`saga`, `session` or `channel` (a ledger channel)."""
         return saga_kind(self.state.saga)
 
+    @property
+    def commands(self) -> list[str]:
+        """The `saga` command lines that take it on when it is parked (else none)."""
+        return parked_commands(self.state, self.kind)
+
 
 @dataclass(frozen=True, slots=True)
 class ListPage:
@@ -195,10 +201,17 @@ class OperationView:
     result: str | None
     folded: bool
     request: str | None
+    # `resolved by X` or `inherited from SOURCE` when no attempt of this saga timed its
+    # outcome (`cli_format.Provenance`), and the full id of the saga it was inherited from.
+    settled: str | None = None
+    source: str | None = None
 
     @property
     def took(self) -> str:
-        """How long its last attempt took, `-` when it has not ended."""
+        """How long its last attempt took, `-` when it has not ended; who settled it
+        instead when a person did, or the saga it was inherited from."""
+        if self.settled is not None:
+            return self.settled
         if self.op.started_at is None or self.op.finished_at is None:
             return "-"
         return timeline.duration((self.op.finished_at - self.op.started_at).total_seconds())
@@ -238,6 +251,11 @@ class SagaPage:
     def fingerprint(self) -> str:
         """As `page_fingerprint` of what it shows."""
         return page_fingerprint(self.state, self.pages)
+
+    @property
+    def commands(self) -> list[str]:
+        """The `saga` command lines that take it on when it is parked (else none)."""
+        return parked_commands(self.state, self.kind)
 
 
 def saga_kind(name: str) -> str:
@@ -365,15 +383,21 @@ class Reader:
             history = self.orch.store.history_of_operations(saga_id, shown)
         now = datetime.now(UTC)
         known = self._known_kinds() if state.status.is_runnable else []
-        ops = [
-            OperationView(
-                op,
-                timeline.operation_anchor(op.step, op.kind),
-                *_result_text(op.result),
-                None if op.request is None else pretty_json(op.request),
+        provenance = fmt.Provenance.of(history)
+        ops = []
+        for op in state.operations:
+            settled = provenance.note(op)
+            inherited = settled is not None and (op.step, op.kind) not in provenance.resolved_by
+            ops.append(
+                OperationView(
+                    op,
+                    timeline.operation_anchor(op.step, op.kind),
+                    *_result_text(op.result),
+                    None if op.request is None else pretty_json(op.request),
+                    settled=settled,
+                    source=provenance.source if inherited else None,
+                )
             )
-            for op in state.operations
-        ]
         return SagaPage(
             state=state,
             kind=saga_kind(state.saga),
