@@ -14,11 +14,12 @@ import sys
 import time
 from pathlib import Path
 
+import cli_app_async
 import cli_app_trip
 import pytest
 from cli_app import Job
 from support import OrchestratorFactory
-from test_cli import _env, _one_line_error, _rows, saga_cmd
+from test_cli import _env, _one_line_error, _park_unknown, _rows, saga_cmd
 
 from saga import Orchestrator
 
@@ -270,3 +271,32 @@ def test_dry_runs_warn_that_unknown_steps_compensations_get_none(
     assert preview.returncode == 0, preview.stdout + preview.stderr
     assert preview.stdout.startswith("cancel: warning: compensation 'cancel_hotel'")
     assert _rows(database_url) != before  # the cancel itself was written
+
+
+def test_the_async_door_amends_a_result_and_cancels_an_unknown_step_too(
+    make_orch: OrchestratorFactory, database_url: str, app_dir: Path
+) -> None:
+    """Through an AsyncOrchestrator app: resolve amends the result an operator gave, and
+    cancel --include-unknown of a saga already compensating compensates the unknown step."""
+    orch = make_orch(*cli_app_async.ASYNC_SAGAS)
+    base = ["--app", "cli_app_async:orch", "--database-url", database_url]
+    resolved = _park_unknown(orch, "o-a1")
+    orch.resolve(resolved, "charge", outcome="succeeded", actor="bob")
+    amended = saga_cmd(
+        "resolve", *base, resolved, "charge", "--succeeded", "--result", '{"c": 1}',
+        app_dir=app_dir,
+    )  # fmt: skip
+    assert amended.returncode == 0, amended.stdout + amended.stderr
+    assert "amended the result of 'charge'" in amended.stdout
+    assert orch.get(resolved).operation("charge").result == {"c": 1}
+
+    cancelled = _park_unknown(orch, "o-a2")
+    orch.cancel(cancelled, reason="asked", actor="bob")
+    again = saga_cmd(
+        "cancel", *base, cancelled, "--reason", "asked", "--include-unknown", "--run",
+        app_dir=app_dir,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stdout + again.stderr
+    state = orch.get(cancelled)
+    assert state.status == "compensated"
+    assert state.operation("charge", "compensation").status == "succeeded"
