@@ -1067,7 +1067,11 @@ def _cancel(args: argparse.Namespace) -> int:
         if before.status is SagaStatus.COMPENSATED:
             raise StepStateError(_nothing_to_cancel(before))
         planned = operator.cancel_plan(orch, before, include_unknown=args.include_unknown)
-        for line in _cancel_preview(planned, include_unknown=args.include_unknown):
+        preview = _cancel_preview(planned, include_unknown=args.include_unknown)
+        why = operator.refusal(orch, before, force=args.force, batch=False) if preview else None
+        if why is not None:  # refused anyway: no warning, and no question asked
+            raise StepStateError(why)
+        for line in preview:
             print(line, flush=True)
         parks = planned is not None and planned.stop is not None
         if parks and not args.yes and not _confirmed(f"cancel saga {before.id} anyway? [y/N] "):

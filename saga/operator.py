@@ -187,7 +187,7 @@ def cancel_plan(
     """What cancelling `state` would compensate, changing nothing; None when the cancel
     would start no compensation (the saga is completed, already compensating and
     `include_unknown` adds nothing, or past a pivot step, which `cancel` refuses)."""
-    if state.status in (SagaStatus.COMPLETED, SagaStatus.COMPENSATED):
+    if state.status.is_terminal:
         return None
     definition = orch.definition(state.saga, state.version)
     with orch.store.transaction() as conn:

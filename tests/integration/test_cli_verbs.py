@@ -16,6 +16,7 @@ from pathlib import Path
 
 import cli_app_async
 import cli_app_trip
+import psycopg
 import pytest
 from cli_app import Job
 from support import OrchestratorFactory
@@ -116,6 +117,18 @@ def test_a_cancel_that_would_park_asks_first_and_writes_nothing_unless_confirmed
     confirmed = saga_cmd(*base[:-3], other, "--reason", "asked", "--yes", app_dir=app_dir)
     assert confirmed.returncode == 0, confirmed.stdout + confirmed.stderr
     assert orch.get(other).status == "compensating"
+
+    # A cancel refused anyway (a live worker holds the saga) asks nothing, warns of nothing.
+    held = _park_hotel(orch, "o-2b")
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE saga.sagas SET lease_owner = 'other-host:42', fence = fence + 1,"
+            " lease_expires_at = now() + interval '1 hour' WHERE id = %s",
+            (held,),
+        )
+    leased = saga_cmd(*base[:-3], held, "--reason", "asked", app_dir=app_dir)
+    assert leased.returncode == 1 and leased.stdout == "", leased.stdout
+    assert "other-host:42" in _one_line_error(leased)
 
 
 @pytest.mark.parametrize("driven", [False, True], ids=["compensating", "parked"])
