@@ -260,7 +260,7 @@ def request_cancel(
             raise StepStateError(
                 f"saga {planner.saga.id} is already compensating and parked: compensation "
                 f"stopped at step {unknown[0]!r}, whose outcome is unknown; resolve it, or "
-                "cancel again with include_unknown (its compensation then gets None as the "
+                "cancel again with include_unknown=True (its compensation then gets None as the "
                 "step's result)"
             )
         raise StepStateError(

@@ -173,7 +173,7 @@ def test_cancel_with_include_unknown_compensates_an_unknown_step_of_a_cancelled_
     )
     planner.advance()  # compensation stops at charge: parked
     assert planner.saga.status == SagaStatus.NEEDS_REVIEW
-    with pytest.raises(StepStateError, match=r"'charge'.*cancel again with include_unknown"):
+    with pytest.raises(StepStateError, match=r"'charge'.*cancel again with include_unknown=True"):
         interventions.request_cancel(
             planner, reason="asked", actor="carol", include_unknown=False, now=planner.now
         )
