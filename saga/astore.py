@@ -253,6 +253,12 @@ class AsyncStore:
         cur = await conn.execute(_q("running_calls"), {"saga_id": saga_id})
         return [RunningCall(**r) for r in await cur.fetchall()]
 
+    async def operator_resolved_steps_txn(self, conn: AConn, saga_id: str) -> set[str]:
+        """The steps of the saga whose action an operator resolved as succeeded (see
+        `Store.operator_resolved_steps_txn`)."""
+        cur = await conn.execute(_q("operator_resolved_steps"), {"saga_id": saga_id})
+        return {str(r["step"]) for r in await cur.fetchall()}
+
     async def break_claims_txn(
         self, conn: AConn, saga_id: str, steps: Sequence[str]
     ) -> dict[str, int]:

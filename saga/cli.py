@@ -93,6 +93,18 @@ your OS user). Errors are one line on stderr; SAGA_TRACEBACK=1 adds the tracebac
 Run `saga COMMAND --help` for the options of a command."""
 
 
+_CANCEL_EXIT_CODES = """exit codes of cancel:
+  0  cancelled: the saga is compensating (a worker undoes what succeeded), or already
+     was; with --run, it ended compensated
+  1  not done, nothing written: the saga has ended (completed or compensated alike:
+     there is nothing to cancel; `saga compensate ID` undoes a completed saga) or was
+     forked, a pivot step succeeded, a live worker holds it (without --force), or the
+     answer to the confirmation was no; or it is parked in needs_review (already
+     parked, or with --run after its compensation stopped)
+  2  usage error: bad arguments, or a cancel that would park the saga in needs_review
+     without a terminal to confirm it on and without --yes (nothing written)"""
+
+
 class UsageError(Exception):
     """The command cannot run as invoked (exit code 2)."""
 
@@ -460,8 +472,17 @@ def _parser() -> argparse.ArgumentParser:
     cancel.add_argument(
         "--include-unknown",
         action="store_true",
-        help="also compensate steps whose outcome is unknown",
+        help="also compensate steps whose outcome is unknown (their compensation gets None "
+        "as the step's result); on a saga already compensating, or parked at such a step, "
+        "compensate them now",
     )
+    cancel.add_argument(
+        "--yes",
+        action="store_true",
+        help="cancel without asking when the compensation would stop at a step and park the "
+        "saga in needs_review (without a terminal to ask on, it is refused otherwise)",
+    )
+    cancel.epilog = _CANCEL_EXIT_CODES + _EPILOG[_EPILOG.index("\n\nThe database") :]
 
     fork = add(
         "fork",
@@ -1190,7 +1211,15 @@ def _resolve(args: argparse.Namespace) -> int:
                 f"registers saga {exc.name!r} version {exc.version}: its steps' results are "
                 "checked by your code"
             ) from None
-        print(f"resolved {args.step!r} of saga {state.id} as {outcome}, by {actor}")
+        last = orch.history(state.id)[-1]
+        if last.event == "result_amended":
+            print(
+                f"amended the result of {last.step!r} of saga {state.id}, by {actor}: "
+                f"{fmt.one_line(json.dumps(last.detail.get('previous_result'), default=str))} -> "
+                f"{fmt.one_line(json.dumps(last.detail.get('result'), default=str))}"
+            )
+        else:
+            print(f"resolved {args.step!r} of saga {state.id} as {outcome}, by {actor}")
         if args.succeeded and args.result is None:
             _warn_null_result(orch, state, args.step, args.kind)
         return _after_request(orch, state, args.run, _given(args))
@@ -1213,8 +1242,8 @@ def _warn_null_result(orch: Orchestrator, state: SagaState, step: str, kind: str
     print(
         f"saga: warning: {step!r} is resolved as succeeded without --result, so its "
         f"compensation {name!r} will receive null as the step's result if the saga is "
-        "compensated; resolve with --result JSON (what the provider returned) before then "
-        "if it needs one",
+        "compensated; if it needs one, give what the provider returned before then: "
+        f"saga resolve {state.id} {step} --succeeded --result JSON",
         file=sys.stderr,
     )
 
@@ -1260,9 +1289,19 @@ def _cancel(args: argparse.Namespace) -> int:
     actor = _actor(args)
     with orch:
         before = orch.get(_full_id(orch, args))
-        warning = _cancel_parks(orch, before, include_unknown=args.include_unknown)
-        if warning is not None:
-            print(warning, flush=True)
+        if before.status is SagaStatus.COMPENSATED:
+            raise StepStateError(_nothing_to_cancel(before))
+        planned = operator.cancel_plan(orch, before, include_unknown=args.include_unknown)
+        preview = _cancel_preview(planned, include_unknown=args.include_unknown)
+        why = operator.refusal(orch, before, force=args.force, batch=False) if preview else None
+        if why is not None:  # refused anyway: no warning, and no question asked
+            raise StepStateError(why)
+        for line in preview:
+            print(line, flush=True)
+        parks = planned is not None and planned.stop is not None
+        if parks and not args.yes and not _confirmed(f"cancel saga {before.id} anyway? [y/N] "):
+            print(f"cancel: nothing was changed; saga {before.id} is {before.status}")
+            return EXIT_PARTIAL
         state = orch.cancel(
             before.id,
             reason=args.reason,
@@ -1270,11 +1309,37 @@ def _cancel(args: argparse.Namespace) -> int:
             include_unknown=args.include_unknown,
             force=args.force,
         )
+        if state.status == SagaStatus.COMPENSATED:
+            # Compensated meanwhile (a cancel itself drives nothing): as above.
+            raise StepStateError(_nothing_to_cancel(state))
         if before.status == state.status and before.updated_at == state.updated_at:
             print(f"saga {state.id} is already {state.status}; nothing to cancel")
         else:
             print(f"cancelled saga {state.id}, by {actor}: {args.reason}")
         return _after_request(orch, state, args.run, _given(args))
+
+
+def _nothing_to_cancel(state: SagaState) -> str:
+    """A compensated saga is refused as a completed one is: it has ended."""
+    return (
+        f"saga {state.id} is compensated: it has ended and what it did is undone, so there "
+        "is nothing to cancel"
+    )
+
+
+def _confirmed(question: str) -> bool:
+    """The operator's yes on a terminal; `UsageError` when there is none to ask on."""
+    if not (sys.stdin.isatty() and sys.stderr.isatty()):
+        raise UsageError(
+            "this cancel would leave the saga parked in needs_review (see above) and there "
+            "is no terminal to confirm it on: pass --yes to cancel anyway; nothing was changed"
+        )
+    print(question, end="", file=sys.stderr, flush=True)
+    try:
+        answer = sys.stdin.readline()
+    except KeyboardInterrupt:
+        answer = ""
+    return answer.strip().lower() in ("y", "yes")
 
 
 def _fork(args: argparse.Namespace) -> int:
@@ -1319,18 +1384,29 @@ def _fork(args: argparse.Namespace) -> int:
         return EXIT_OK
 
 
-def _cancel_parks(orch: Orchestrator, state: SagaState, *, include_unknown: bool) -> str | None:
-    """What a cancel of `state` will undo before its compensation stops and the saga
-    parks, and why; None when it would not park (or the cancel does not compensate)."""
-    planned = operator.cancel_plan(orch, state, include_unknown=include_unknown)
-    if planned is None or planned.stop is None:
-        return None
-    undo = ", ".join(repr(step) for step, _ in planned.compensations)
-    runs = f"it will run the compensations of {undo}, then" if undo else "it will undo nothing and"
-    return (
-        f"cancel: {runs} the saga will park in needs_review: "
-        f"{fmt.cli_wording(planned.stop, {'--include-unknown': include_unknown})}"
-    )
+def _cancel_preview(planned: operator.PlannedSaga | None, *, include_unknown: bool) -> list[str]:
+    """What a cancel will do, said before it acts: the compensations that will get None
+    as a step's result, and, when its compensation will stop, what it undoes before the
+    saga parks, and why. Nothing when it runs to the end with every result."""
+    if planned is None:
+        return []
+    lines = [
+        f"cancel: warning: {fmt.null_result_warning(planned.saga_id, step, name)}"
+        for step, name in planned.null_results
+    ]
+    if planned.stop is not None:
+        undo = ", ".join(repr(step) for step, _ in planned.compensations)
+        runs = (
+            f"it will run the compensations of {undo}, then" if undo else "it will undo nothing and"
+        )
+        lines.insert(
+            0,
+            f"cancel: {runs} the saga will park in needs_review: "
+            + fmt.cli_wording(planned.stop, {"--include-unknown": include_unknown}).replace(
+                "compensate with --include-unknown", "cancel with --include-unknown"
+            ),
+        )
+    return lines
 
 
 def _preview(args: argparse.Namespace) -> int:

@@ -439,6 +439,16 @@ def summary(report: Report, what: str) -> str:
     return text
 
 
+def null_result_warning(saga_id: str, step: str, compensation: str) -> str:
+    """Why a compensation run for a step of unknown outcome may undo nothing."""
+    return (
+        f"compensation {compensation!r} of step {step!r} will get None as the step's "
+        "result (the step's outcome is unknown): if it acts only on a result, it will undo "
+        "nothing while the saga ends compensated; check with the provider and resolve the "
+        f"step first (saga resolve {saga_id} {step} --succeeded --result JSON, or --failed)"
+    )
+
+
 def plan(plans: Sequence[PlannedSaga]) -> str:
     """What a compensation dry run would do, saga by saga."""
     rows: list[list[str]] = []
@@ -456,11 +466,15 @@ def plan(plans: Sequence[PlannedSaga]) -> str:
                 f"raises   {p.saga_id}  {p.saga}  ceiling of the compensation of {step!r}: "
                 f"{before} -> {after} attempts"
             )
+        for step, name in p.null_results:
+            notes.append(
+                f"warning  {p.saga_id}  {p.saga}  {null_result_warning(p.saga_id, step, name)}"
+            )
         if p.stop is not None:
             notes.append(f"parks    {p.saga_id}  {p.saga}  would stop: {cli_wording(p.stop)}")
-    out = []
-    if rows:
-        out.append(table(rows, ["SAGA ID", "SAGA", "COMPENSATES STEP", "IDEMPOTENCY KEY"]))
+    # One format whatever the flags: the table (its header even when nothing would run),
+    # then one note per line, then the summary.
+    out = [table(rows, ["SAGA ID", "SAGA", "COMPENSATES STEP", "IDEMPOTENCY KEY"])]
     out += [printable(note) for note in notes]
     runs = sum(len(p.compensations) for p in plans)
     would_park = sum(1 for p in plans if p.stop is not None and p.skip is None)
@@ -486,6 +500,14 @@ def plan_json(plans: Sequence[PlannedSaga]) -> list[str]:
                 ],
                 "stop": None if p.stop is None else cli_wording(p.stop),
                 "skip": None if p.skip is None else cli_wording(p.skip),
+                "null_results": [
+                    {
+                        "step": s,
+                        "compensation": n,
+                        "warning": null_result_warning(p.saga_id, s, n),
+                    }
+                    for s, n in p.null_results
+                ],
             }
         )
         for p in plans

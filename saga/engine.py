@@ -7,6 +7,7 @@ starting, driving and changing sagas, carried out with blocking or async I/O.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import socket
@@ -555,6 +556,10 @@ class Engine:
                 )
             )
             row.fence, row.lease_owner, row.lease_expires_at = fence, None, None
+        if isinstance(change, inputs.Resolve) and change.outcome == "succeeded":
+            # Whether the step's result is an operator's, which they may amend.
+            resolved: set[str] = yield db("operator_resolved_steps_txn", saga_id)
+            change = dataclasses.replace(change, operator_resolved=frozenset(resolved))
         planner = Planner(
             definition,
             row,

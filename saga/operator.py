@@ -51,6 +51,9 @@ class PlannedSaga:
     skip: str | None = None
     # (step, ceiling now, ceiling after) of each failed compensation given a fresh budget.
     raises: list[tuple[str, int, int]] = field(default_factory=list)
+    # (step, compensation) of each compensation that runs for a step of unknown outcome
+    # (--include-unknown): it gets None as the step's result.
+    null_results: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -166,18 +169,25 @@ def plan_compensation(
     if loaded is None:
         return PlannedSaga(state.id, describe(state), [], skip="the saga no longer exists")
     planner = Planner(definition, *loaded, now=datetime.now().astimezone())
+    return _planned(planner, state, include_unknown=include_unknown)
+
+
+def _planned(planner: Planner, state: SagaState, *, include_unknown: bool) -> PlannedSaga:
     runs, stop = interventions.compensation_plan(planner, include_unknown=include_unknown)
     raises = interventions.fresh_budgets(planner)
-    return PlannedSaga(state.id, describe(state), runs, stop=stop, raises=raises)
+    nulls = interventions.null_result_compensations(planner, [step for step, _ in runs])
+    return PlannedSaga(
+        state.id, describe(state), runs, stop=stop, raises=raises, null_results=nulls
+    )
 
 
 def cancel_plan(
     orch: Orchestrator, state: SagaState, *, include_unknown: bool
 ) -> PlannedSaga | None:
     """What cancelling `state` would compensate, changing nothing; None when the cancel
-    would start no compensation (the saga is completed, already compensating, or past a
-    pivot step, which `cancel` refuses)."""
-    if state.status == SagaStatus.COMPLETED or succeeded_pivot(orch, state) is not None:
+    would start no compensation (the saga is completed, already compensating and
+    `include_unknown` adds nothing, or past a pivot step, which `cancel` refuses)."""
+    if state.status.is_terminal:
         return None
     definition = orch.definition(state.saga, state.version)
     with orch.store.transaction() as conn:
@@ -186,10 +196,11 @@ def cancel_plan(
         return None
     planner = Planner(definition, *loaded, now=datetime.now().astimezone())
     if planner.saga.direction == "backward":
+        if not (include_unknown and interventions.unknown_compensable(planner)):
+            return None
+    elif succeeded_pivot(orch, state) is not None:
         return None
-    runs, stop = interventions.compensation_plan(planner, include_unknown=include_unknown)
-    raises = interventions.fresh_budgets(planner)
-    return PlannedSaga(state.id, describe(state), runs, stop=stop, raises=raises)
+    return _planned(planner, state, include_unknown=include_unknown)
 
 
 def dry_run(

@@ -730,6 +730,11 @@ class Store:
         rows = conn.execute(_q("running_calls"), {"saga_id": saga_id}).fetchall()
         return [RunningCall(**r) for r in rows]
 
+    def operator_resolved_steps_txn(self, conn: Conn, saga_id: str) -> set[str]:
+        """The steps of the saga whose action an operator resolved as succeeded."""
+        rows = conn.execute(_q("operator_resolved_steps"), {"saga_id": saga_id}).fetchall()
+        return {str(r["step"]) for r in rows}
+
     def break_claims_txn(self, conn: Conn, saga_id: str, steps: Sequence[str]) -> dict[str, int]:
         """End the live claims of these calls for an operator: each fence grows, so the
         holders' writes fail. The new fence of each call, by name."""

@@ -190,6 +190,15 @@ FROM saga.operations
 WHERE saga_id = %(saga_id)s AND status = 'running'
 ORDER BY kind = 'compensation', position
 
+-- operator_resolved_steps --
+-- The steps of a saga whose action an operator resolved as succeeded (`resolve
+-- --succeeded`), rather than a provider call completing it: their result may be amended
+-- until their compensation uses it.
+SELECT DISTINCT step
+FROM saga.events
+WHERE saga_id = %(saga_id)s AND event = 'operation_resolved' AND kind = 'action'
+  AND detail ->> 'outcome' = 'succeeded'
+
 -- break_claims --
 -- An operator forces a change on calls held by live claims: each claim's fence grows and
 -- its lease ends, so its holder's next write (and heartbeat) is refused.
