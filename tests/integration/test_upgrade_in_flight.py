@@ -248,3 +248,23 @@ def test_two_steps_may_swap_names(make_orch: OrchestratorFactory) -> None:
     orch.retry(saga_id, actor="alice")
     assert orch.run(saga_id).status == "completed"
     assert ran == ["v1:a", "v1:b", "v1:c", "v2:c"]
+
+
+def test_a_saga_started_here_and_upgraded_runs_its_new_steps(
+    make_orch: OrchestratorFactory, app_dir: Path
+) -> None:
+    """Nothing of a pending saga ran: every step is created again under v2 (its keys name
+    v2), and `run` by the orchestrator that started it drives v2's steps, not the rows it
+    started it with."""
+    orch = make_orch(signup_v1, signup_v2)
+    saga_id = orch.start(signup_v1, Job(order_id="u-6")).id
+
+    state = orch.upgrade(saga_id, 2, step_map=RENAME, actor="alice")
+
+    assert [(op.step, op.idempotency_key) for op in state.operations] == [
+        ("create_account", "signup:v2:acme:u-6:create_account"),
+        ("mail", "signup:v2:acme:u-6:mail"),
+        ("trial", "signup:v2:acme:u-6:trial"),
+    ]
+    assert orch.run(saga_id).status == "completed"
+    assert names("u-6") == ["v2:create_account", "v2:mail:signup:v2:acme:u-6:mail", "v2:trial"]
