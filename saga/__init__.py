@@ -42,6 +42,7 @@ from saga.state import (
     SagaStatus,
     WorkerInfo,
 )
+from saga.upgrade import UpgradePlan, UpgradeRefused
 from saga.worker import Worker
 
 
@@ -104,6 +105,8 @@ __all__ = [
     "StepStateError",
     "SyncCallInEventLoop",
     "TransientError",
+    "UpgradePlan",
+    "UpgradeRefused",
     "Worker",
     "WorkerInfo",
     "current_context",

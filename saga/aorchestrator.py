@@ -16,7 +16,7 @@ from saga.adriver import AsyncLeaseKeeper, AsyncRunner
 from saga.astore import AsyncStore
 from saga.database import check_connection, unavailable
 from saga.definition import Saga
-from saga.engine import Engine, list_filters, list_key, resolve_arguments
+from saga.engine import Engine, list_filters, list_key, resolve_arguments, upgraded
 from saga.ledger import AsyncLedger
 from saga.logs import get_logger
 from saga.migrate import migrate_database
@@ -24,6 +24,7 @@ from saga.operator import actor_or_os_user, check_actor
 from saga.orchestrator import connection_kwargs, transaction_settings
 from saga.session import AsyncSession
 from saga.state import Confirmation, HistoryEvent, SagaHandle, SagaState, SagaStatus, WorkerInfo
+from saga.upgrade import UpgradePlan, check_upgrade_arguments
 
 if TYPE_CHECKING:
     from saga.aworker import AsyncWorker
@@ -305,6 +306,35 @@ class AsyncOrchestrator(Engine):
         actor = actor_or_os_user("fork", actor)
         runner = await self.runner()
         return await runner.run(self._fork_flow(saga_id, from_step, key=key, actor=actor))
+
+    async def upgrade(
+        self,
+        saga_id: str,
+        to_version: int,
+        *,
+        step_map: dict[str, str] | None = None,
+        actor: str,
+    ) -> SagaState:
+        """Move a saga in flight that no worker holds to `to_version` of its definition,
+        in one transaction; `UpgradeRefused` (nothing written) when the operations that
+        took effect do not map onto it; see `Orchestrator.upgrade`."""
+        step_map = check_upgrade_arguments(to_version, step_map)
+        actor = check_actor("upgrade", actor)
+        runner = await self.runner()
+        flow = self._upgrade_flow(saga_id, to_version, step_map=step_map, actor=actor, write=True)
+        plan, state = await runner.run(flow)
+        return upgraded(plan, state)
+
+    async def upgrade_plan(
+        self, saga_id: str, to_version: int, *, step_map: dict[str, str] | None = None
+    ) -> UpgradePlan:
+        """What `upgrade` would do with the saga now; nothing is written. See
+        `Orchestrator.upgrade_plan`."""
+        step_map = check_upgrade_arguments(to_version, step_map)
+        runner = await self.runner()
+        flow = self._upgrade_flow(saga_id, to_version, step_map=step_map, actor="", write=False)
+        plan, _ = await runner.run(flow)
+        return plan
 
     async def cancel(
         self,

@@ -46,6 +46,7 @@ from saga.store import (
     started,
     state_of,
     translate,
+    upgrade_params,
     writes_of,
 )
 
@@ -245,6 +246,22 @@ class AsyncStore:
     async def break_lease_txn(self, conn: AConn, saga_id: str) -> int:
         """End a live lease for an operator: the fence grows."""
         row = await (await conn.execute(_q("break_lease"), {"saga_id": saga_id})).fetchone()
+        assert row is not None  # the caller holds the saga row locked
+        return int(row["fence"])
+
+    async def upgrade_saga_txn(
+        self,
+        conn: AConn,
+        saga_id: str,
+        version: int,
+        drop: Sequence[tuple[str, str]],
+        renames: Sequence[tuple[str, str, str, int]],
+    ) -> int:
+        """Move a locked saga to `version`; see `Store.upgrade_saga_txn`."""
+        for name, params in upgrade_params(saga_id, version, drop, renames):
+            await conn.execute(_q(name), params)
+        cur = await conn.execute(_q("upgrade_saga"), {"saga_id": saga_id, "version": version})
+        row = await cur.fetchone()
         assert row is not None  # the caller holds the saga row locked
         return int(row["fence"])
 

@@ -49,9 +49,10 @@ from saga.migrate import migrate_database
 from saga.orchestrator import ENV_APPROVAL_PUBLIC_KEY, ENV_CONFIRMATION_KEY, Orchestrator
 from saga.redact import scrub
 from saga.roles import ROLE_KINDS, grant_role, role_kind
-from saga.session import SESSION_PREFIX
+from saga.session import LEDGER_PREFIX, SESSION_PREFIX
 from saga.state import SagaState, SagaStatus
 from saga.store import Store
+from saga.upgrade import UpgradePlan, UpgradeRefused
 from saga.worker import Worker, unreachable
 
 EXIT_OK = 0
@@ -79,10 +80,10 @@ _EPILOG = """exit codes:
 The database comes from --database-url, else SAGA_DATABASE_URL, else an embedded
 PostgreSQL in a local data directory (SAGA_EMBEDDED_DIR). Commands that run your
 code or need its saga definitions (worker, compensate, resolve, retry, cancel, fork,
-reconcile) load it with --app MODULE[:ATTR] or SAGA_APP: MODULE is imported (from the
-current directory or PYTHONPATH) and ATTR names its Orchestrator or AsyncOrchestrator
-(found by itself when there is only one; an AsyncOrchestrator's worker is an
-AsyncWorker on an event loop).
+reconcile, upgrade) load it with --app MODULE[:ATTR] or SAGA_APP: MODULE is imported
+(from the current directory or PYTHONPATH) and ATTR names its Orchestrator or
+AsyncOrchestrator (found by itself when there is only one; an AsyncOrchestrator's
+worker is an AsyncWorker on an event loop).
 An ID names a saga by its id, a unique prefix of its id (at least 4 characters), or its
 business key (as started, e.g. `saga show crashB-013`); a text that names several sagas
 (a key of several tenants or saga names, or a key that is also an id prefix) lists them
@@ -171,6 +172,13 @@ def _status(text: str) -> str:
     except ValueError:
         choices = ", ".join(s.value for s in SagaStatus)
         raise argparse.ArgumentTypeError(f"unknown status {text!r} (one of: {choices})") from None
+
+
+def _step_rename(text: str) -> tuple[str, str]:
+    old, sep, new = text.partition("=")
+    if not sep or not old.strip() or not new.strip():
+        raise argparse.ArgumentTypeError(f"expected OLD=NEW (two step names), got {text!r}")
+    return old.strip(), new.strip()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -525,11 +533,64 @@ def _parser() -> argparse.ArgumentParser:
         help="one JSON object per saga (JSON Lines), then a summary object",
     )
 
+    upgrade = add(
+        "upgrade",
+        "move sagas in flight that no worker holds to a newer registered version of their "
+        "definition, when every step that took effect maps, in order, onto a step of that "
+        "version with the same compensation; one saga by ID, or a batch selected by --saga "
+        "and --version",
+        app,
+        actor,
+    )
+    upgrade.add_argument("saga_id", metavar="ID", nargs="?", help="the saga to upgrade")
+    upgrade.add_argument(
+        "--to",
+        dest="to_version",
+        type=_positive,
+        required=True,
+        metavar="N",
+        help="the version to move them to: newer than theirs, registered by --app beside theirs",
+    )
+    upgrade.add_argument(
+        "--map",
+        dest="step_map",
+        type=_step_rename,
+        action="append",
+        default=[],
+        metavar="OLD=NEW",
+        help="the step NEW of version N carries the saga's step OLD (repeatable; default: "
+        "the step of the same name)",
+    )
+    upgrade.add_argument("--saga", metavar="NAME", help="batch: sagas of this name")
+    upgrade.add_argument(
+        "--version", dest="from_version", type=_positive, metavar="V", help="batch: of version V"
+    )
+    upgrade.add_argument(
+        "--status",
+        type=_status,
+        action="append",
+        help="batch: only sagas in this status (repeatable; default: every saga in flight)",
+    )
+    upgrade.add_argument(
+        "--limit", type=_positive, default=1000, help="batch: at most this many (1000)"
+    )
+    upgrade.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="say what each upgrade would do, or why it would be refused; change nothing",
+    )
+    upgrade.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per saga (JSON Lines), then a summary object",
+    )
+
     versions = add(
         "versions",
         "count the sagas in flight (not ended) per saga name and version; with --app, "
         "whether the app registers each version: old definitions must stay registered "
-        "until their sagas drain",
+        "until their sagas drain (or are upgraded); exits 1 when a version in flight is not "
+        "registered by the app, to gate a deploy",
     )
     versions.add_argument(
         "--app",
@@ -1581,6 +1642,93 @@ def _reconcile(args: argparse.Namespace) -> int:
     return EXIT_OK if report.complete else EXIT_PARTIAL
 
 
+def _upgrade(args: argparse.Namespace) -> int:
+    step_map: dict[str, str] = {}
+    for old, new in args.step_map:
+        if step_map.get(old, new) != new:
+            raise UsageError(f"--map {old}=... is given twice: {old}={step_map[old]}, {old}={new}")
+        step_map[old] = new
+    batch_only = [
+        ("--saga", args.saga),
+        ("--version", args.from_version),
+        ("--status", args.status),
+    ]
+    if args.saga_id is not None:
+        extra = [flag for flag, value in batch_only if value is not None]
+        if extra:
+            raise UsageError(f"{', '.join(extra)} select a batch; they do not go with a saga ID")
+    elif args.saga is None or args.from_version is None:
+        raise UsageError("give a saga ID, or select a batch with --saga NAME and --version V")
+    orch = _operator(args)
+    actor = _actor(args)
+    refused = upgraded = 0
+    with orch:
+        if args.saga_id is not None:
+            ids = [_full_id(orch, args)]
+        else:
+            ids = [
+                s.id
+                for s in orch.list(saga=args.saga, limit=args.limit)
+                if s.version == args.from_version
+                and not s.status.is_terminal
+                and (not args.status or s.status in args.status)
+            ]
+        for saga_id in ids:
+            try:
+                if args.dry_run:
+                    plan = orch.upgrade_plan(saga_id, args.to_version, step_map=step_map)
+                    if not plan.allowed:
+                        raise UpgradeRefused(plan)
+                    state = None
+                else:
+                    state = orch.upgrade(saga_id, args.to_version, step_map=step_map, actor=actor)
+                    plan = _last_upgrade(orch, state)
+            except UpgradeRefused as exc:
+                refused += 1
+                _print_upgrade(args, exc.plan, None)
+                continue
+            upgraded += 1
+            _print_upgrade(args, plan, state, actor)
+    if args.json:
+        summary = {
+            "summary": True,
+            "command": "upgrade",
+            "dry_run": args.dry_run,
+            "allowed": upgraded,  # with --dry-run: would be upgraded
+            "upgraded": 0 if args.dry_run else upgraded,
+            "refused": refused,
+        }
+        print(json.dumps(summary, separators=(",", ":")))
+    elif args.saga_id is None:
+        verb = "can be upgraded" if args.dry_run else "upgraded"
+        print(
+            f"upgrade: {len(ids)} saga(s) of {args.saga} v{args.from_version} selected, "
+            f"{upgraded} {verb} to v{args.to_version}, {refused} refused"
+        )
+    return EXIT_PARTIAL if refused else EXIT_OK
+
+
+def _last_upgrade(orch: Orchestrator, state: SagaState) -> UpgradePlan:
+    """The plan the upgrade that left `state` made, as its `saga_upgraded` event records it."""
+    event = next(e for e in reversed(orch.history(state.id)) if e.event == "saga_upgraded")
+    return UpgradePlan.recorded(state, event)
+
+
+def _print_upgrade(
+    args: argparse.Namespace,
+    plan: UpgradePlan,
+    state: SagaState | None,
+    actor: str | None = None,
+) -> None:
+    if args.json:
+        data = plan.as_dict()
+        data["dry_run"] = args.dry_run
+        data["upgraded"] = state is not None
+        print(json.dumps(data, separators=(",", ":")), flush=True)
+        return
+    print(fmt.upgrade(plan, dry_run=args.dry_run, actor=actor, state=state), flush=True)
+
+
 def _versions(args: argparse.Namespace) -> int:
     registered: set[tuple[str, int]] | None = None
     if args.app:
@@ -1596,7 +1744,16 @@ def _versions(args: argparse.Namespace) -> int:
         print(fmt.versions(rows, args.app))
     else:
         print("no saga is in flight", file=sys.stderr)
-    return EXIT_OK
+    # A pre-deploy gate: sagas in flight of a version the app does not register would
+    # wait for a worker that never comes (sessions and ledger channels have no version).
+    stranded = [
+        r
+        for r in rows
+        if r.registered is False
+        and r.in_flight
+        and not r.saga.startswith((SESSION_PREFIX, LEDGER_PREFIX))
+    ]
+    return EXIT_PARTIAL if stranded else EXIT_OK
 
 
 # How to install what `saga dashboard` needs, and the modules it needs.
@@ -1653,6 +1810,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "confirm": _confirm,
     "keygen": _keygen,
     "purge": _purge,
+    "upgrade": _upgrade,
     "versions": _versions,
     "dashboard": _dashboard,
 }

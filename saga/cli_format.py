@@ -13,6 +13,7 @@ from typing import Any, Literal, TextIO
 from saga.operator import IN_FLIGHT, Outcome, PlannedSaga, PurgeCandidate, Report, VersionInFlight
 from saga.session import LEDGER_PREFIX, SESSION_PREFIX
 from saga.state import HistoryEvent, OperationKind, OperationState, SagaState
+from saga.upgrade import UpgradePlan
 
 _OUTCOME_EVENTS = {
     "attempt_succeeded",
@@ -615,6 +616,59 @@ def versions(rows: Sequence[VersionInFlight], app: str | None) -> str:
             "registered until they drain"
         )
     return "\n".join(lines)
+
+
+def upgrade(
+    plan: UpgradePlan,
+    *,
+    dry_run: bool,
+    actor: str | None = None,
+    state: SagaState | None = None,
+) -> str:
+    """`saga upgrade`'s report on one saga: why it was refused, or what became (or would
+    become) of each of its steps, and what happens next."""
+    what = f"saga {plan.saga_id} ({plan.saga})"
+    if not plan.allowed:
+        lines = [
+            f"refused: {what} stays at v{plan.from_version}, not upgraded to v{plan.to_version}:"
+        ]
+        lines += [f"  - {printable(r.replace('step_map', '--map'))}" for r in plan.reasons]
+        return "\n".join(lines)
+    if state is None or dry_run:
+        head = (
+            f"dry run: {what} can be upgraded from v{plan.from_version} to "
+            f"v{plan.to_version}; nothing was changed"
+        )
+    else:
+        head = f"upgraded {what} from v{plan.from_version} to v{plan.to_version}, by {actor}"
+    rows = [
+        [
+            m.to or "-",
+            m.move,
+            "-" if m.step is None or m.step == m.to else m.step,
+            m.status.value,
+            str(m.attempts),
+            m.key,
+        ]
+        for m in plan.moves
+    ]
+    lines = [head, indent(table(rows, ["STEP", "MOVE", "WAS", "STATUS", "ATTEMPTS", "KEY"]))]
+    if state is not None and not dry_run:
+        if state.status == "needs_review":
+            lines.append(
+                f"saga {state.id} stays needs_review: resume it under v{state.version} with "
+                f"`saga retry {state.id}`"
+            )
+        else:
+            lines.append(
+                f"saga {state.id} is {state.status}: a worker of v{state.version} will drive it"
+            )
+    return "\n".join(lines)
+
+
+def indent(text: str, prefix: str = "  ") -> str:
+    """Every line of `text` indented by `prefix`."""
+    return "\n".join(prefix + line for line in text.splitlines())
 
 
 def versions_json(rows: Sequence[VersionInFlight]) -> list[str]:

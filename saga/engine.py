@@ -37,11 +37,12 @@ from saga.live_calls import RunningCall, claimed_refusal, leased_refusal, touche
 from saga.logs import events_logger, get_logger
 from saga.operator import check_actor
 from saga.protocol import Event, Next, Planner, SagaRow, new_action_rows
-from saga.rows import OpRow
+from saga.rows import OpRow, Write
 from saga.session import LEDGER_PREFIX, SESSION_PREFIX, code_first_definition
 from saga.started import Started, StartedSagas
 from saga.state import HistoryEvent, SagaHandle, SagaState, SagaStatus
 from saga.store import new_token, parse_id
+from saga.upgrade import UpgradePlan, UpgradeRefused, plan_upgrade
 
 _log = get_logger("saga")
 _events = events_logger()
@@ -584,6 +585,109 @@ class Engine:
         assert state is not None  # the row is locked in this transaction
         return state  # type: ignore[no-any-return]
 
+    def _upgrade_flow(
+        self,
+        saga_id: str,
+        to_version: int,
+        *,
+        step_map: dict[str, str],
+        actor: str,
+        write: bool,
+    ) -> Flow[tuple[UpgradePlan, SagaState]]:
+        """Plan moving a saga to `to_version` (see `saga.upgrade`) under its row lock and,
+        when `write` and the plan allows it, make the move in the same transaction: the
+        version, the operations, a `saga_upgraded` event, and a new fence (a holder of an
+        expired lease can no longer write). A refused plan writes nothing."""
+        if parse_id(saga_id) is None:
+            raise SagaNotFound(saga_id)
+        token = new_token()
+        made: list[UpgradePlan] = []
+
+        def once() -> Flow[tuple[UpgradePlan, SagaState]]:
+            if made:
+                written = yield db("write_token", saga_id)
+                if written is not None and written[0] == token:
+                    landed: SagaState | None = yield db("get_state", saga_id)
+                    assert landed is not None
+                    return made[0], landed
+            return (
+                yield from self._upgrade_txn(
+                    saga_id, to_version, step_map, actor, write, token, made
+                )
+            )
+
+        return (yield from retried("upgrade_saga", once))
+
+    def _upgrade_txn(
+        self,
+        saga_id: str,
+        to_version: int,
+        step_map: dict[str, str],
+        actor: str,
+        write: bool,
+        token: str,
+        made: list[UpgradePlan],
+    ) -> Flow[tuple[UpgradePlan, SagaState]]:
+        yield Begin(pipelined=False)
+        locked = yield db("lock_saga_txn", saga_id)
+        if locked is None:
+            raise SagaNotFound(saga_id)
+        row, live = locked
+        ops: list[OpRow] = yield db("operations_txn", saga_id)
+        upgrade = plan_upgrade(
+            row,
+            ops,
+            to_version=to_version,
+            source=self._registry.get((row.name, row.version)),
+            target=self._registry.get((row.name, to_version)),
+            step_map=step_map,
+            live=live,
+        )
+        plan = upgrade.plan
+        if not write or not plan.allowed:
+            state = yield db("get_state_txn", saga_id)
+            yield Commit()
+            return plan, state
+        from_version = row.version
+        row.fence = yield db("upgrade_saga_txn", saga_id, to_version, upgrade.drop, upgrade.renames)
+        row.version, row.lease_owner, row.lease_expires_at = to_version, None, None
+        event = Event(
+            "saga_upgraded",
+            detail={
+                "actor": actor,
+                "from_version": from_version,
+                "to_version": to_version,
+                # jsonb orders keys by length: `saga show` gives the actor and versions first.
+                "renamed_steps": plan.renamed,
+                "upgrade_moves": [m.as_dict() for m in plan.moves],
+                "fence": row.fence,
+            },
+        )
+        changes = Write(
+            saga=row,
+            new_ops=upgrade.new_ops,
+            changed_ops=(),
+            confirmations=(),
+            events=(event,),
+            release=True,
+            notify=row.status.is_runnable,
+            return_state=True,
+        )
+        made.append(plan)
+        read = yield db("save_txn", changes, owner=None, token=token)
+        state = yield Fetch(read)
+        yield Commit()
+        _log.info(
+            "saga_upgraded",
+            saga_id=saga_id,
+            saga=row.name,
+            from_version=from_version,
+            to_version=to_version,
+            actor=actor,
+        )
+        assert state is not None  # the row is locked in this transaction
+        return plan, state
+
     def _fork_flow(
         self, saga_id: str, from_step: str, *, key: str | None, actor: str | None
     ) -> Flow[SagaHandle]:
@@ -722,6 +826,14 @@ class Engine:
             key=fork_key,
             created=True,
         )
+
+
+def upgraded(plan: UpgradePlan, state: SagaState) -> SagaState:
+    """The state `upgrade` returns: `state` when `plan` was made; `UpgradeRefused`
+    otherwise."""
+    if not plan.allowed:
+        raise UpgradeRefused(plan)
+    return state
 
 
 def _check_duplicate(

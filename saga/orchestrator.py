@@ -24,6 +24,7 @@ from saga.engine import (
     list_filters,
     list_key,
     resolve_arguments,
+    upgraded,
 )
 from saga.keys import HASH_VERSION
 from saga.leases import LeaseKeeper
@@ -43,6 +44,7 @@ from saga.state import (
     WorkerInfo,
 )
 from saga.store import Store
+from saga.upgrade import UpgradePlan, check_upgrade_arguments
 
 if TYPE_CHECKING:
     from saga.worker import Worker
@@ -511,6 +513,52 @@ class Orchestrator(Engine):
         """
         actor = actor_or_os_user("fork", actor)
         return self._runner().run(self._fork_flow(saga_id, from_step, key=key, actor=actor))
+
+    @sync_only()
+    def upgrade(
+        self,
+        saga_id: str,
+        to_version: int,
+        *,
+        step_map: dict[str, str] | None = None,
+        actor: str,
+    ) -> SagaState:
+        """Move a saga in flight that no worker holds to `to_version` of its definition.
+
+        Allowed when both versions are registered with this orchestrator and every
+        operation that took effect (succeeded, or running or unknown: it may have) maps,
+        in order, onto a step of `to_version` with the same compensation contract (a
+        compensation where it had one, none where it had none, a pivot where it was
+        one). An operation maps onto the step of the same name, or the one `step_map`
+        names (`{"old_name": "new_name"}`). Operations that were attempted keep their
+        rows and their idempotency keys as stored (the keys the provider saw, which name
+        the old version), so a step that succeeded is never run again and a reconcile or
+        retry is the same request; steps not yet attempted run the new version's code
+        under its keys (see `saga.upgrade`). The saga keeps its status: a parked one is
+        resumed with `retry`.
+
+        One transaction, under the saga's row lock: the fence grows, so the holder of an
+        expired lease can no longer write, and a `saga_upgraded` event records `actor`
+        and both versions. Refused (`UpgradeRefused`, a `StepStateError`, with the
+        reasons in its `plan`; nothing written) otherwise, and when a live lease holds
+        the saga (never taken over). `upgrade_plan` gives the verdict without writing.
+        """
+        step_map = check_upgrade_arguments(to_version, step_map)
+        actor = check_actor("upgrade", actor)
+        flow = self._upgrade_flow(saga_id, to_version, step_map=step_map, actor=actor, write=True)
+        plan, state = self._runner().run(flow)
+        return upgraded(plan, state)
+
+    @sync_only()
+    def upgrade_plan(
+        self, saga_id: str, to_version: int, *, step_map: dict[str, str] | None = None
+    ) -> UpgradePlan:
+        """What `upgrade` would do with the saga now, and whether it would be refused
+        (`plan.reasons`); nothing is written."""
+        step_map = check_upgrade_arguments(to_version, step_map)
+        flow = self._upgrade_flow(saga_id, to_version, step_map=step_map, actor="", write=False)
+        plan, _ = self._runner().run(flow)
+        return plan
 
     @sync_only()
     def cancel(

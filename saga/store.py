@@ -725,6 +725,23 @@ class Store:
         assert row is not None  # the caller holds the saga row locked
         return int(row["fence"])
 
+    def upgrade_saga_txn(
+        self,
+        conn: Conn,
+        saga_id: str,
+        version: int,
+        drop: Sequence[tuple[str, str]],
+        renames: Sequence[tuple[str, str, str, int]],
+    ) -> int:
+        """Move a saga the caller holds locked to `version` (see `saga.upgrade`): delete
+        the `drop` rows (kind, step), rename the kept ones (kind, step, new step, new
+        position), grow the fence and end any lease. Returns the new fence."""
+        for name, params in upgrade_params(saga_id, version, drop, renames):
+            conn.execute(_q(name), params)
+        row = conn.execute(_q("upgrade_saga"), {"saga_id": saga_id, "version": version}).fetchone()
+        assert row is not None  # the caller holds the saga row locked
+        return int(row["fence"])
+
     def running_calls_txn(self, conn: Conn, saga_id: str) -> list[RunningCall]:
         """The saga's operations left running, with the live claims that hold them."""
         rows = conn.execute(_q("running_calls"), {"saga_id": saga_id}).fetchall()
@@ -867,6 +884,30 @@ def loaded_batch(
         assert loaded is not None
         batch.append(loaded)
     return batch
+
+
+def upgrade_params(
+    saga_id: str,
+    version: int,
+    drop: Sequence[tuple[str, str]],
+    renames: Sequence[tuple[str, str, str, int]],
+) -> list[tuple[str, dict[str, Any]]]:
+    """The statements (query name, parameters) that change an upgraded saga's operations,
+    in order: drop, then rename in two halves (see saga/sql/queries.sql)."""
+    dropped = [{"kind": kind, "step": step} for kind, step in drop]
+    renamed = [
+        {"kind": kind, "step": step, "to_step": to, "position": position}
+        for kind, step, to, position in renames
+    ]
+    statements: list[tuple[str, dict[str, Any]]] = []
+    if dropped:
+        statements.append(("upgrade_drop_operations", {"saga_id": saga_id, "ops": Jsonb(dropped)}))
+    if renamed:
+        statements.append(("upgrade_park_operations", {"saga_id": saga_id, "ops": Jsonb(renamed)}))
+        statements.append(
+            ("upgrade_rename_operations", {"saga_id": saga_id, "ops": Jsonb(renamed)})
+        )
+    return statements
 
 
 def batch_params(writes: Sequence[tuple[Write, str]], *, owner: str, lease_seconds: float) -> Jsonb:

@@ -523,3 +523,36 @@ FROM saga.ledger_close(%(tenant)s, %(name)s, %(channel)s, %(actor)s)
 SELECT set_config('idle_in_transaction_session_timeout', %(idle_ms)s, true),
        set_config('lock_timeout', %(lock_ms)s, true),
        set_config('saga.hash_version', %(hash_version)s, true)
+
+-- upgrade_saga --
+-- An operator moves a saga no worker holds to a newer version of its definition (under
+-- its row lock, see saga/upgrade.py): the fence grows and any expired lease ends, so the
+-- holder of that lease can no longer write.
+UPDATE saga.sagas
+SET version = %(version)s, fence = fence + 1, lease_owner = NULL, lease_expires_at = NULL,
+    updated_at = now()
+WHERE id = %(saga_id)s
+RETURNING fence
+
+-- upgrade_drop_operations --
+-- The operations an upgrade drops, or creates again under the new version: never
+-- attempted, or failed with no step left to carry them.
+DELETE FROM saga.operations AS o
+USING jsonb_to_recordset(%(ops)s::jsonb) AS x(kind text, step text)
+WHERE o.saga_id = %(saga_id)s AND o.kind = x.kind AND o.step = x.step
+
+-- upgrade_park_operations --
+-- First half of an upgrade's renames: the operations kept take a name no step can have
+-- ('#' is not allowed in a step name), so that two renamed ones may swap names.
+UPDATE saga.operations AS o
+SET step = '#' || o.step
+FROM jsonb_to_recordset(%(ops)s::jsonb) AS x(kind text, step text)
+WHERE o.saga_id = %(saga_id)s AND o.kind = x.kind AND o.step = x.step
+
+-- upgrade_rename_operations --
+-- Second half: each kept operation takes the name and position of its step in the new
+-- version; its idempotency key, request hash and attempts stay as stored.
+UPDATE saga.operations AS o
+SET step = x.to_step, position = x.position, updated_at = now()
+FROM jsonb_to_recordset(%(ops)s::jsonb) AS x(kind text, step text, to_step text, position integer)
+WHERE o.saga_id = %(saga_id)s AND o.kind = x.kind AND o.step = '#' || x.step

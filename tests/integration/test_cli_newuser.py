@@ -322,7 +322,8 @@ def test_versions_lists_sagas_in_flight_per_version(
     make_orch: OrchestratorFactory, database_url: str, app_dir: Path
 ) -> None:
     """Sagas in flight per name and version, by status, and whether --app registers the
-    version: shop v1 (registered), letter v1 (not registered by cli_app)."""
+    version: shop v1 (registered), letter v1 (not registered by cli_app, so the command
+    exits 1)."""
     orch = make_orch(*cli_app.SAGAS, cli_app_letter.letter)
     _park_unknown(orch, "o-v1")
     orch.start(cli_app.shop, Job(order_id="o-v2"))
@@ -339,7 +340,8 @@ def test_versions_lists_sagas_in_flight_per_version(
         "--json",
         app_dir=app_dir,
     )
-    assert as_json.returncode == 0, as_json.stderr
+    # letter v1 is in flight and cli_app does not register it: exit 1, a deploy gate.
+    assert as_json.returncode == 1, as_json.stderr
     rows = {(r["saga"], r["version"]): r for r in _json_lines(as_json.stdout)}
     assert rows[("shop", 1)]["pending"] == 1 and rows[("shop", 1)]["needs_review"] == 1
     assert rows[("shop", 1)]["in_flight"] == 2 and rows[("shop", 1)]["registered"] is True
@@ -358,6 +360,7 @@ def test_versions_lists_sagas_in_flight_per_version(
     with_app = saga_cmd(
         "versions", "--app", "cli_app", "--database-url", database_url, app_dir=app_dir
     )
+    assert with_app.returncode == 1, with_app.stderr
     letter_line = next(line for line in with_app.stdout.splitlines() if line.startswith("letter"))
     assert letter_line.split()[-1] == "no"
     assert "not registered by" in with_app.stdout

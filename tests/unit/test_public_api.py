@@ -53,6 +53,8 @@ EXPECTED_ALL = [
     "StepStateError",
     "SyncCallInEventLoop",
     "TransientError",
+    "UpgradePlan",
+    "UpgradeRefused",
     "Worker",
     "WorkerInfo",
     "current_context",
