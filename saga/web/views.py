@@ -16,7 +16,7 @@ from saga import operator
 from saga.errors import SagaNotFound
 from saga.orchestrator import Orchestrator
 from saga.session import LEDGER_PREFIX, SESSION_PREFIX
-from saga.state import HistoryEvent, OperationState, SagaState, SagaStatus
+from saga.state import HistoryEvent, OperationState, SagaState, SagaStatus, display_status
 from saga.store import parse_id
 from saga.web import timeline
 
@@ -161,6 +161,12 @@ class Row:
         """`saga`, `session` or `channel` (a ledger channel)."""
         return saga_kind(self.state.saga)
 
+    @property
+    def status(self) -> str:
+        """The status shown (`SagaState.display_status`): a session's or a channel's
+        open, idle, parked, compensating or closed, else the stored one."""
+        return self.state.display_status
+
 
 @dataclass(frozen=True, slots=True)
 class ListPage:
@@ -176,7 +182,7 @@ class ListPage:
     def fingerprint(self) -> str:
         """Changes whenever something the page shows of its sagas changes."""
         seen = [
-            (r.state.id, r.state.status, r.state.updated_at.isoformat(), r.reason)
+            (r.state.id, r.status, r.state.updated_at.isoformat(), r.reason)
             for r in (*self.rows, *self.queue)
         ]
         return _digest(seen)
@@ -230,6 +236,8 @@ class SagaPage:
     now: datetime
     # The page of the operations shown (`state.operations` holds that page's only).
     pages: Pages
+    # The status shown (`display_status`, told from all the operations, not this page's).
+    status: str = ""
 
     @property
     def fingerprint(self) -> str:
@@ -369,8 +377,12 @@ class Reader:
             )
             for op in state.operations
         ]
+        live_claims = None
+        if pages.count > 1 and state.status.is_runnable:
+            live_claims = self.orch.store.count_live_claims(saga_id)
         return SagaPage(
             state=state,
+            status=display_status(state, live_claims=live_claims),
             kind=saga_kind(state.saga),
             reason=reason(state, known),
             input=pretty_json(state.input),
