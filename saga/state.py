@@ -186,9 +186,6 @@ class Confirmation(BaseModel):
 # `saga.session.SESSION_PREFIX` and `LEDGER_PREFIX`).
 _CODE_FIRST_PREFIXES = ("session/", "ledger/")
 
-# What a session or a ledger channel is, as `display_status` says it.
-CodeFirstStatus = Literal["open", "idle", "parked", "compensating", "closed"]
-
 
 def display_status(
     state: SagaState, *, now: datetime | None = None, live_claims: int | None = None

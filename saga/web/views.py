@@ -260,8 +260,9 @@ def saga_fingerprint(state: SagaState) -> str:
 
 
 def page_fingerprint(state: SagaState, pages: Pages) -> str:
-    """Changes whenever the saga, the operations of the page, or their count changes."""
-    return _digest([state.model_dump(mode="json"), pages.number, pages.total])
+    """Changes whenever the saga, the operations of the page, or their count changes, or
+    its shown status (a claim that expired turns a channel idle)."""
+    return _digest([state.model_dump(mode="json"), pages.number, pages.total, state.display_status])
 
 
 def _digest(value: Any) -> str:
