@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-agent test lint typecheck unit integration wheel-check soak clean
+.PHONY: demo demo-agent demo-agent-openai test lint typecheck unit integration wheel-check soak clean
 
 $(BIN)/.installed-demo: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,17 @@ $(BIN)/.installed-agent: pyproject.toml
 TICKET ?= T-$(shell date +%s)
 demo-agent: $(BIN)/.installed-agent
 	env -u SAGA_DATABASE_URL SAGA_EMBEDDED_DIR='$(DEMO_PGDATA)' $(BIN)/python examples/refund_agent_pydantic_ai.py --ticket '$(TICKET)'
+
+$(BIN)/.installed-agent-openai: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[openai-agents]'
+	touch $@
+
+# The same ticket handled by an OpenAI Agents SDK agent, offline (a scripted model, no
+# OpenAI key, tracing off), on the demo's embedded database; TICKET as for demo-agent.
+demo-agent-openai: $(BIN)/.installed-agent-openai
+	env -u SAGA_DATABASE_URL SAGA_EMBEDDED_DIR='$(DEMO_PGDATA)' $(BIN)/python examples/openai_agents_agent.py --ticket '$(TICKET)'
 
 lint: $(BIN)/.installed-test
 	$(BIN)/ruff check saga tests examples

@@ -21,13 +21,18 @@ same ticket and every call replays (the model sees the stored results; nothing i
 twice). The providers are tables of the schema `demo_oai` in the example's database,
 written by the tools; at the end the example counts the ticket's effects there.
 
+    make demo-agent-openai TICKET=T-1    # installs the extra into .venv, runs the example
+
+or, with the extra installed (`pip install -e '.[openai-agents]'` in a checkout):
+
     python examples/openai_agents_agent.py --ticket T-1
     python examples/openai_agents_agent.py --ticket T-1          # again: all replayed
     python examples/openai_agents_agent.py --ticket T-2 --fail-permanently
 
-Exit status: 0 the ticket was handled; 1 an effect happened twice (or is missing); 3 the
-refund was refused for good and the session's calls were compensated; 4 the session is
-parked for a human; 5 another process holds the session.
+Exit status: 0 the ticket was handled; 1 an effect happened twice (or is missing); 2 the
+OpenAI Agents SDK is not installed (or bad arguments); 3 the refund was refused for good
+and the session's calls were compensated; 4 the session is parked for a human; 5 another
+process holds the session.
 """
 
 from __future__ import annotations
@@ -44,23 +49,35 @@ from typing import Any
 
 import psycopg
 import structlog
-from agents import (
-    Agent,
-    Model,
-    ModelResponse,
-    ModelSettings,
-    ModelTracing,
-    RunState,
-    Tool,
-    TResponseInputItem,
-    Usage,
-    set_tracing_disabled,
-)
-from openai.types.responses import (
-    ResponseFunctionToolCall,
-    ResponseOutputMessage,
-    ResponseOutputText,
-)
+
+try:
+    from agents import (
+        Agent,
+        Model,
+        ModelResponse,
+        ModelSettings,
+        ModelTracing,
+        RunState,
+        Tool,
+        TResponseInputItem,
+        Usage,
+        set_tracing_disabled,
+    )
+    from openai.types.responses import (
+        ResponseFunctionToolCall,
+        ResponseOutputMessage,
+        ResponseOutputText,
+    )
+except ModuleNotFoundError as missing:  # the optional extra is not installed
+    if missing.name not in ("agents", "openai"):
+        raise
+    print(
+        "examples/openai_agents_agent.py needs the OpenAI Agents SDK, an optional extra:\n"
+        "  make demo-agent-openai            (installs it into .venv and runs this example)\n"
+        "  pip install -e '.[openai-agents]'  (in a checkout; then run this again)",
+        file=sys.stderr,
+    )
+    sys.exit(2)
 
 from saga import (
     AsyncOrchestrator,

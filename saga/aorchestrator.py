@@ -16,7 +16,7 @@ from saga.adriver import AsyncLeaseKeeper, AsyncRunner
 from saga.astore import AsyncStore
 from saga.database import check_connection, unavailable
 from saga.definition import Saga
-from saga.engine import Engine, list_filters, resolve_arguments
+from saga.engine import Engine, list_filters, list_key, resolve_arguments
 from saga.ledger import AsyncLedger
 from saga.logs import get_logger
 from saga.migrate import migrate_database
@@ -403,13 +403,19 @@ class AsyncOrchestrator(Engine):
         limit: int = 100,
         *,
         older_than: timedelta | None = None,
+        key: str | None = None,
     ) -> builtins.list[SagaState]:
-        """Sagas filtered by status, saga name and tenant, newest first; see
-        `Orchestrator.list`."""
+        """Sagas filtered by status, saga name, tenant and business key, newest first;
+        see `Orchestrator.list`."""
         status, seconds = list_filters(status, limit, older_than)
         store = await self.store()
         return await store.list_states(
-            status=status, name=saga, tenant_id=tenant, limit=limit, older_than_seconds=seconds
+            status=status,
+            name=saga,
+            tenant_id=tenant,
+            limit=limit,
+            older_than_seconds=seconds,
+            key=list_key(key),
         )
 
     async def workers(self) -> builtins.list[WorkerInfo]:

@@ -253,6 +253,12 @@ class AsyncStore:
         cur = await conn.execute(_q("running_calls"), {"saga_id": saga_id})
         return [RunningCall(**r) for r in await cur.fetchall()]
 
+    async def operator_resolved_steps_txn(self, conn: AConn, saga_id: str) -> set[str]:
+        """The steps of the saga whose action an operator resolved as succeeded (see
+        `Store.operator_resolved_steps_txn`)."""
+        cur = await conn.execute(_q("operator_resolved_steps"), {"saga_id": saga_id})
+        return {str(r["step"]) for r in await cur.fetchall()}
+
     async def break_claims_txn(
         self, conn: AConn, saga_id: str, steps: Sequence[str]
     ) -> dict[str, int]:
@@ -472,17 +478,21 @@ class AsyncStore:
         tenant_id: str | None,
         limit: int,
         older_than_seconds: float | None = None,
+        key: str | None = None,
     ) -> list[SagaState]:
-        """Sagas matching the filters, newest first, with their operations."""
+        """Sagas matching the filters, newest first, with their operations; with `key`,
+        only those of that business key (read through the key index)."""
         params = {
             "status": status,
             "name": name,
             "tenant_id": tenant_id,
             "limit": limit,
             "older_than_seconds": older_than_seconds,
+            "key": key,
         }
+        query = _q("list_sagas" if key is None else "list_sagas_by_key")
         async with self.transaction() as conn:
-            rows = await (await conn.execute(_q("list_sagas"), params)).fetchall()
+            rows = await (await conn.execute(query, params)).fetchall()
             cur = await conn.execute(
                 _q("get_operations_many"), {"saga_ids": [r["id"] for r in rows]}
             )

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import inspect
 import json
+import logging
 import os
+import signal
 import socket
 import sys
 import traceback
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any, Literal, NoReturn, TypeVar, cast
 
 import pydantic
@@ -23,15 +27,24 @@ from saga import __version__, operator
 from saga import cli_format as fmt
 from saga.aorchestrator import AsyncOrchestrator
 from saga.approvals import ApprovalSigner
-from saga.database import ENV_URL, check_connection, describe_url, resolve_database_url
+from saga.aworker import AsyncWorker
+from saga.database import (
+    ENV_URL,
+    check_connection,
+    default_embedded_dir,
+    describe_url,
+    resolve_database_url,
+)
 from saga.durable import registered_step, registered_step_names
 from saga.errors import (
     DatabaseUnavailable,
     NotRegistered,
     SagaError,
+    SchemaMissing,
     StepStateError,
 )
 from saga.interventions import AmbiguousCall
+from saga.logs import EVENTS_CHANNEL, get_logger
 from saga.migrate import migrate_database
 from saga.orchestrator import ENV_APPROVAL_PUBLIC_KEY, ENV_CONFIRMATION_KEY, Orchestrator
 from saga.redact import scrub
@@ -39,13 +52,17 @@ from saga.roles import ROLE_KINDS, grant_role, role_kind
 from saga.session import SESSION_PREFIX
 from saga.state import SagaState, SagaStatus
 from saga.store import Store
-from saga.worker import unreachable
+from saga.worker import Worker, unreachable
 
 EXIT_OK = 0
 EXIT_PARTIAL = 1
 EXIT_USAGE = 2
 ENV_APP = "SAGA_APP"
 ENV_TRACEBACK = "SAGA_TRACEBACK"
+# --log-format; and the commands that run until stopped, which log at info by default.
+LOG_FORMATS = ("console", "json")
+_LONG_RUNNING = frozenset({"worker", "dashboard"})
+_log_format = "console"
 # The retention `saga purge` applies without --app or --retention-days, as Orchestrator's.
 DEFAULT_RETENTION_DAYS = 30.0
 
@@ -66,10 +83,26 @@ reconcile) load it with --app MODULE[:ATTR] or SAGA_APP: MODULE is imported (fro
 current directory or PYTHONPATH) and ATTR names its Orchestrator or AsyncOrchestrator
 (found by itself when there is only one; an AsyncOrchestrator's worker is an
 AsyncWorker on an event loop).
+An ID names a saga by its id, a unique prefix of its id (at least 4 characters), or its
+business key (as started, e.g. `saga show crashB-013`); a text that names several sagas
+(a key of several tenants or saga names, or a key that is also an id prefix) lists them
+and exits 2: give the full id of the one you mean.
 Mutating commands are recorded in each saga's audit trail with --actor (default:
 your OS user). Errors are one line on stderr; SAGA_TRACEBACK=1 adds the traceback.
 
 Run `saga COMMAND --help` for the options of a command."""
+
+
+_CANCEL_EXIT_CODES = """exit codes of cancel:
+  0  cancelled: the saga is compensating (a worker undoes what succeeded), or already
+     was; with --run, it ended compensated
+  1  not done, nothing written: the saga has ended (completed or compensated alike:
+     there is nothing to cancel; `saga compensate ID` undoes a completed saga) or was
+     forked, a pivot step succeeded, a live worker holds it (without --force), or the
+     answer to the confirmation was no; or it is parked in needs_review (already
+     parked, or with --run after its compensation stopped)
+  2  usage error: bad arguments, or a cancel that would park the saga in needs_review
+     without a terminal to confirm it on and without --yes (nothing written)"""
 
 
 class UsageError(Exception):
@@ -145,8 +178,26 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--database-url", metavar="URL", help="PostgreSQL URL (overrides SAGA_DATABASE_URL)"
     )
+    loudness = common.add_mutually_exclusive_group()
+    loudness.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log at debug level on stderr: every saga event as it commits, besides the rest",
+    )
+    loudness.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="log warnings and errors only (the default of one-shot commands; worker and "
+        "dashboard log info too: starting, stopping, migrations)",
+    )
     common.add_argument(
-        "-v", "--verbose", action="store_true", help="log every saga event on stderr"
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="console",
+        help="how logs are written on stderr: console (one readable line each, the "
+        "default) or json (one JSON object per line, for a log collector)",
     )
     app = _Parser(add_help=False)
     app.add_argument(
@@ -226,6 +277,11 @@ def _parser() -> argparse.ArgumentParser:
     listing.add_argument("--saga", metavar="NAME", help="only sagas of this name")
     listing.add_argument("--tenant", metavar="T", help="only sagas of this tenant")
     listing.add_argument(
+        "--key",
+        metavar="KEY",
+        help="only sagas of this business key, matched exactly (one per saga name and tenant)",
+    )
+    listing.add_argument(
         "--older-than",
         type=_duration,
         metavar="AGE",
@@ -242,6 +298,19 @@ def _parser() -> argparse.ArgumentParser:
         choices=("text", "json", "mermaid"),
         help="text (the default), json (as --json), or mermaid: a Mermaid Gantt diagram of "
         "its operations, to paste into an incident ticket",
+    )
+
+    history = add(
+        "history",
+        "print a saga's audit trail, oldest first: every event with when, which operation "
+        "and attempt, who (for an operator's action) and its detail",
+    )
+    history.add_argument("saga_id", metavar="ID")
+    history.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON document: the saga (id, saga, version, tenant_id, key, status) and "
+        "its events (at, event, step, kind, attempt, actor, detail)",
     )
 
     comp = add(
@@ -403,8 +472,17 @@ def _parser() -> argparse.ArgumentParser:
     cancel.add_argument(
         "--include-unknown",
         action="store_true",
-        help="also compensate steps whose outcome is unknown",
+        help="also compensate steps whose outcome is unknown (their compensation gets None "
+        "as the step's result); on a saga already compensating, or parked at such a step, "
+        "compensate them now",
     )
+    cancel.add_argument(
+        "--yes",
+        action="store_true",
+        help="cancel without asking when the compensation would stop at a step and park the "
+        "saga in needs_review (without a terminal to ask on, it is refused otherwise)",
+    )
+    cancel.epilog = _CANCEL_EXIT_CODES + _EPILOG[_EPILOG.index("\n\nThe database") :]
 
     fork = add(
         "fork",
@@ -481,25 +559,103 @@ def _parser() -> argparse.ArgumentParser:
 # ----- set-up --------------------------------------------------------------------------
 
 
-def _configure_logging(verbose: bool) -> None:
+def _log_level(args: argparse.Namespace) -> int:
+    """-v: debug (every saga event); -q: warnings; else info for the long-running commands,
+    whose lifecycle (started, stopping, migrations) an operator follows, and warnings for
+    one-shot commands, whose output is their report on stdout."""
+    if args.verbose:
+        return logging.DEBUG
+    if args.quiet or args.command not in _LONG_RUNNING:
+        return logging.WARNING
+    return logging.INFO
+
+
+def _configure_logging(level: int, log_format: str = "console") -> None:
     # stdout carries the command's output (tables, JSON); logs go to stderr.
-    level = 20 if verbose else 30  # logging.INFO, logging.WARNING
+    processors: list[structlog.typing.Processor] = []
+    if level > logging.DEBUG:
+        # The saga's own events (one per committed transition) are debug here.
+        processors.append(_drop_saga_events)
+    processors += [
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso"),
+    ]
+    if log_format == "json":
+        processors += [
+            _add_logger_name,
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(default=str),
+        ]
+    else:
+        processors.append(structlog.dev.ConsoleRenderer(colors=False))
     structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.dev.ConsoleRenderer(colors=False),
-        ],
+        processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_factory=_stderr_logger,
         cache_logger_on_first_use=False,
     )
+    global _log_format
+    _log_format = log_format
+
+
+def _stdlib_formatter() -> logging.Formatter:
+    """Records of stdlib `logging` (uvicorn's, under `saga dashboard`) as the saga
+    command's own logs look, in the --log-format chosen."""
+    renderer: structlog.typing.Processor = (
+        structlog.processors.JSONRenderer(default=str)
+        if _log_format == "json"
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    return structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[
+            structlog.stdlib.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            *([structlog.stdlib.add_logger_name] if _log_format == "json" else []),
+        ],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+    )
+
+
+class _StderrLogger(structlog.PrintLogger):
+    """structlog's PrintLogger on stderr, knowing the name it was asked for."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(sys.stderr)
+        self.name = name
 
 
 def _stderr_logger(*args: object) -> structlog.PrintLogger:
     # sys.stderr as it is when the logger is made (loggers are not cached), not as it was
     # at configure time: code that swaps stderr (a test harness) never gets a closed file.
-    return structlog.PrintLogger(sys.stderr)
+    return _StderrLogger(str(args[0]) if args else "saga")
+
+
+def _drop_saga_events(
+    logger: Any, method: str, event_dict: structlog.typing.EventDict
+) -> structlog.typing.EventDict:
+    if getattr(logger, "name", None) == EVENTS_CHANNEL and method in ("debug", "info"):
+        raise structlog.DropEvent
+    return event_dict
+
+
+def _add_logger_name(
+    logger: Any, method: str, event_dict: structlog.typing.EventDict
+) -> structlog.typing.EventDict:
+    name = getattr(logger, "name", None)
+    if name:
+        event_dict.setdefault("logger", name)
+    return event_dict
+
+
+def _announce(text: str, event: str, *, level: str = "info", **fields: object) -> None:
+    """A line of a long-running command on stderr (it started, where, it stopped), shown
+    whatever the log level: as is, or with --log-format json as a JSON object whose
+    `message` is the line, so that every line of stderr parses."""
+    if _log_format == "json":
+        now = datetime.now(UTC).isoformat().replace("+00:00", "Z")
+        record = {"event": event, "message": text, **fields, "level": level, "timestamp": now}
+        text = json.dumps(record, default=str)
+    print(text, file=sys.stderr, flush=True)
 
 
 def _actor(args: argparse.Namespace) -> str:
@@ -706,7 +862,8 @@ def _operator(args: argparse.Namespace, *, runs_code: bool = True) -> Orchestrat
 
 
 def _full_id(orch: Orchestrator, args: argparse.Namespace) -> str:
-    """The saga id given, expanded from a unique prefix (`saga show 6f0c`)."""
+    """The saga id given, expanded from a unique prefix (`saga show 6f0c`) or a business
+    key (`saga show crashB-013`); see `operator.expand_id` for the precedence."""
     args.saga_id = operator.expand_id(orch.store, args.saga_id)
     return str(args.saga_id)
 
@@ -743,31 +900,98 @@ def _grant(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _worker(args: argparse.Namespace) -> int:
-    orch = load_app(args.app, args.database_url)
-    if args.metrics_port is not None:
-        _serve_metrics(*args.metrics_port)
-    if isinstance(orch, AsyncOrchestrator):
-        return asyncio.run(_async_worker(orch, args.concurrency, args.listen_url))
-    with orch:
-        kinds = ", ".join(f"{s.name} v{s.version}" for s in orch.registered())
-        # Connect (and migrate) now, and check the role may drive sagas: a refused login, a
-        # malformed URL or a role without the privileges fails before the worker is
-        # announced. A database it cannot reach yet is waited for by the worker (logged).
+class _StopSignals:
+    """SIGTERM and SIGINT for `saga worker`, from its first moment: before the app is
+    imported and the database reached, a signal is remembered (the worker then stops
+    before it drives anything); once the worker exists, it stops it gracefully."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._worker: Worker | AsyncWorker | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signal.Signals(signum).name
+        get_logger("saga.worker").info("worker_stopping", signal=self.received)
+        if self._worker is not None:
+            self._worker.stop()
+
+    @contextlib.contextmanager
+    def on_loop(self) -> Iterator[None]:
+        """The same handling through the running event loop, which wakes at once."""
+        loop = asyncio.get_running_loop()
+        installed: list[signal.Signals] = []
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(signum, self._on_signal, signum, None)
+            except (NotImplementedError, RuntimeError, ValueError):
+                continue
+            installed.append(signum)
         try:
-            orch.store.check_privileges("worker")
-        except Exception as exc:
-            if not unreachable(exc, orch.database_url):
-                raise
-        print(
-            f"worker {orch.owner}: driving {kinds} with concurrency {args.concurrency} "
-            f"on {describe_url(orch.database_url)}; SIGTERM or Ctrl-C stops it gracefully",
-            file=sys.stderr,
-            flush=True,
-        )
-        orch.worker(concurrency=args.concurrency, listen_url=args.listen_url).run()
-    print(f"worker {orch.owner}: stopped", file=sys.stderr)
-    return EXIT_OK
+            yield
+        finally:
+            for signum in installed:
+                loop.remove_signal_handler(signum)
+                signal.signal(signum, self._on_signal)
+
+    def hand_to(self, worker: Worker | AsyncWorker) -> None:
+        """From now on a signal stops `worker` (at once if one came already)."""
+        self._worker = worker
+        if self.received is not None:
+            worker.stop()
+
+
+def _worker(args: argparse.Namespace) -> int:
+    # Signals first: a SIGTERM while the app is imported or the database reached (a
+    # deployment replacing a worker it has just started) stops it with exit 0.
+    with _StopSignals() as signals:
+        orch = load_app(args.app, args.database_url)
+        if args.metrics_port is not None and signals.received is None:
+            _serve_metrics(*args.metrics_port)
+        if isinstance(orch, AsyncOrchestrator):
+            return asyncio.run(
+                _async_worker(orch, args.concurrency, args.listen_url, signals=signals)
+            )
+        with orch:
+            kinds = ", ".join(f"{s.name} v{s.version}" for s in orch.registered())
+            # Connect (and migrate) now, and check the role may drive sagas: a refused
+            # login, a malformed URL or a role without the privileges fails before the
+            # worker is announced. A database it cannot reach yet is waited for by the
+            # worker (logged).
+            try:
+                if signals.received is None:
+                    orch.store.check_privileges("worker")
+            except Exception as exc:
+                if not unreachable(exc, orch.database_url):
+                    raise
+            if signals.received is None:
+                _announce(
+                    f"worker {orch.owner}: driving {kinds} with concurrency {args.concurrency} "
+                    f"on {describe_url(orch.database_url)}; SIGTERM or Ctrl-C stops it "
+                    "gracefully",
+                    "worker_ready",
+                    owner=orch.owner,
+                )
+                worker = orch.worker(concurrency=args.concurrency, listen_url=args.listen_url)
+                signals.hand_to(worker)
+                worker.run(handle_signals=False)
+        _announce(_stopped(orch.owner, signals), "worker_exited", owner=orch.owner)
+        return EXIT_OK
+
+
+def _stopped(owner: str, signals: _StopSignals) -> str:
+    if signals.received is None:
+        return f"worker {owner}: stopped"
+    return f"worker {owner}: stopped ({signals.received})"
 
 
 def _serve_metrics(host: str, port: int) -> None:
@@ -782,33 +1006,45 @@ def _serve_metrics(host: str, port: int) -> None:
     except OSError as exc:
         raise UsageError(f"--metrics-port: cannot listen on {host or '*'}:{port}: {exc}") from None
     shown = f"[{host}]" if ":" in host else host or "0.0.0.0"
-    print(f"metrics for Prometheus at http://{shown}:{bound}/metrics", file=sys.stderr, flush=True)
+    _announce(f"metrics for Prometheus at http://{shown}:{bound}/metrics", "metrics_serving")
 
 
 async def _async_worker(
-    orch: AsyncOrchestrator, concurrency: int, listen_url: str | None = None
+    orch: AsyncOrchestrator,
+    concurrency: int,
+    listen_url: str | None = None,
+    *,
+    signals: _StopSignals | None = None,
 ) -> int:
     """`saga worker` for an AsyncOrchestrator app: an AsyncWorker on this loop, stopped
     gracefully by SIGTERM or SIGINT; the orchestrator is closed before the loop ends."""
-    try:
-        kinds = ", ".join(f"{s.name} v{s.version}" for s in orch.registered())
-        # As for a sync app: refusals fail here, an unreachable database is waited for.
+    with contextlib.ExitStack() as stack:
+        if signals is None:
+            signals = stack.enter_context(_StopSignals())
+        stack.enter_context(signals.on_loop())
         try:
-            await (await orch.store()).check_privileges("worker")
-        except Exception as exc:
-            if not unreachable(exc, orch.database_url):
-                raise
-        print(
-            f"worker {orch.owner}: driving {kinds} with concurrency {concurrency} "
-            f"(asyncio) on {describe_url(orch.database_url)}; SIGTERM or Ctrl-C stops it "
-            "gracefully",
-            file=sys.stderr,
-            flush=True,
-        )
-        await orch.worker(concurrency=concurrency, listen_url=listen_url).run(handle_signals=True)
-    finally:
-        await orch.close()
-    print(f"worker {orch.owner}: stopped", file=sys.stderr)
+            kinds = ", ".join(f"{s.name} v{s.version}" for s in orch.registered())
+            # As for a sync app: refusals fail here, an unreachable database is waited for.
+            try:
+                if signals.received is None:
+                    await (await orch.store()).check_privileges("worker")
+            except Exception as exc:
+                if not unreachable(exc, orch.database_url):
+                    raise
+            if signals.received is None:
+                _announce(
+                    f"worker {orch.owner}: driving {kinds} with concurrency {concurrency} "
+                    f"(asyncio) on {describe_url(orch.database_url)}; SIGTERM or Ctrl-C "
+                    "stops it gracefully",
+                    "worker_ready",
+                    owner=orch.owner,
+                )
+                worker = orch.worker(concurrency=concurrency, listen_url=listen_url)
+                signals.hand_to(worker)
+                await worker.run(handle_signals=False)
+        finally:
+            await orch.close()
+        _announce(_stopped(orch.owner, signals), "worker_exited", owner=orch.owner)
     return EXIT_OK
 
 
@@ -822,6 +1058,7 @@ def _list(args: argparse.Namespace) -> int:
             tenant=args.tenant,
             limit=args.limit,
             older_than=None if args.older_than is None else timedelta(seconds=args.older_than),
+            key=args.key,
         )
         known = {kind for worker in orch.workers() for kind in worker.kinds}
     if args.json:
@@ -847,6 +1084,14 @@ def _show(args: argparse.Namespace) -> int:
         print(fmt.mermaid(state, history))
     else:
         print(fmt.show(state, history))
+    return EXIT_OK
+
+
+def _history(args: argparse.Namespace) -> int:
+    with _reader(args.database_url) as orch:
+        state = orch.get(_full_id(orch, args))
+        history = orch.history(state.id)
+    print(fmt.history_json(state, history) if args.json else fmt.history(state, history))
     return EXIT_OK
 
 
@@ -962,10 +1207,19 @@ def _resolve(args: argparse.Namespace) -> int:
             if args.app:
                 raise
             raise UsageError(
-                f"{exc}: its steps' results are checked by your code: pass --app MODULE[:ATTR] "
-                f"or set {ENV_APP}"
+                f"pass --app MODULE[:ATTR] (or set {ENV_APP}) naming the module that "
+                f"registers saga {exc.name!r} version {exc.version}: its steps' results are "
+                "checked by your code"
             ) from None
-        print(f"resolved {args.step!r} of saga {state.id} as {outcome}, by {actor}")
+        last = orch.history(state.id)[-1]
+        if last.event == "result_amended":
+            print(
+                f"amended the result of {last.step!r} of saga {state.id}, by {actor}: "
+                f"{fmt.one_line(json.dumps(last.detail.get('previous_result'), default=str))} -> "
+                f"{fmt.one_line(json.dumps(last.detail.get('result'), default=str))}"
+            )
+        else:
+            print(f"resolved {args.step!r} of saga {state.id} as {outcome}, by {actor}")
         if args.succeeded and args.result is None:
             _warn_null_result(orch, state, args.step, args.kind)
         return _after_request(orch, state, args.run, _given(args))
@@ -988,8 +1242,8 @@ def _warn_null_result(orch: Orchestrator, state: SagaState, step: str, kind: str
     print(
         f"saga: warning: {step!r} is resolved as succeeded without --result, so its "
         f"compensation {name!r} will receive null as the step's result if the saga is "
-        "compensated; resolve with --result JSON (what the provider returned) before then "
-        "if it needs one",
+        "compensated; if it needs one, give what the provider returned before then: "
+        f"saga resolve {state.id} {step} --succeeded --result JSON",
         file=sys.stderr,
     )
 
@@ -1035,9 +1289,19 @@ def _cancel(args: argparse.Namespace) -> int:
     actor = _actor(args)
     with orch:
         before = orch.get(_full_id(orch, args))
-        warning = _cancel_parks(orch, before, include_unknown=args.include_unknown)
-        if warning is not None:
-            print(warning, flush=True)
+        if before.status is SagaStatus.COMPENSATED:
+            raise StepStateError(_nothing_to_cancel(before))
+        planned = operator.cancel_plan(orch, before, include_unknown=args.include_unknown)
+        preview = _cancel_preview(planned, include_unknown=args.include_unknown)
+        why = operator.refusal(orch, before, force=args.force, batch=False) if preview else None
+        if why is not None:  # refused anyway: no warning, and no question asked
+            raise StepStateError(why)
+        for line in preview:
+            print(line, flush=True)
+        parks = planned is not None and planned.stop is not None
+        if parks and not args.yes and not _confirmed(f"cancel saga {before.id} anyway? [y/N] "):
+            print(f"cancel: nothing was changed; saga {before.id} is {before.status}")
+            return EXIT_PARTIAL
         state = orch.cancel(
             before.id,
             reason=args.reason,
@@ -1045,11 +1309,37 @@ def _cancel(args: argparse.Namespace) -> int:
             include_unknown=args.include_unknown,
             force=args.force,
         )
+        if state.status == SagaStatus.COMPENSATED:
+            # Compensated meanwhile (a cancel itself drives nothing): as above.
+            raise StepStateError(_nothing_to_cancel(state))
         if before.status == state.status and before.updated_at == state.updated_at:
             print(f"saga {state.id} is already {state.status}; nothing to cancel")
         else:
             print(f"cancelled saga {state.id}, by {actor}: {args.reason}")
         return _after_request(orch, state, args.run, _given(args))
+
+
+def _nothing_to_cancel(state: SagaState) -> str:
+    """A compensated saga is refused as a completed one is: it has ended."""
+    return (
+        f"saga {state.id} is compensated: it has ended and what it did is undone, so there "
+        "is nothing to cancel"
+    )
+
+
+def _confirmed(question: str) -> bool:
+    """The operator's yes on a terminal; `UsageError` when there is none to ask on."""
+    if not (sys.stdin.isatty() and sys.stderr.isatty()):
+        raise UsageError(
+            "this cancel would leave the saga parked in needs_review (see above) and there "
+            "is no terminal to confirm it on: pass --yes to cancel anyway; nothing was changed"
+        )
+    print(question, end="", file=sys.stderr, flush=True)
+    try:
+        answer = sys.stdin.readline()
+    except KeyboardInterrupt:
+        answer = ""
+    return answer.strip().lower() in ("y", "yes")
 
 
 def _fork(args: argparse.Namespace) -> int:
@@ -1094,18 +1384,29 @@ def _fork(args: argparse.Namespace) -> int:
         return EXIT_OK
 
 
-def _cancel_parks(orch: Orchestrator, state: SagaState, *, include_unknown: bool) -> str | None:
-    """What a cancel of `state` will undo before its compensation stops and the saga
-    parks, and why; None when it would not park (or the cancel does not compensate)."""
-    planned = operator.cancel_plan(orch, state, include_unknown=include_unknown)
-    if planned is None or planned.stop is None:
-        return None
-    undo = ", ".join(repr(step) for step, _ in planned.compensations)
-    runs = f"it will run the compensations of {undo}, then" if undo else "it will undo nothing and"
-    return (
-        f"cancel: {runs} the saga will park in needs_review: "
-        f"{fmt.cli_wording(planned.stop, {'--include-unknown': include_unknown})}"
-    )
+def _cancel_preview(planned: operator.PlannedSaga | None, *, include_unknown: bool) -> list[str]:
+    """What a cancel will do, said before it acts: the compensations that will get None
+    as a step's result, and, when its compensation will stop, what it undoes before the
+    saga parks, and why. Nothing when it runs to the end with every result."""
+    if planned is None:
+        return []
+    lines = [
+        f"cancel: warning: {fmt.null_result_warning(planned.saga_id, step, name)}"
+        for step, name in planned.null_results
+    ]
+    if planned.stop is not None:
+        undo = ", ".join(repr(step) for step, _ in planned.compensations)
+        runs = (
+            f"it will run the compensations of {undo}, then" if undo else "it will undo nothing and"
+        )
+        lines.insert(
+            0,
+            f"cancel: {runs} the saga will park in needs_review: "
+            + fmt.cli_wording(planned.stop, {"--include-unknown": include_unknown}).replace(
+                "compensate with --include-unknown", "cancel with --include-unknown"
+            ),
+        )
+    return lines
 
 
 def _preview(args: argparse.Namespace) -> int:
@@ -1322,7 +1623,14 @@ def _dashboard(args: argparse.Namespace) -> int:
             f"the dashboard needs the web extra, and {missing} is not installed: {WEB_EXTRA}"
         ) from None
     try:
-        web.serve(args.database_url, host=args.host, port=args.port, verbose=args.verbose)
+        web.serve(
+            args.database_url,
+            host=args.host,
+            port=args.port,
+            verbose=args.verbose,
+            log_formatter=_stdlib_formatter(),
+            announce=_announce,
+        )
     except web.DashboardError as exc:
         raise UsageError(str(exc)) from None
     return EXIT_OK
@@ -1334,6 +1642,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "worker": _worker,
     "list": _list,
     "show": _show,
+    "history": _history,
     "compensate": _compensate,
     "resolve": _resolve,
     "retry": _retry,
@@ -1365,6 +1674,18 @@ def _errors(exc: pydantic.ValidationError) -> str:
     return "; ".join(parts)
 
 
+def _schema_missing(exc: SchemaMissing, args: argparse.Namespace) -> str:
+    """A missing schema; when the command fell back to the embedded PostgreSQL because no
+    URL was set, that first: its advice to migrate would set up a database nobody meant."""
+    if getattr(args, "database_url", None) or os.environ.get(ENV_URL):
+        return str(exc)
+    return (
+        f"no database URL is set (--database-url URL, or {ENV_URL}), so this used the "
+        f"embedded PostgreSQL in {default_embedded_dir()}, which has no saga schema: give "
+        "the URL of your database, or run `saga migrate` to set up the embedded one"
+    )
+
+
 def _fail(message: str, code: int, urls: Sequence[str | None] = ()) -> int:
     # Whatever the error quotes of a database URL, its password is never printed.
     known = (*urls, os.environ.get(ENV_URL))
@@ -1378,7 +1699,7 @@ def _fail(message: str, code: int, urls: Sequence[str | None] = ()) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `saga` console script; returns the exit code."""
     args = _parser().parse_args(argv)
-    _configure_logging(verbose=args.verbose or args.command == "worker")
+    _configure_logging(_log_level(args), args.log_format)
     urls = (getattr(args, "database_url", None),)
     try:
         return _COMMANDS[args.command](args)
@@ -1386,6 +1707,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"{args.command}: {exc}", EXIT_USAGE, urls)
     except StepStateError as exc:
         return _fail(f"refused: {fmt.cli_wording(str(exc), _given(args))}", EXIT_PARTIAL, urls)
+    except SchemaMissing as exc:
+        return _fail(_schema_missing(exc, args), EXIT_PARTIAL, urls)
     except SagaError as exc:
         return _fail(fmt.cli_wording(str(exc), _given(args)), EXIT_PARTIAL, urls)
     except ValueError as exc:

@@ -252,18 +252,67 @@ def show(state: SagaState, history: Sequence[HistoryEvent]) -> str:
     ]
     width = max(len(k) for k, _ in head)
     lines = [f"{k.ljust(width)}  {printable(v)}" for k, v in head]
-    lines += ["", "OPERATIONS", _operations(state.operations), "", "TIMELINE", _timeline(history)]
+    ops = _operations(state.operations, Provenance.of(history))
+    lines += ["", "OPERATIONS", ops, "", "TIMELINE", _timeline(history)]
     return "\n".join(lines)
 
 
-def _operations(ops: Sequence[OperationState]) -> str:
+def short_id(saga_id: str) -> str:
+    """A saga id's first 8 characters, as the commands take it (a unique prefix)."""
+    return saga_id[:8]
+
+
+@dataclass(frozen=True, slots=True)
+class Provenance:
+    """Where operations' outcomes came from when no attempt of this saga's timed them:
+    a person's `saga resolve`, or the saga a fork inherited them from. Read from the
+    saga's audit trail (`orch.history`)."""
+
+    # (step, kind) -> who resolved it, for those whose last outcome a person gave.
+    resolved_by: Mapping[tuple[str, OperationKind], str]
+    # The saga a fork was forked from, and the steps it inherited from it.
+    source: str | None
+    inherited: frozenset[str]
+
+    @classmethod
+    def of(cls, history: Sequence[HistoryEvent]) -> Provenance:
+        """What the audit trail says: each `operation_resolved` stands until an attempt
+        starts after it; a fork's `saga_forked_from` names its source and inherited steps."""
+        resolved: dict[tuple[str, OperationKind], str] = {}
+        source: str | None = None
+        inherited: frozenset[str] = frozenset()
+        for e in history:
+            if e.event == "saga_forked_from":
+                source = str(e.detail.get("saga_id") or "") or None
+                inherited = frozenset(str(s) for s in e.detail.get("inherited") or ())
+            if e.step is None:
+                continue
+            ident: tuple[str, OperationKind] = (e.step, e.kind or "action")
+            if e.event == "operation_resolved":
+                resolved[ident] = str(e.detail.get("actor") or "an operator")
+            elif e.event == "attempt_started":
+                resolved.pop(ident, None)
+        return cls(resolved, source, inherited)
+
+    def note(self, op: OperationState) -> str | None:
+        """`resolved by X` or `inherited from SOURCE` (short id) for an operation whose
+        outcome no attempt of this saga timed; None for the others."""
+        who = self.resolved_by.get((op.step, op.kind))
+        if who is not None:
+            return f"resolved by {who}"
+        if self.source is not None and op.kind == "action" and op.step in self.inherited:
+            return f"inherited from {short_id(self.source)}"
+        return None
+
+
+def _operations(ops: Sequence[OperationState], provenance: Provenance) -> str:
     rows = [
         [
             op.step,
             op.kind,
             str(op.status),
             f"{op.attempts}/{op.max_attempts}",
-            seconds(op.started_at, op.finished_at),
+            provenance.note(op) or seconds(op.started_at, op.finished_at),
             op.provider_reference or "-",
             op.idempotency_key,
             one_line(op.error, 60),
@@ -274,7 +323,47 @@ def _operations(ops: Sequence[OperationState]) -> str:
     return table(rows, headers)
 
 
-def _timeline(history: Sequence[HistoryEvent]) -> str:
+def history(state: SagaState, events: Sequence[HistoryEvent]) -> str:
+    """`saga history`: which saga, then its whole audit trail, oldest first, with who
+    acted (an operator's events) in a column of its own, and more of each detail than
+    `show` prints (`history_json` has all of it)."""
+    tenant = state.tenant_id or "-"
+    head = (
+        f"saga {state.id}  {state.saga} v{state.version}  tenant {tenant}  key {state.key}  "
+        f"{state.status}"
+    )
+    return printable(head) + "\n" + _timeline(events, actors=True)
+
+
+def history_json(state: SagaState, events: Sequence[HistoryEvent]) -> str:
+    """`saga history --json`: one JSON document, the saga's identity and its events
+    oldest first, each `at` (ISO 8601), `event`, `step`, `kind` (`action` or
+    `compensation`; null for a saga-level event), `attempt`, `actor` (who acted, for an
+    operator's event; else null) and `detail` (the event's whole detail, actor included)."""
+    data = {
+        "id": state.id,
+        "saga": state.saga,
+        "version": state.version,
+        "tenant_id": state.tenant_id,
+        "key": state.key,
+        "status": str(state.status),
+        "events": [
+            {
+                "at": e.at.isoformat(),
+                "event": e.event,
+                "step": e.step,
+                "kind": e.kind,
+                "attempt": e.attempt,
+                "actor": e.detail.get("actor"),
+                "detail": e.detail,
+            }
+            for e in events
+        ],
+    }
+    return json.dumps(data, separators=(",", ":"))
+
+
+def _timeline(history: Sequence[HistoryEvent], *, actors: bool = False) -> str:
     started: dict[tuple[str | None, str | None, int | None], datetime] = {}
     rows = []
     for e in history:
@@ -289,8 +378,17 @@ def _timeline(history: Sequence[HistoryEvent]) -> str:
             started[ident] = e.at
         elif e.event in _OUTCOME_EVENTS and ident in started:
             took = seconds(started[ident], e.at)
+        if actors:
+            actor = e.detail.get("actor")
+            shown = {k: v for k, v in e.detail.items() if k != "actor" and v is not None}
+            detail = " ".join(f"{k}={_value(v)}" for k, v in shown.items())
+            who = "-" if actor is None else str(actor)
+            rows.append([timestamp(e.at), e.event, where, took, who, one_line(detail, 200)])
+            continue
         detail = " ".join(f"{k}={_value(v)}" for k, v in e.detail.items() if v is not None)
         rows.append([timestamp(e.at), e.event, where, took, one_line(detail, 90)])
+    if actors:
+        return table(rows, ["AT", "EVENT", "OPERATION", "TOOK", "ACTOR", "DETAIL"])
     return table(rows, ["AT", "EVENT", "OPERATION", "TOOK", "DETAIL"])
 
 
@@ -349,6 +447,16 @@ def summary(report: Report, what: str) -> str:
     return text
 
 
+def null_result_warning(saga_id: str, step: str, compensation: str) -> str:
+    """Why a compensation run for a step of unknown outcome may undo nothing."""
+    return (
+        f"compensation {compensation!r} of step {step!r} will get None as the step's "
+        "result (the step's outcome is unknown): if it acts only on a result, it will undo "
+        "nothing while the saga ends compensated; check with the provider and resolve the "
+        f"step first (saga resolve {saga_id} {step} --succeeded --result JSON, or --failed)"
+    )
+
+
 def plan(plans: Sequence[PlannedSaga]) -> str:
     """What a compensation dry run would do, saga by saga."""
     rows: list[list[str]] = []
@@ -366,11 +474,15 @@ def plan(plans: Sequence[PlannedSaga]) -> str:
                 f"raises   {p.saga_id}  {p.saga}  ceiling of the compensation of {step!r}: "
                 f"{before} -> {after} attempts"
             )
+        for step, name in p.null_results:
+            notes.append(
+                f"warning  {p.saga_id}  {p.saga}  {null_result_warning(p.saga_id, step, name)}"
+            )
         if p.stop is not None:
             notes.append(f"parks    {p.saga_id}  {p.saga}  would stop: {cli_wording(p.stop)}")
-    out = []
-    if rows:
-        out.append(table(rows, ["SAGA ID", "SAGA", "COMPENSATES STEP", "IDEMPOTENCY KEY"]))
+    # One format whatever the flags: the table (its header even when nothing would run),
+    # then one note per line, then the summary.
+    out = [table(rows, ["SAGA ID", "SAGA", "COMPENSATES STEP", "IDEMPOTENCY KEY"])]
     out += [printable(note) for note in notes]
     runs = sum(len(p.compensations) for p in plans)
     would_park = sum(1 for p in plans if p.stop is not None and p.skip is None)
@@ -396,6 +508,14 @@ def plan_json(plans: Sequence[PlannedSaga]) -> list[str]:
                 ],
                 "stop": None if p.stop is None else cli_wording(p.stop),
                 "skip": None if p.skip is None else cli_wording(p.skip),
+                "null_results": [
+                    {
+                        "step": s,
+                        "compensation": n,
+                        "warning": null_result_warning(p.saga_id, s, n),
+                    }
+                    for s, n in p.null_results
+                ],
             }
         )
         for p in plans
@@ -659,8 +779,10 @@ def mermaid(state: SagaState, history: Sequence[HistoryEvent]) -> str:
             f"    {_mermaid_text(f'{name} {op.status}, {tried}')} :{tags}, op{number}, "
             f"{_mermaid_ms(start)}, {max(_mermaid_ms(end), _mermaid_ms(start) + 1)}"
         )
+    provenance = Provenance.of(history)
     for op in state.operations:
         if (op.step, op.kind) not in first:
             what = op.step if op.kind == "action" else f"compensation of {op.step}"
-            lines.append(printable(f"    %% {what}: {op.status}, never attempted"))
+            how = provenance.note(op) or "never attempted"
+            lines.append(printable(f"    %% {what}: {op.status}, {how}"))
     return "\n".join(lines)

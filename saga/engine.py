@@ -7,6 +7,7 @@ starting, driving and changing sagas, carried out with blocking or async I/O.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import socket
@@ -33,7 +34,7 @@ from saga.flow import Flows, RunnerOptions, log_events, retried
 from saga.keys import check_saga_input, same_request
 from saga.keys import request_hash as hash_business_fields
 from saga.live_calls import RunningCall, claimed_refusal, leased_refusal, touched
-from saga.logs import get_logger
+from saga.logs import events_logger, get_logger
 from saga.operator import check_actor
 from saga.protocol import Event, Next, Planner, SagaRow, new_action_rows
 from saga.rows import OpRow
@@ -43,6 +44,7 @@ from saga.state import HistoryEvent, SagaHandle, SagaState, SagaStatus
 from saga.store import new_token, parse_id
 
 _log = get_logger("saga")
+_events = events_logger()
 
 ENV_CONFIRMATION_KEY = "SAGA_CONFIRMATION_KEY"
 ENV_APPROVAL_PUBLIC_KEY = approvals.ENV_APPROVAL_PUBLIC_KEY
@@ -78,6 +80,13 @@ def list_filters(
     if seconds < 0:
         raise ValueError(f"older_than must not be negative, got {older_than}")
     return status, seconds
+
+
+def list_key(key: object) -> str | None:
+    """The business key `list` filters by, checked: `ValueError` for one not a string."""
+    if key is None or isinstance(key, str):
+        return key
+    raise ValueError(f"key must be a string (a saga's business key), got {key!r}")
 
 
 class Engine:
@@ -377,7 +386,7 @@ class Engine:
         created = bool(outcome["created"])
         if created:
             saga_id = row.id
-            _log.info("saga_started", saga_id=saga_id, saga=saga.name, tenant_id=tenant, key=key)
+            _events.info("saga_started", saga_id=saga_id, saga=saga.name, tenant_id=tenant, key=key)
             if claimed is not None:
                 claimed[0].lease_confirmed_at = sent[0]
                 log_events(claimed[0], events[1:])
@@ -388,7 +397,7 @@ class Engine:
         else:
             claimed = None
             saga_id = _check_duplicate(saga, row, outcome, business)
-            _log.info(
+            _events.info(
                 "saga_start_deduplicated",
                 saga_id=saga_id,
                 saga=saga.name,
@@ -547,6 +556,10 @@ class Engine:
                 )
             )
             row.fence, row.lease_owner, row.lease_expires_at = fence, None, None
+        if isinstance(change, inputs.Resolve) and change.outcome == "succeeded":
+            # Whether the step's result is an operator's, which they may amend.
+            resolved: set[str] = yield db("operator_resolved_steps_txn", saga_id)
+            change = dataclasses.replace(change, operator_resolved=frozenset(resolved))
         planner = Planner(
             definition,
             row,

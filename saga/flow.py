@@ -42,7 +42,7 @@ from saga.effects import (
     db,
 )
 from saga.errors import LeaseLost
-from saga.logs import get_logger, step_logger
+from saga.logs import events_logger, get_logger, step_logger
 from saga.outcomes import Absent, Found, Inconclusive
 from saga.protocol import (
     AskReconcile,
@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     from saga.approvals import ApprovalVerifier
 
 _log = get_logger("saga")
+_events = events_logger()
 
 T = TypeVar("T")
 # What persists an attempt's running spend total (built by the driver for each attempt).
@@ -1096,7 +1097,7 @@ def log_events(planner: Planner, events: Sequence[Event]) -> None:
 
 def _info_enabled() -> bool:
     # The logging as configured now; a wrapper class without the check logs everything.
-    return _log.is_enabled_for(logging.INFO)
+    return _events.is_enabled_for(logging.INFO)
 
 
 def log_event(saga: SagaRow, planner: Planner, event: Event) -> None:
@@ -1112,7 +1113,7 @@ def log_event(saga: SagaRow, planner: Planner, event: Event) -> None:
                 "attempt": event.attempt,
                 "idempotency_key": op.idempotency_key if op is not None else None,
             }
-        _log.info(
+        _events.info(
             event.event,
             saga_id=saga.id,
             saga=saga.name,

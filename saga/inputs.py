@@ -153,6 +153,9 @@ class Resolve:
     result: Any
     actor: str
     reason: str | None = None
+    # The steps an operator resolved as succeeded before (read under the row lock): the
+    # result of such a step may be amended until its compensation has used it.
+    operator_resolved: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,6 +387,7 @@ def request(planner: Planner, req: Request, now: datetime) -> bool:
             result=req.result,
             actor=req.actor,
             reason=req.reason,
+            operator_resolved=req.operator_resolved,
             now=now,
         )
     elif isinstance(req, RequestRetry):

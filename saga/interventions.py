@@ -12,7 +12,7 @@ request is made at the `now` it is given.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -81,20 +81,41 @@ def resolve(
     actor: str,
     reason: str | None,
     now: datetime,
+    operator_resolved: Collection[str] = (),
 ) -> OpRow:
     """An operator settles an operation; the saga becomes runnable again.
 
     Refused (`StepStateError`, nothing changed) where the settlement would leave the
     saga in a state the protocol never reaches: on a completed or compensated saga
     (nothing runs again, so nothing could act on it), and as `succeeded` for a step
-    that compensation has already gone past (it would be undone out of order)."""
+    that compensation has already gone past (it would be undone out of order).
+
+    A step an operator resolved as succeeded before (`operator_resolved` names those
+    steps) has its result amended by resolving it as succeeded again, as long as its
+    compensation has not started (it has not received the result yet); recorded as
+    `result_amended` with the actor, the old and the new result. A step a provider
+    call completed keeps the result the provider returned."""
     planner.now = now
+    if outcome == "succeeded" and step in operator_resolved:
+        action = planner.find(step, "action")
+        if (
+            action is not None
+            and action.status == OperationStatus.SUCCEEDED
+            and kind != ("compensation")
+        ):
+            return _amend_result(planner, action, result=result, actor=actor, reason=reason)
     _refuse_when_final(planner, "resolve", step)
     op = _resolution_target(planner, step, kind)
     if outcome == "succeeded" and op.kind == "action" and planner.saga.direction == "backward":
         _refuse_success_behind_compensation(planner, op)
     if op.status == OperationStatus.SUCCEEDED:
-        raise StepStateError(f"{describe(op)} already succeeded; there is nothing to resolve")
+        why = (
+            ": its result is what the provider call returned, and only a result an "
+            "operator gave with resolve can be amended"
+            if outcome == "succeeded" and op.kind == "action"
+            else ""
+        )
+        raise StepStateError(f"{describe(op)} already succeeded; there is nothing to resolve{why}")
     if op.status == OperationStatus.PENDING and op.attempts == 0:
         raise StepStateError(f"{describe(op)} has not been attempted; there is nothing to resolve")
     if outcome == "succeeded":
@@ -111,6 +132,37 @@ def resolve(
     if not planner.saga.status.is_terminal:
         _resume(planner, now)
     return op
+
+
+def _amend_result(
+    planner: Planner, action: OpRow, *, result: Any, actor: str, reason: str | None
+) -> OpRow:
+    """Replace the result an operator gave a succeeded step, before its compensation
+    receives it; refused once the compensation has started or finished."""
+    comp = planner.find(action.step, "compensation")
+    if comp is not None and (comp.attempts > 0 or comp.status != OperationStatus.PENDING):
+        raise StepStateError(
+            f"the result of step {action.step!r} can no longer be amended: its compensation "
+            f"has started ({comp.status.value}, {comp.attempts} attempt(s)) and received "
+            "the result it had"
+        )
+    if planner.saga.status in (SagaStatus.COMPENSATED, SagaStatus.FORKED):
+        raise StepStateError(
+            f"saga {planner.saga.id} is {planner.saga.status.value}: it is final, and the "
+            f"result of step {action.step!r} is no longer used"
+        )
+    previous = action.result
+    action.result = result
+    action.dirty = True
+    planner.event(
+        "result_amended",
+        action,
+        actor=actor,
+        reason=reason,
+        previous_result=previous,
+        result=result,
+    )
+    return action
 
 
 def request_retry(
@@ -176,7 +228,11 @@ def request_cancel(
     planner: Planner, *, reason: str, actor: str | None, include_unknown: bool, now: datetime
 ) -> bool:
     """Stop forward progress and compensate what succeeded, in reverse; False when the
-    saga is already compensating or compensated (nothing changes)."""
+    saga is already compensating or compensated (nothing changes).
+
+    With `include_unknown`, a saga already compensating, or parked while compensating,
+    whose steps of unknown outcome have compensations is compensated as
+    `request_compensation(include_unknown=True)` does: those compensations run too."""
     planner.now = now
     status = planner.saga.status
     if status == SagaStatus.COMPLETED:
@@ -185,8 +241,28 @@ def request_cancel(
             "(compensate undoes a completed saga)"
         )
     if planner.saga.direction == "backward":
-        if status in (SagaStatus.COMPENSATING, SagaStatus.COMPENSATED):
+        if status == SagaStatus.COMPENSATED:
             return False
+        unknown = unknown_compensable(planner)
+        if include_unknown and unknown:
+            planner.events.append(
+                Event(
+                    "cancel_requested",
+                    detail={"actor": actor, "reason": reason, "include_unknown": True},
+                )
+            )
+            request_compensation(planner, include_unknown=True, actor=actor, now=now)
+            planner.saga.error = f"cancelled by {actor or 'an operator'}: {reason}"
+            return True
+        if status == SagaStatus.COMPENSATING:
+            return False
+        if unknown:
+            raise StepStateError(
+                f"saga {planner.saga.id} is already compensating and parked: compensation "
+                f"stopped at step {unknown[0]!r}, whose outcome is unknown; resolve it, or "
+                "cancel again with include_unknown=True (its compensation then gets None as the "
+                "step's result)"
+            )
         raise StepStateError(
             f"saga {planner.saga.id} is already compensating and parked ({planner.saga.error}); "
             "retry or resolve the blocked compensation"
@@ -201,6 +277,18 @@ def request_cancel(
     request_compensation(planner, include_unknown=include_unknown, actor=actor, now=now)
     planner.saga.error = f"cancelled by {actor or 'an operator'}: {reason}"
     return True
+
+
+def unknown_compensable(planner: Planner) -> list[str]:
+    """The steps of unknown outcome (or left running) that have a compensation and none
+    yet, last first: what compensating with include_unknown adds."""
+    return [
+        act.step
+        for act in reversed(planner.actions)
+        if act.status in (OperationStatus.UNKNOWN, OperationStatus.RUNNING)
+        and planner.compensation_of(act) is not None
+        and planner.find(act.step, "compensation") is None
+    ]
 
 
 def raise_ceilings(
@@ -347,6 +435,20 @@ def compensation_plan(
         elif unknown:
             return runs, f"step {act.step!r} has an unknown outcome; " + unknown_remedy(comp_def)
     return runs, None
+
+
+def null_result_compensations(planner: Planner, steps: Sequence[str]) -> list[tuple[str, str]]:
+    """(step, compensation's name) of each of `steps` whose compensation would get None
+    as the step's result, because the step's outcome is unknown (for dry runs)."""
+    found: list[tuple[str, str]] = []
+    for step in steps:
+        act = planner.find(step, "action")
+        comp_def = None if act is None else planner.compensation_of(act)
+        if act is None or comp_def is None:
+            continue
+        if act.status in (OperationStatus.UNKNOWN, OperationStatus.RUNNING):
+            found.append((step, getattr(comp_def.fn, "__name__", "compensation")))
+    return found
 
 
 def fresh_budgets(planner: Planner) -> list[tuple[str, int, int]]:

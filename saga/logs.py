@@ -48,18 +48,21 @@ class SafeLogger:
     """A logger of the library: the application's structlog, else stdlib `logging`;
     every call swallows any exception raised while logging."""
 
-    def __init__(self, name: str, **initial: Any) -> None:
+    def __init__(self, name: str, *, channel: str | None = None, **initial: Any) -> None:
         self.name = name
+        # The name a configured structlog's logger factory is given (`name` unless set):
+        # the saga's own events are "saga.events" there, so an output can tell them apart.
+        self.channel = channel or name
         self._initial = initial
 
     def bind(self, **values: Any) -> SafeLogger:
         """This logger with more bound fields."""
-        return SafeLogger(self.name, **{**self._initial, **values})
+        return SafeLogger(self.name, channel=self.channel, **{**self._initial, **values})
 
     def resolve(self) -> Any:
         """The structlog logger this call goes through (configured now, or stdlib)."""
         if structlog.is_configured():
-            return structlog.get_logger(self.name, **self._initial)
+            return structlog.get_logger(self.channel, **self._initial)
         return structlog.wrap_logger(
             logging.getLogger(self.name),
             processors=_STDLIB_PROCESSORS,
@@ -107,6 +110,17 @@ class SafeLogger:
 def get_logger(name: str = "saga", **initial: Any) -> SafeLogger:
     """The library's logger `name` (a child of "saga"), bound with `initial` fields."""
     return SafeLogger(name, **initial)
+
+
+# The events of the audit trail, one per committed transition of a saga: the stdlib
+# `logging` record's logger is "saga" as for every library event; a configured structlog's
+# logger factory is given "saga.events" (the `saga` command shows them with -v only).
+EVENTS_CHANNEL = "saga.events"
+
+
+def events_logger() -> SafeLogger:
+    """The logger of the saga's own events (`saga_started`, `attempt_succeeded`...)."""
+    return SafeLogger("saga", channel=EVENTS_CHANNEL)
 
 
 def step_logger(**initial: Any) -> Any:

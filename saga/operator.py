@@ -51,6 +51,9 @@ class PlannedSaga:
     skip: str | None = None
     # (step, ceiling now, ceiling after) of each failed compensation given a fresh budget.
     raises: list[tuple[str, int, int]] = field(default_factory=list)
+    # (step, compensation) of each compensation that runs for a step of unknown outcome
+    # (--include-unknown): it gets None as the step's result.
+    null_results: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -166,18 +169,25 @@ def plan_compensation(
     if loaded is None:
         return PlannedSaga(state.id, describe(state), [], skip="the saga no longer exists")
     planner = Planner(definition, *loaded, now=datetime.now().astimezone())
+    return _planned(planner, state, include_unknown=include_unknown)
+
+
+def _planned(planner: Planner, state: SagaState, *, include_unknown: bool) -> PlannedSaga:
     runs, stop = interventions.compensation_plan(planner, include_unknown=include_unknown)
     raises = interventions.fresh_budgets(planner)
-    return PlannedSaga(state.id, describe(state), runs, stop=stop, raises=raises)
+    nulls = interventions.null_result_compensations(planner, [step for step, _ in runs])
+    return PlannedSaga(
+        state.id, describe(state), runs, stop=stop, raises=raises, null_results=nulls
+    )
 
 
 def cancel_plan(
     orch: Orchestrator, state: SagaState, *, include_unknown: bool
 ) -> PlannedSaga | None:
     """What cancelling `state` would compensate, changing nothing; None when the cancel
-    would start no compensation (the saga is completed, already compensating, or past a
-    pivot step, which `cancel` refuses)."""
-    if state.status == SagaStatus.COMPLETED or succeeded_pivot(orch, state) is not None:
+    would start no compensation (the saga is completed, already compensating and
+    `include_unknown` adds nothing, or past a pivot step, which `cancel` refuses)."""
+    if state.status.is_terminal:
         return None
     definition = orch.definition(state.saga, state.version)
     with orch.store.transaction() as conn:
@@ -186,10 +196,11 @@ def cancel_plan(
         return None
     planner = Planner(definition, *loaded, now=datetime.now().astimezone())
     if planner.saga.direction == "backward":
+        if not (include_unknown and interventions.unknown_compensable(planner)):
+            return None
+    elif succeeded_pivot(orch, state) is not None:
         return None
-    runs, stop = interventions.compensation_plan(planner, include_unknown=include_unknown)
-    raises = interventions.fresh_budgets(planner)
-    return PlannedSaga(state.id, describe(state), runs, stop=stop, raises=raises)
+    return _planned(planner, state, include_unknown=include_unknown)
 
 
 def dry_run(
@@ -441,28 +452,136 @@ class AmbiguousIdPrefix(ValueError):
         self.candidates = list(candidates)
 
 
+# How many sagas of one business key an ambiguous reference lists at most.
+_KEY_CANDIDATES = 10
+
+
+@dataclass(frozen=True, slots=True)
+class SagaRef:
+    """A saga an ambiguous reference could mean, and how the text given matched it:
+    `key` (its business key) or `id prefix`."""
+
+    saga_id: str
+    saga: str
+    version: int
+    tenant_id: str
+    key: str
+    status: str
+    matched: str
+
+
+class AmbiguousReference(ValueError):
+    """Several sagas answer to the text given: the key of more than one saga, or the key
+    of one and the start of another's id. The message lists them (id, saga, version,
+    tenant, status) and asks for the id of one."""
+
+    def __init__(self, text: str, candidates: Sequence[SagaRef], more: bool) -> None:
+        keyed = sum(1 for c in candidates if c.matched == "key")
+        prefixed = len(candidates) - keyed
+        parts = []
+        if keyed:
+            many = f"more than {keyed}" if more else str(keyed)
+            parts.append(f"the key of {many} saga{'s' if keyed > 1 or more else ''}")
+        if prefixed:
+            parts.append(f"the start of {prefixed} saga id{'s' if prefixed > 1 else ''}")
+        rows = [("ID", "SAGA", "VERSION", "TENANT", "STATUS", "MATCHED BY")]
+        rows += [
+            (c.saga_id, c.saga, str(c.version), c.tenant_id or "-", c.status, c.matched)
+            for c in candidates
+        ]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        table = [
+            "  " + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip()
+            for r in rows
+        ]
+        hint = f" (saga list --key {text!r} --tenant T --saga NAME narrows them)" if more else ""
+        super().__init__(
+            f"{text!r} is {' and '.join(parts)}: give the full id of the one you mean{hint}\n"
+            + "\n".join(table)
+        )
+        self.text = text
+        self.candidates = list(candidates)
+
+
+class UnknownReference(SagaNotFound):
+    """No saga has the id, or the business key, given."""
+
+    def __init__(self, text: str, prefix: bool) -> None:
+        super().__init__(text)
+        if prefix:
+            self.args = (f"no saga id starts with {text!r}, and no saga has it as its key",)
+        else:
+            self.args = (f"no saga has the id or the key {text!r}",)
+
+
 def expand_id(store: Store, text: str) -> str:
-    """The saga id that `text` is, or that it is the unique prefix of (as git takes a
-    commit's). A full id is returned as it is (checked when used); a prefix shorter than
-    `MIN_ID_PREFIX` hex digits is `ValueError`, an ambiguous one `AmbiguousIdPrefix`
-    (naming a few), one nothing starts with `UnknownIdPrefix`."""
-    if parse_id(text) is not None:
+    """The id of the saga `text` names: its id, a unique prefix of its id (as git takes a
+    commit's), or its business key (exactly as the saga was started with it).
+
+    Precedence, so that a reference never silently picks one of several sagas:
+    a full id names the saga with that id, and is returned as it is (checked when used),
+    unless no saga has it and it is the key of some (a key that is a uuid). Any other
+    text is looked up as a key, and also, when it looks like an id prefix (hex digits and
+    dashes, at least `MIN_ID_PREFIX` digits), as a prefix. When exactly one saga answers
+    in all, that is the one; when several do (the key of several sagas, or the key of one
+    and the prefix of another's id), `AmbiguousReference` lists them. Without any key
+    match, prefixes behave as before: shorter than `MIN_ID_PREFIX` digits is
+    `ValueError`, ambiguous is `AmbiguousIdPrefix` (naming a few). Nothing found is
+    `UnknownReference` (a `SagaNotFound`). Both lookups read through an index."""
+    full = parse_id(text)
+    if full is not None:
+        if store.saga_refs(ids=[str(full)]):
+            return text
+        keyed = _key_refs(store, text)
+        if len(keyed) == 1:
+            return keyed[0].saga_id
+        if keyed:
+            raise AmbiguousReference(text, keyed[:_KEY_CANDIDATES], len(keyed) > _KEY_CANDIDATES)
         return text
+    keyed = _key_refs(store, text)
     prefix = text.strip().lower()
     digits = prefix.replace("-", "")
-    if not _PREFIX.fullmatch(prefix) or len(digits) > 32:
-        raise SagaNotFound(text)
-    if len(digits) < MIN_ID_PREFIX:
-        raise ValueError(
-            f"saga id prefix {text!r} is too short: give at least {MIN_ID_PREFIX} "
-            "characters of the id"
-        )
-    found = store.ids_with_prefix(prefix, limit=_CANDIDATES + 1)
-    if not found:
-        raise UnknownIdPrefix(text)
-    if len(found) > 1:
-        raise AmbiguousIdPrefix(text, found[:_CANDIDATES], more=len(found) > _CANDIDATES)
-    return found[0]
+    is_prefix = _PREFIX.fullmatch(prefix) is not None and len(digits) <= 32
+    if not keyed:
+        if not is_prefix:
+            raise UnknownReference(text, prefix=False)
+        if len(digits) < MIN_ID_PREFIX:
+            raise ValueError(
+                f"saga id prefix {text!r} is too short: give at least {MIN_ID_PREFIX} "
+                "characters of the id, or a saga's whole key"
+            )
+        found = store.ids_with_prefix(prefix, limit=_CANDIDATES + 1)
+        if not found:
+            raise UnknownReference(text, prefix=True)
+        if len(found) > 1:
+            raise AmbiguousIdPrefix(text, found[:_CANDIDATES], more=len(found) > _CANDIDATES)
+        return found[0]
+    more = len(keyed) > _KEY_CANDIDATES
+    candidates = keyed[:_KEY_CANDIDATES]
+    if is_prefix and len(digits) >= MIN_ID_PREFIX:
+        listed = {c.saga_id for c in keyed}
+        others = [i for i in store.ids_with_prefix(prefix, limit=_CANDIDATES) if i not in listed]
+        candidates += [_ref(row, "id prefix") for row in store.saga_refs(ids=others)]
+    if len(candidates) == 1:
+        return candidates[0].saga_id
+    raise AmbiguousReference(text, candidates, more)
+
+
+def _key_refs(store: Store, key: str) -> list[SagaRef]:
+    rows = store.saga_refs(key=key, limit=_KEY_CANDIDATES + 1)
+    return [_ref(row, "key") for row in rows]
+
+
+def _ref(row: dict[str, object], matched: str) -> SagaRef:
+    return SagaRef(
+        saga_id=str(row["id"]),
+        saga=str(row["name"]),
+        version=int(str(row["version"])),
+        tenant_id=str(row["tenant_id"]),
+        key=str(row["key"]),
+        status=str(row["status"]),
+        matched=matched,
+    )
 
 
 # ----- versions in flight --------------------------------------------------------------

@@ -22,6 +22,7 @@ from saga.engine import (
     ENV_CONFIRMATION_KEY,
     Engine,
     list_filters,
+    list_key,
     resolve_arguments,
 )
 from saga.keys import HASH_VERSION
@@ -412,6 +413,11 @@ class Orchestrator(Engine):
         (`ValueError`). In a session, `step` is a call's name (`saga show` lists them),
         or the durable step's name when exactly one call of it is unsettled (several:
         `StepStateError` listing them).
+
+        `outcome="succeeded"` on a step an operator resolved as succeeded before amends
+        its result, until the step's compensation starts (recorded as `result_amended`
+        with the actor, the old and the new result); a result a provider call returned,
+        or one a compensation has received, is refused (`StepStateError`).
         """
         resolve_arguments(outcome, actor)
         state = self.get(saga_id)
@@ -520,7 +526,11 @@ class Orchestrator(Engine):
 
         Recorded as `cancel_requested` with the reason and actor, which also becomes
         the saga's `error`. A completed saga, or one past a succeeded pivot step, is
-        refused (`StepStateError`); one already compensating is returned unchanged.
+        refused (`StepStateError`); one already compensating (or compensated) is
+        returned unchanged, unless `include_unknown=True` adds compensations for its
+        steps of unknown outcome, as `compensate(include_unknown=True)` does; this also
+        resumes a saga parked while compensating at such a step. A compensation run for a
+        step of unknown outcome gets `result=None`.
         The saga is not driven here: call `run` or leave it to a worker. `actor` is
         who asks (None: the OS user running the call; an empty or blank one is
         refused, `ValueError`).
@@ -581,15 +591,24 @@ class Orchestrator(Engine):
         limit: int = 100,
         *,
         older_than: timedelta | None = None,
+        key: str | None = None,
     ) -> builtins.list[SagaState]:
         """Sagas filtered by status, saga name and tenant, newest first.
 
         `older_than` keeps sagas whose last change (`updated_at`, by the database
         clock) is at least that long ago: for a parked saga, how long it has waited.
+        `key` keeps the sagas of that business key (the `key` a saga was started with,
+        matched exactly): one per saga name and tenant, found through an index, so the
+        lookup does not read the finished history.
         """
         status, seconds = list_filters(status, limit, older_than)
         return self.store.list_states(
-            status=status, name=saga, tenant_id=tenant, limit=limit, older_than_seconds=seconds
+            status=status,
+            name=saga,
+            tenant_id=tenant,
+            limit=limit,
+            older_than_seconds=seconds,
+            key=list_key(key),
         )
 
     @sync_only()

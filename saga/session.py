@@ -40,6 +40,7 @@ from saga.keys import call_operation_long_name, call_operation_name, operation_k
 from saga.keys import request_hash as hash_fields
 from saga.outcomes import Found
 from saga.protocol import Planner, SagaRow
+from saga.remedies import resolve_commands
 from saga.retry import RetryPolicy
 from saga.rows import Event, OpRow
 from saga.signatures import is_async
@@ -210,7 +211,7 @@ def _not_here_to_undo(name: str) -> Callable[..., Any]:
             f"call {name!r} cannot be undone here: its durable step {step!r} is not imported "
             "in this process, so whether it has a compensation is not known; run this with "
             "the module that defines it imported (`--app`), or undo it by hand and settle it "
-            f"with `saga resolve ID {name} --kind compensation --succeeded`"
+            f"with `{resolve_commands('ID', name, 'compensation')[0]}`"
         )
 
     return call
@@ -673,10 +674,10 @@ def _resolve_hint(session_id: str, calls: Sequence[str]) -> str:
     if not calls:
         return ""
     named = ", ".join(repr(call) for call in calls)
+    succeeded, failed = resolve_commands(session_id, calls[0])
     return (
-        f"; settle call {named} with `saga resolve {session_id} {calls[0]} --succeeded "
-        "--result JSON` (what its effect returned) or `--failed --reason TEXT`, then enter "
-        "the session again"
+        f"; settle call {named} with `{succeeded}` (what its effect returned) or "
+        f"`{failed}`, then enter the session again"
     )
 
 

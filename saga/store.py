@@ -619,17 +619,20 @@ class Store:
         tenant_id: str | None,
         limit: int,
         older_than_seconds: float | None = None,
+        key: str | None = None,
     ) -> list[SagaState]:
-        """Sagas matching the filters, newest first, with their operations."""
+        """Sagas matching the filters, newest first, with their operations; with `key`,
+        only those of that business key (read through the key index)."""
         with self.transaction() as conn:
             rows = conn.execute(
-                _q("list_sagas"),
+                _q("list_sagas" if key is None else "list_sagas_by_key"),
                 {
                     "status": status,
                     "name": name,
                     "tenant_id": tenant_id,
                     "limit": limit,
                     "older_than_seconds": older_than_seconds,
+                    "key": key,
                 },
             ).fetchall()
             ops = conn.execute(
@@ -735,6 +738,11 @@ class Store:
         rows = conn.execute(_q("running_calls"), {"saga_id": saga_id}).fetchall()
         return [RunningCall(**r) for r in rows]
 
+    def operator_resolved_steps_txn(self, conn: Conn, saga_id: str) -> set[str]:
+        """The steps of the saga whose action an operator resolved as succeeded."""
+        rows = conn.execute(_q("operator_resolved_steps"), {"saga_id": saga_id}).fetchall()
+        return {str(r["step"]) for r in rows}
+
     def break_claims_txn(self, conn: Conn, saga_id: str, steps: Sequence[str]) -> dict[str, int]:
         """End the live claims of these calls for an operator: each fence grows, so the
         holders' writes fail. The new fence of each call, by name."""
@@ -763,6 +771,17 @@ class Store:
                 {"low": low, "high": high, "pattern": prefix + "%", "limit": limit},
             ).fetchall()
         return [str(r["id"]) for r in rows]
+
+    def saga_refs(
+        self, *, key: str | None = None, ids: Sequence[str] = (), limit: int = 0
+    ) -> list[dict[str, Any]]:
+        """Id, name, version, tenant_id, key and status of the sagas of business key
+        `key` (at most `limit`, newest first), else of the sagas with these `ids`."""
+        with self._connection() as conn:
+            if key is not None:
+                params: dict[str, Any] = {"key": key, "limit": limit}
+                return conn.execute(_q("saga_refs_by_key"), params).fetchall()
+            return conn.execute(_q("saga_refs_by_id"), {"ids": list(ids)}).fetchall()
 
     def in_flight_by_version(self) -> list[tuple[str, int, str, int]]:
         """(name, version, status, how many) of the sagas not ended yet, by name and

@@ -48,6 +48,20 @@ WHERE (%(status)s::text IS NULL OR status = %(status)s)
 ORDER BY created_at DESC, id DESC
 LIMIT %(limit)s
 
+-- list_sagas_by_key --
+-- list_sagas for one business key: read through the key index (sagas_key), so the cost
+-- does not grow with the finished history; the other filters as in list_sagas.
+SELECT *
+FROM saga.sagas
+WHERE key = %(key)s
+  AND (%(status)s::text IS NULL OR status = %(status)s)
+  AND (%(name)s::text IS NULL OR name = %(name)s)
+  AND (%(tenant_id)s::text IS NULL OR tenant_id = %(tenant_id)s)
+  AND (%(older_than_seconds)s::float8 IS NULL
+       OR updated_at <= now() - make_interval(secs => %(older_than_seconds)s::float8))
+ORDER BY created_at DESC, id DESC
+LIMIT %(limit)s
+
 -- get_history --
 -- The audit trail of a saga, oldest first.
 SELECT at, event, step, kind, attempt, detail
@@ -184,6 +198,15 @@ FROM saga.operations
 WHERE saga_id = %(saga_id)s AND status = 'running'
 ORDER BY kind = 'compensation', position
 
+-- operator_resolved_steps --
+-- The steps of a saga whose action an operator resolved as succeeded (`resolve
+-- --succeeded`), rather than a provider call completing it: their result may be amended
+-- until their compensation uses it.
+SELECT DISTINCT step
+FROM saga.events
+WHERE saga_id = %(saga_id)s AND event = 'operation_resolved' AND kind = 'action'
+  AND detail ->> 'outcome' = 'succeeded'
+
 -- break_claims --
 -- An operator forces a change on calls held by live claims: each claim's fence grows and
 -- its lease ends, so its holder's next write (and heartbeat) is refused.
@@ -229,6 +252,22 @@ WHERE id >= %(low)s::uuid AND id <= %(high)s::uuid
   AND id::text LIKE %(pattern)s
 ORDER BY id
 LIMIT %(limit)s
+
+-- saga_refs_by_key --
+-- The sagas a business key names (the key index finds them), newest first, at most the
+-- limit: what an operator is shown to pick from when a key names several.
+SELECT id::text AS id, name, version, tenant_id, key, status
+FROM saga.sagas
+WHERE key = %(key)s
+ORDER BY created_at DESC, id DESC
+LIMIT %(limit)s
+
+-- saga_refs_by_id --
+-- The same of the sagas with these ids (read through the primary key).
+SELECT id::text AS id, name, version, tenant_id, key, status
+FROM saga.sagas
+WHERE id = ANY(%(ids)s::uuid[])
+ORDER BY created_at DESC, id DESC
 
 -- in_flight_by_version --
 -- How many sagas of each name and version are not ended yet, by status.

@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
+from markupsafe import Markup
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
@@ -89,6 +90,7 @@ def _environment() -> Environment:
     env.filters["utc"] = _utc
     env.filters["ago"] = _ago
     env.filters["duration"] = timeline.duration
+    env.filters["key"] = _key
     env.globals["statuses"] = [s.value for s in SagaStatus]
     return env
 
@@ -101,6 +103,15 @@ def _utc(at: datetime | None) -> str:
 
 def _ago(at: datetime | None, now: datetime) -> str:
     return fmt.age(at, now)
+
+
+def _key(key: str) -> Markup:
+    """A key (a saga's, an idempotency key) as HTML that never breaks at a hyphen
+    (`crashB-013`): each part between colons is kept on one line; a key too long for its
+    column breaks only after a colon. What is copied is the key as it is."""
+    return Markup(":<wbr>").join(
+        Markup('<span class="seg">{}</span>').format(part) for part in key.split(":")
+    )
 
 
 class _Dashboard:

@@ -4,14 +4,18 @@ SIGTERM."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import ipaddress
+import logging
 import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import uvicorn
+import uvicorn.config
 
 from saga.database import describe_url
 from saga.orchestrator import Orchestrator
@@ -97,11 +101,19 @@ def serve(
     port: int = 8080,
     verbose: bool = False,
     poll_seconds: float = 1.0,
+    log_formatter: logging.Formatter | None = None,
+    announce: Callable[..., None] | None = None,
 ) -> None:
     """Serve the read-only dashboard of the sagas in `database_url` (else
     `SAGA_DATABASE_URL`, else the embedded PostgreSQL) on `host`:`port` until SIGINT or
     SIGTERM. The database is checked first: unreachable, or without the saga schema, it
-    raises that error before anything listens."""
+    raises that error before anything listens.
+
+    uvicorn's logs go to stderr: warnings, and with `verbose` its info and one line per
+    request, formatted by `log_formatter` (else uvicorn's). Its own lines (where it
+    listens, that it stopped) are `announce(line, event, level=...)` (else printed on
+    stderr)."""
+    say = announce or _print
     with Orchestrator(database_url, auto_migrate=False, pool_size=2) as probe:
         probe.list(limit=1)
         url = probe.database_url
@@ -114,22 +126,22 @@ def serve(
         poll_seconds=poll_seconds,
         allowed_hosts=host_names(host, bound_host) if local else None,
     )
-    print(
+    say(
         f"saga dashboard: http://{shown}:{bound_port}/ (read-only) showing the sagas of "
         f"{describe_url(url)}; Ctrl-C or SIGTERM stops it",
-        file=sys.stderr,
-        flush=True,
+        "dashboard_ready",
     )
     if not local:
-        print(
+        say(
             f"saga dashboard: warning: listening on {host}, not on this machine only; the "
             "dashboard has no login, so whoever can reach it sees every saga's input and "
             "results",
-            file=sys.stderr,
-            flush=True,
+            "dashboard_exposed",
+            level="warning",
         )
     config = uvicorn.Config(
         app,
+        log_config=_log_config(log_formatter),
         log_level="info" if verbose else "warning",
         access_log=verbose,
         timeout_graceful_shutdown=_GRACE_SECONDS,
@@ -139,4 +151,20 @@ def serve(
         _Server(config).run(sockets=[sock])
     finally:
         sock.close()
-    print("saga dashboard: stopped", file=sys.stderr)
+    say("saga dashboard: stopped", "dashboard_stopped")
+
+
+def _print(text: str, event: str, **fields: object) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _log_config(formatter: logging.Formatter | None) -> dict[str, Any]:
+    """uvicorn's logging configuration with every log on stderr (its access log is on
+    stdout by default), formatted by `formatter` when given."""
+    config: dict[str, Any] = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    if formatter is not None:
+        config["formatters"] = {"given": {"()": lambda: formatter}}
+        for handler in config["handlers"].values():
+            handler["formatter"] = "given"
+    return config

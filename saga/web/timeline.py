@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
-from saga.cli_format import AttemptSpan, attempt_spans, cli_wording, one_line
+from saga.cli_format import AttemptSpan, Provenance, attempt_spans, cli_wording, one_line
 from saga.session import LEDGER_PREFIX, SESSION_PREFIX
 from saga.state import HistoryEvent, OperationKind, OperationState, SagaState, SagaStatus
 
@@ -272,6 +272,7 @@ def _operation_lanes(
         if e.step is not None and e.event not in _UNMARKED:
             ident = (e.step, e.kind or "action")
             marks.setdefault(ident, []).append(Marker(scale.at(e.at), e.event, _event_title(e)))
+    provenance = Provenance.of(history)
     lanes = []
     for step, kind in keys:
         op = ops.get((step, kind))
@@ -279,7 +280,10 @@ def _operation_lanes(
         bars = _attempt_bars(own, op, scale, live=live, now=now)
         status = str(op.status) if op is not None else "-"
         note = f"{status}, {op.attempts}/{op.max_attempts}" if op is not None else status
-        if not own:
+        settled = None if op is None else provenance.note(op)
+        if settled is not None:
+            note += f", {settled}"
+        elif not own:
             note += ", never attempted"
         lanes.append(
             Lane(

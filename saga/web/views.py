@@ -15,6 +15,7 @@ from saga import cli_format as fmt
 from saga import operator
 from saga.errors import SagaNotFound
 from saga.orchestrator import Orchestrator
+from saga.remedies import parked_commands
 from saga.session import LEDGER_PREFIX, SESSION_PREFIX
 from saga.state import HistoryEvent, OperationState, SagaState, SagaStatus, display_status
 from saga.store import parse_id
@@ -45,6 +46,8 @@ class Filters:
     tenant: str | None = None
     older_than: str | None = None
     limit: int = DEFAULT_LIMIT
+    # A saga's business key, matched exactly (the search box).
+    key: str | None = None
 
     @classmethod
     def parse(cls, query: Mapping[str, str]) -> Filters:
@@ -70,7 +73,7 @@ class Filters:
             if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_LIMIT:
                 raise FilterError(f"limit {raw_limit!r}: give a whole number from 1 to {MAX_LIMIT}")
             limit = int(raw_limit)
-        return cls(status, text("saga"), text("tenant"), older_than, limit)
+        return cls(status, text("saga"), text("tenant"), older_than, limit, key=text("key"))
 
     @property
     def age(self) -> timedelta | None:
@@ -81,6 +84,7 @@ class Filters:
     def query(self) -> str:
         """The filters as a query string (without `?`), only those given."""
         pairs = [
+            ("key", self.key),
             ("status", self.status),
             ("saga", self.saga),
             ("tenant", self.tenant),
@@ -167,6 +171,11 @@ class Row:
         open, idle, parked, compensating or closed, else the stored one."""
         return self.state.display_status
 
+    @property
+    def commands(self) -> list[str]:
+        """The `saga` command lines that take it on when it is parked (else none)."""
+        return parked_commands(self.state, self.kind)
+
 
 @dataclass(frozen=True, slots=True)
 class ListPage:
@@ -198,10 +207,17 @@ class OperationView:
     result: str | None
     folded: bool
     request: str | None
+    # `resolved by X` or `inherited from SOURCE` when no attempt of this saga timed its
+    # outcome (`cli_format.Provenance`), and the full id of the saga it was inherited from.
+    settled: str | None = None
+    source: str | None = None
 
     @property
     def took(self) -> str:
-        """How long its last attempt took, `-` when it has not ended."""
+        """How long its last attempt took, `-` when it has not ended; who settled it
+        instead when a person did, or the saga it was inherited from."""
+        if self.settled is not None:
+            return self.settled
         if self.op.started_at is None or self.op.finished_at is None:
             return "-"
         return timeline.duration((self.op.finished_at - self.op.started_at).total_seconds())
@@ -243,6 +259,11 @@ class SagaPage:
     def fingerprint(self) -> str:
         """As `page_fingerprint` of what it shows."""
         return page_fingerprint(self.state, self.pages)
+
+    @property
+    def commands(self) -> list[str]:
+        """The `saga` command lines that take it on when it is parked (else none)."""
+        return parked_commands(self.state, self.kind)
 
 
 def saga_kind(name: str) -> str:
@@ -317,6 +338,7 @@ class Reader:
             tenant=filters.tenant,
             limit=filters.limit,
             older_than=filters.age,
+            key=filters.key,
         )
         parked = self.orch.list(status=SagaStatus.NEEDS_REVIEW.value, limit=DEFAULT_LIMIT)
         known = self._known_kinds()
@@ -326,7 +348,8 @@ class Reader:
         return ListPage(filters, rows, queue, names, datetime.now(UTC))
 
     def expand(self, text: str) -> str:
-        """The full id of a saga given by its id or a unique prefix of it."""
+        """The full id of a saga given by its id, a unique prefix of it, or its business
+        key (see `operator.expand_id`)."""
         return operator.expand_id(self.orch.store, text)
 
     def fingerprint(self, saga_id: str, page: int = 1) -> str:
@@ -369,15 +392,21 @@ class Reader:
             history = self.orch.store.history_of_operations(saga_id, shown)
         now = datetime.now(UTC)
         known = self._known_kinds() if state.status.is_runnable else []
-        ops = [
-            OperationView(
-                op,
-                timeline.operation_anchor(op.step, op.kind),
-                *_result_text(op.result),
-                None if op.request is None else pretty_json(op.request),
+        provenance = fmt.Provenance.of(history)
+        ops = []
+        for op in state.operations:
+            settled = provenance.note(op)
+            inherited = settled is not None and (op.step, op.kind) not in provenance.resolved_by
+            ops.append(
+                OperationView(
+                    op,
+                    timeline.operation_anchor(op.step, op.kind),
+                    *_result_text(op.result),
+                    None if op.request is None else pretty_json(op.request),
+                    settled=settled,
+                    source=provenance.source if inherited else None,
+                )
             )
-            for op in state.operations
-        ]
         live_claims = None
         if pages.count > 1 and state.status.is_runnable:
             live_claims = self.orch.store.count_live_claims(saga_id)

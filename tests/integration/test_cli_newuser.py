@@ -70,15 +70,15 @@ def test_cancel_says_up_front_that_the_saga_will_park(
     make_orch: OrchestratorFactory, database_url: str, app_dir: Path
 ) -> None:
     """`post` is unknown and has no compensation: cancel says, before it acts, what it
-    will undo and that the saga will then park, and why; it never suggests
-    --include-unknown, which cannot help (and here was passed already)."""
+    will undo and that the saga will then park, and why (--yes: it acts without asking);
+    it never suggests --include-unknown, which cannot help (and here was passed already)."""
     orch = make_orch(cli_app_letter.letter)
     plain, flagged = _park_letter(orch, "o-c1"), _park_letter(orch, "o-c2")
     base = ["cancel", "--app", "cli_app_letter", "--database-url", database_url]
 
     for saga_id, extra in ((plain, []), (flagged, ["--include-unknown"])):
         result = saga_cmd(
-            *base, saga_id, "--reason", "customer asked", "--run", *extra, app_dir=app_dir
+            *base, saga_id, "--reason", "customer asked", "--run", "--yes", *extra, app_dir=app_dir
         )
         out = result.stdout + result.stderr
         assert result.returncode == 1, out

@@ -131,6 +131,10 @@ class World:
     session: str
     channel: str
     driver: threading.Thread
+    # Parked on an unknown charge that alice resolved, then forked from `ship` to `fork`,
+    # which inherited reserve and charge and completed.
+    resolved: str
+    fork: str
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +161,8 @@ def world(module_database: str) -> Iterator[World]:
     """Sagas in every status, made through the public API: completed (once after two
     retries), compensated (after an unknown outcome retried, two retries, and a step that
     failed for good), parked on an unknown outcome, pending, running (its charge waits
-    for `HOLD`), a session, and a ledger channel parked on an unknown call."""
+    for `HOLD`), a session, a ledger channel parked on an unknown call, and a saga whose
+    unknown charge alice resolved, forked to one that inherited its first two steps."""
     orch = Orchestrator(module_database, sagas=[checkout])
 
     def run(order: Order) -> str:
@@ -170,6 +175,11 @@ def world(module_database: str) -> Iterator[World]:
     compensated = run(Order(order_id="o-3", plan="glitch flaky nostock"))
     parked = run(Order(order_id="o-4", plan="unknown"))
     pending = orch.start(checkout, Order(order_id="o-5")).id
+    resolved = run(Order(order_id="crashB-013", plan="unknown"))
+    charged = {"charge_id": "ch-crashB-013", "amount_cents": 4990}
+    orch.resolve(resolved, "charge", outcome="succeeded", result=charged, actor="alice")
+    fork = orch.fork(resolved, "ship", actor="bob").id
+    assert orch.run(fork).status == "completed"
     with orch.session("ticket-4821", tenant="acme") as session:
         notify("ops@acme.com")
         notify("billing@acme.com")
@@ -197,6 +207,8 @@ def world(module_database: str) -> Iterator[World]:
             session.id,
             paid.saga_id,
             driver,
+            resolved,
+            fork,
         )
     finally:
         HOLD.set()
@@ -389,6 +401,28 @@ def test_the_list_filters_by_status_saga_tenant_and_age(
     wait_until(lambda: browser.current_url == dashboard.base + "/")
 
 
+def test_the_search_box_finds_sagas_by_business_key(
+    world: World, dashboard: Dashboard, browser: Any
+) -> None:
+    """A key typed into the search box lists the sagas of that exact key, and stays in
+    the box; `/sagas/KEY` opens the saga of a key."""
+    browser.get(dashboard.base + "/")
+    box = browser.find_element("id", "filter-key")
+    box.send_keys("o-4")
+    browser.find_element("id", "filter-apply").click()
+    wait_until(lambda: "key=o-4" in browser.current_url)
+    assert list(_rows(browser, "saga-table")) == [world.parked]
+    assert browser.find_element("id", "filter-key").get_attribute("value") == "o-4"
+
+    browser.get(dashboard.base + "/?key=o-")
+    assert browser.find_element("id", "no-sagas").text == "No saga matches these filters."
+    browser.get(dashboard.base + "/?key=o-2&tenant=globex")
+    assert list(_rows(browser, "saga-table")) == [world.flaky]
+
+    browser.get(dashboard.base + "/sagas/o-4")
+    wait_until(lambda: browser.current_url == f"{dashboard.base}/sagas/{world.parked}")
+
+
 # ----- one saga -----------------------------------------------------------------------
 
 
@@ -526,6 +560,175 @@ def test_pages_are_read_only_and_links_resolve(world: World, dashboard: Dashboar
 
         mermaid = client.get(f"/sagas/{world.compensated}/mermaid")
         assert mermaid.text.startswith("gantt\n")
+
+
+# ----- what the screens say: who settled an operation, what to run, keys, the legend ----
+
+
+def _commands(browser: Any, selector: str) -> list[str]:
+    """The command lines shown in the `.commands` box under `selector`, in order."""
+    return [
+        str(line)
+        for line in browser.execute_script(
+            "return Array.from(document.querySelectorAll(arguments[0] + ' .commands code'))"
+            ".map(c => c.textContent);",
+            selector,
+        )
+    ]
+
+
+def test_the_needs_review_queue_and_a_parked_sagas_page_say_what_to_run(
+    world: World, dashboard: Dashboard, browser: Any, tmp_path: Path
+) -> None:
+    """Each parked saga of the queue shows, under its reason, the exact `saga resolve` and
+    `saga compensate` lines that take it on (those `SessionParked` words come from); a
+    ledger channel's only settle its call. The saga's own page shows the same."""
+    parked = world.parked
+    expected = [
+        f"saga resolve {parked} charge --app MODULE --succeeded --result JSON",
+        f"saga resolve {parked} charge --app MODULE --failed --reason TEXT",
+        f"saga compensate {parked} --app MODULE --include-unknown",
+    ]
+    browser.get(dashboard.base + "/")
+    _live(browser)
+    assert _commands(browser, f'#queue-table tr[data-saga-id="{parked}"]') == expected
+    (call,) = [op.step for op in world.orch.get(world.channel).operations if op.status == "unknown"]
+    assert _commands(browser, f'#queue-table tr[data-saga-id="{world.channel}"]') == [
+        f"saga resolve {world.channel} {call} --succeeded --result JSON",
+        f"saga resolve {world.channel} {call} --failed --reason TEXT",
+    ]
+    assert _commands(browser, "#saga-table") == []  # the list of all sagas shows none
+    _screenshot(browser, tmp_path / "queue.png", copy_to=SHOTS / "queue.png")
+
+    browser.get(f"{dashboard.base}/sagas/{parked}")
+    assert _commands(browser, "#live") == expected
+    _screenshot(browser, tmp_path / "parked.png")
+    browser.get(f"{dashboard.base}/sagas/{world.completed}")
+    assert _commands(browser, "#live") == []
+
+    from saga.remedies import parked_commands  # what SessionParked's words come from
+
+    assert parked_commands(world.orch.get(parked)) == expected
+
+
+def _took(browser: Any, step: str) -> str:
+    """The Last took cell of the action `step` in the saga page's operations table."""
+    cell = browser.find_element(
+        "css selector", f'#operations tr[data-step="{step}"] td:nth-child(5)'
+    )
+    return str(cell.text).strip()
+
+
+def _lane_note(browser: Any, step: str) -> str:
+    lane = browser.find_element(
+        "css selector", f'#timeline .tl-row[data-kind="action"][data-step="{step}"] .note'
+    )
+    return str(lane.text).strip()
+
+
+def test_a_resolved_operation_says_who_and_an_inherited_one_from_which_saga(
+    world: World, dashboard: Dashboard, browser: Any, tmp_path: Path
+) -> None:
+    """The charge alice resolved says `resolved by alice`, not the minutes she took, in
+    the operations table and its timeline lane; the fork's inherited steps say
+    `inherited from` their source (linked), not `never attempted`."""
+    browser.get(f"{dashboard.base}/sagas/{world.resolved}")
+    assert _took(browser, "charge") == "resolved by alice"
+    assert _lane_note(browser, "charge") == "succeeded, 1/3, resolved by alice"
+    assert re.fullmatch(r"[\d.]+ m?s", _took(browser, "reserve")), _took(browser, "reserve")
+
+    browser.get(f"{dashboard.base}/sagas/{world.fork}")
+    source = world.resolved
+    for step in ("reserve", "charge"):
+        assert _took(browser, step) == f"inherited from {source[:8]}"
+        assert _lane_note(browser, step) == f"succeeded, 1/3, inherited from {source[:8]}"
+    link = browser.find_element(
+        "css selector", '#operations tr[data-step="charge"] td:nth-child(5) a'
+    )
+    assert link.get_attribute("href") == f"{dashboard.base}/sagas/{source}"
+    assert "inherited" not in _took(browser, "ship")
+    _screenshot(browser, tmp_path / "fork.png", copy_to=SHOTS / "fork.png")
+
+
+# How many lines the text `arguments[1]` takes on the screen, in each element a CSS
+# selector (`arguments[0]`) finds.
+_LINES = """
+return Array.from(document.querySelectorAll(arguments[0])).map(el => {
+  var walk = document.createTreeWalker(el, NodeFilter.SHOW_TEXT), node, at;
+  while ((node = walk.nextNode()) && (at = node.data.indexOf(arguments[1])) < 0) {}
+  if (!node) { return 0; }
+  var range = document.createRange();
+  range.setStart(node, at); range.setEnd(node, at + arguments[1].length);
+  var tops = new Set();
+  Array.from(range.getClientRects()).forEach(r => {
+    if (r.width > 0) { tops.add(Math.round(r.top)); }
+  });
+  return tops.size;
+});
+"""
+
+
+def test_keys_never_break_at_their_hyphens(
+    world: World, dashboard: Dashboard, browser: Any
+) -> None:
+    """In a window too narrow for the tables, a key such as `crashB-013` stays on one
+    line, in the list and on its saga's page; a longer key (the fork's, an idempotency
+    key) breaks only after a colon, never inside `crashB-013`."""
+    browser.set_window_size(520, 900)
+    try:
+        browser.get(dashboard.base + "/")
+        keys = {  # the list's Key column
+            str(row.get_attribute("data-saga-id")): row.find_element(
+                "css selector", "td:nth-child(4)"
+            )
+            for row in browser.find_elements("css selector", "#saga-table tbody tr")
+        }
+        assert keys[world.resolved].text == "crashB-013"
+        assert keys[world.fork].text == "crashB-013:fork:ship"
+        cells = "#saga-table td:nth-child(4)"
+        assert sorted(browser.execute_script(_LINES, cells, "crashB-013"))[-2:] == [1, 1]
+        browser.get(f"{dashboard.base}/sagas/{world.resolved}")
+        facts = browser.execute_script(_LINES, "dl.facts dd", "crashB-013")
+        assert sorted(facts)[-1] == 1 and facts.count(1) == 1, facts  # the key: one line
+        idempotency = "#operations td:nth-child(7)"
+        assert browser.find_element("css selector", idempotency).text == (
+            "dash_checkout:v1:acme:crashB-013:reserve"
+        )
+        assert browser.execute_script(_LINES, idempotency, "crashB-013") == [1, 1, 1]
+    finally:
+        browser.set_window_size(1440, 1000)
+
+
+_LOOK = """
+var el = document.querySelector(arguments[0]);
+var s = getComputedStyle(el), after = getComputedStyle(el, '::after');
+return [el.textContent, s.backgroundImage, s.backgroundColor, s.borderTopStyle, after.content];
+"""
+
+
+def test_the_legend_tells_an_unknown_outcome_from_no_outcome_recorded(
+    world: World, dashboard: Dashboard, browser: Any
+) -> None:
+    """The two swatches, and the bars they stand for, differ by pattern, border and a
+    glyph (`?`, `…`), not by a shade of the same colour."""
+    browser.get(f"{dashboard.base}/sagas/{world.parked}")
+    unknown = browser.execute_script(_LOOK, "#timeline .legend .sw.unknown")
+    missing = browser.execute_script(_LOOK, "#timeline .legend .sw.no_outcome")
+    assert (unknown[0], missing[0]) == ("?", "…")
+    assert "repeating-linear-gradient" in unknown[1] and missing[1] == "none"
+    assert (unknown[3], missing[3]) == ("none", "dashed")
+    # The bars: draw one of each in a lane, as the timeline does.
+    browser.execute_script(
+        "var track = document.querySelector('#timeline .tl-row[data-step] .track');"
+        "['unknown', 'no_outcome'].forEach(t => { var b = document.createElement('span');"
+        "b.className = 'bar attempt ' + t; b.id = 'probe-' + t; b.textContent = '1';"
+        "track.appendChild(b); });"
+    )
+    unknown = browser.execute_script(_LOOK, "#probe-unknown")
+    missing = browser.execute_script(_LOOK, "#probe-no_outcome")
+    assert "repeating-linear-gradient" in unknown[1] and missing[1] == "none"
+    assert (unknown[3], missing[3]) == ("none", "dashed")
+    assert (unknown[4], missing[4]) == ('"?"', '"…"')
 
 
 # ----- live updates -------------------------------------------------------------------

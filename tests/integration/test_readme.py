@@ -99,6 +99,8 @@ def isolated_process_state() -> Iterator[None]:
     (structlog by the suite's autouse `_structlog_as_found`)."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
+    library = logging.getLogger("saga")
+    library_level = library.level
     environ = dict(os.environ)
     try:
         # A reader's process: the README's durable steps, not those of other tests.
@@ -107,6 +109,7 @@ def isolated_process_state() -> Iterator[None]:
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)
+        library.setLevel(library_level)
         os.environ.clear()
         os.environ.update(environ)
 

@@ -161,6 +161,63 @@ def test_cancel_refuses_past_a_pivot_and_a_completed_saga() -> None:
         )
 
 
+def test_cancel_with_include_unknown_compensates_an_unknown_step_of_a_cancelled_saga() -> None:
+    """Cancelled, then parked at an unknown charge: a cancel without include_unknown is
+    refused naming the step and the flag; with it, charge gets its compensation."""
+    planner = _planner()
+    _succeed(planner, 1)
+    charge = _start(planner)
+    planner.record_unknown(charge, "crashed", park=True)
+    interventions.request_cancel(
+        planner, reason="asked", actor="carol", include_unknown=False, now=planner.now
+    )
+    planner.advance()  # compensation stops at charge: parked
+    assert planner.saga.status == SagaStatus.NEEDS_REVIEW
+    with pytest.raises(StepStateError, match=r"'charge'.*cancel again with include_unknown=True"):
+        interventions.request_cancel(
+            planner, reason="asked", actor="carol", include_unknown=False, now=planner.now
+        )
+    planner.take_events()
+    assert interventions.request_cancel(
+        planner, reason="again", actor="carol", include_unknown=True, now=planner.now
+    )
+    assert planner.saga.status == SagaStatus.COMPENSATING
+    assert planner.find("charge", "compensation") is not None
+    names = [e.event for e in planner.take_events()]
+    assert names[:2] == ["cancel_requested", "compensation_requested"]
+
+
+def test_resolve_amends_an_operator_result_until_its_compensation_starts() -> None:
+    """A result an operator gave is amended (result_amended, old and new); a provider's
+    result, or one whose compensation started, is refused."""
+    planner = _planner()
+    _succeed(planner, 1)
+    charge = _start(planner)
+    planner.record_unknown(charge, "crashed", park=True)
+    kw: dict[str, Any] = {"kind": None, "actor": "dana", "reason": None, "now": planner.now}
+    interventions.resolve(planner, "charge", outcome="succeeded", result=None, **kw)
+    planner.take_events()
+    amended = interventions.resolve(
+        planner, "charge", outcome="succeeded", result={"c": 1},
+        operator_resolved={"charge"}, **kw,
+    )  # fmt: skip
+    assert amended.result == {"c": 1}
+    (event,) = planner.take_events()
+    assert event.event == "result_amended"
+    assert event.detail == {"actor": "dana", "reason": None, "previous_result": None,
+                            "result": {"c": 1}}  # fmt: skip
+    with pytest.raises(StepStateError, match="what the provider call returned"):
+        interventions.resolve(planner, "reserve", outcome="succeeded", result={}, **kw)
+    interventions.request_compensation(planner, include_unknown=False, actor="x", now=planner.now)
+    comp = _start(planner)  # the compensation of charge, first
+    assert (comp.step, comp.kind) == ("charge", "compensation")
+    comp.attempts = max(comp.attempts, 1)
+    with pytest.raises(StepStateError, match="its compensation has started"):
+        interventions.resolve(
+            planner, "charge", outcome="succeeded", result={}, operator_resolved={"charge"}, **kw
+        )
+
+
 # ----- compensation plan -----------------------------------------------------------------
 
 

@@ -4,6 +4,10 @@ Every ```python block under docs/ must compile, and every name it imports from `
 be there: a renamed function fails here, not in a reader's terminal. The site itself is
 built with `mkdocs build --strict` (as `make docs` does) into a temporary directory, so a
 broken link, a page left out of the nav or a docstring griffe cannot parse fails the suite.
+That built site's API reference must show no internal name (a base such as `Engine`, a
+`_private` parameter or module), and in headless Chromium (Debian's `chromium` and
+`chromium-driver`; skipped without them) its long code lines scroll sideways and the
+copy button lies over no code.
 """
 
 from __future__ import annotations
@@ -118,14 +122,15 @@ def _installed(module: str) -> bool:
         return False
 
 
-def test_the_site_builds_strictly(tmp_path: Path) -> None:
-    """`mkdocs build --strict` (what `make docs` runs) succeeds, API reference included."""
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site built once for this module's tests, as `make docs` builds it."""
     missing = [name for name in BUILD_MODULES if not _installed(name)]
     if missing:
         pytest.skip(
             f"the docs extra is not installed (no {', '.join(missing)}): pip install '.[docs]'"
         )
-    site = tmp_path / "site"
+    site = tmp_path_factory.mktemp("docs") / "site"
     # Material prints a notice about MkDocs 2.0 on every build; it is no warning of ours.
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     done = subprocess.run(
@@ -134,7 +139,161 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}\n{done.stderr}"
+    return site
+
+
+def test_the_site_builds_strictly(site: Path) -> None:
+    """`mkdocs build --strict` (what `make docs` runs) succeeds, API reference included."""
     reference = (site / "reference" / "testing.html").read_text(encoding="utf-8")
     assert "crash_test" in reference
     orchestrators = (site / "reference" / "orchestrators.html").read_text("utf-8")
     assert "AsyncOrchestrator" in orchestrators
+
+
+def _public_paths() -> set[str]:
+    """Full paths of the names `saga` exports (`saga.__all__`), under the module that
+    defines each: what a base shown in the reference may be."""
+    import saga
+
+    paths = set()
+    for name in saga.__all__:
+        value = getattr(saga, name)
+        paths.add(f"saga.{name}")
+        paths.add(f"{getattr(value, '__module__', 'saga')}.{name}")
+    return paths
+
+
+def _type_variable(path: str) -> bool:
+    """True when `path` names a type variable (the `P` of a base `Generic[P, R]`)."""
+    from typing import ParamSpec, TypeVar
+
+    module, _, name = path.rpartition(".")
+    return isinstance(getattr(importlib.import_module(module), name, None), TypeVar | ParamSpec)
+
+
+def test_the_api_reference_shows_no_internal_names(site: Path) -> None:
+    """A public class shows no internal base (`Bases: Engine`), and no page shows a
+    private name (`_SessionBase`, a `_spent` parameter) or a private module's path."""
+    public = _public_paths()
+    failures = []
+    for page in sorted((site / "reference").glob("*.html")):
+        text = page.read_text(encoding="utf-8")
+        for bases in re.findall(r"Bases: <code>(.*?)</code>", text, re.DOTALL):
+            failures += [
+                f"{page.name}: Bases: {path}"
+                for path in re.findall(r'title="\s*(?:[^"(]*\()?(saga\.[\w.]+)', bases)
+                if path not in public and not _type_variable(path)
+            ]
+        visible = re.sub(r"<script.*?</script>|<style.*?</style>|<[^>]+>", " ", text, flags=re.S)
+        failures += [
+            f"{page.name}: shows {name}"
+            for name in sorted(set(re.findall(r"(?<![\w.])_[A-Za-z]\w*", visible)))
+        ]
+        failures += [
+            f"{page.name}: anchor {anchor}"
+            for anchor in sorted(set(re.findall(r'id="(saga\.[\w.]*\._[\w.]*)"', text)))
+        ]
+    assert not failures, "\n".join(failures)
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+# For each code block: can its code scroll sideways, and does any code text the reader
+# can see (clipped to the scrolling box) lie under its copy button? Asked with the block
+# scrolled to its start, then to its end.
+CODE_BLOCKS = """
+const blocks = [];
+for (const pre of document.querySelectorAll('.md-content pre')) {
+  const code = pre.querySelector(':scope > code');
+  const button = pre.querySelector('.md-code__button');
+  if (!code || !button) continue;
+  const under = [];
+  for (const scroll of [0, code.scrollWidth]) {
+    code.scrollLeft = scroll;
+    const b = button.getBoundingClientRect(), c = code.getBoundingClientRect();
+    const left = c.left + code.clientLeft, right = left + code.clientWidth;
+    const walker = document.createTreeWalker(code, NodeFilter.SHOW_TEXT);
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+      if (!node.textContent.trim()) continue;
+      const range = document.createRange();
+      range.selectNodeContents(node);
+      for (const r of range.getClientRects()) {
+        const l = Math.max(r.left, left), rr = Math.min(r.right, right);
+        if (rr > l && rr > b.left && l < b.right && r.bottom > b.top && r.top < b.bottom)
+          under.push(node.textContent.trim());
+      }
+    }
+  }
+  code.scrollLeft = 0;
+  blocks.push({
+    first: code.textContent.split('\\n')[0].slice(0, 60),
+    scrollWidth: code.scrollWidth,
+    clientWidth: code.clientWidth,
+    overflowX: getComputedStyle(code).overflowX,
+    under: under,
+  });
+}
+return blocks;
+"""
+
+
+# Pages with code lines wider than the page.
+LONG_LINES = ("getting-started.html", "production.html")
+
+
+def test_long_code_lines_scroll_and_the_copy_button_covers_no_code(site: Path) -> None:
+    """In headless Chromium, a code block wider than the page scrolls sideways (never cut
+    off), and its copy button lies over no code text, scrolled to the start or the end."""
+    if not CHROMEDRIVER.exists() or not CHROMIUM.exists():
+        pytest.skip(
+            f"the browser test needs {CHROMIUM} and {CHROMEDRIVER}: "
+            "apt-get install -y chromium chromium-driver"
+        )
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    try:
+        blocks = []
+        for width, pages in ((1440, LONG_LINES), (390, LONG_LINES[:1])):  # desktop, phone
+            driver.set_window_size(width, 1000)
+            for page in pages:
+                driver.get((site / page).as_uri())
+                found = driver.execute_script(CODE_BLOCKS)
+                assert found, f"{page}: no code block with a copy button"
+                blocks += [{**block, "page": page, "width": width} for block in found]
+    finally:
+        driver.quit()
+    wide = [block for block in blocks if block["scrollWidth"] > block["clientWidth"]]
+    assert len({block["page"] for block in wide if block["width"] == 1440}) >= 2
+    cut = [block for block in wide if block["overflowX"] not in ("auto", "scroll")]
+    assert not cut, cut
+    covered = [block for block in blocks if block["under"]]
+    assert not covered, covered
+
+
+def test_the_home_page_says_which_exceptions_fail_a_step() -> None:
+    """docs/index.md names what fails a step as `RetryPolicy` classifies it: a `retry_on`
+    error fails it too once its retries run out, an ambiguous one not listed is unknown."""
+    from saga import PermanentError, RetryPolicy, TransientError
+
+    policy = RetryPolicy()
+    assert policy.classify(PermanentError("no")) == "failed"
+    assert policy.classify(TransientError("later")) == "retry"
+    assert policy.classify(ConnectionResetError()) == policy.classify(KeyError()) == "unknown"
+    page = " ".join((DOCS / "index.md").read_text(encoding="utf-8").split())
+    start = page.index("**An exception is not a verdict.**")
+    bullet = page[start : page.index(" - **", start)]
+    assert "Only `PermanentError`" not in bullet
+    for words in (
+        "`PermanentError` or an exception it lists in `fail_on`",
+        "`retry_on` (by default `TransientError` alone) run out",
+        "`max_attempts` is reached",
+        "`ConnectionError` or `TimeoutError` not listed in `retry_on`",
+        "outcome is unknown",
+    ):
+        assert words in bullet, words
