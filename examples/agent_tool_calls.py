@@ -529,6 +529,7 @@ def handle(orch: Orchestrator, ticket: Ticket, *, wait_seconds: float) -> int:
     say(f"  session:  {ticket.id} (saga {session.id}), {status}")
     say(f"  executed: {session.executed}")
     say(f"  replayed: {session.replayed}")
+    say(f"  reconciled: {session.reconciled}")
     say(f"  calls:    {', '.join(fates)}")
     say(f"  effects:  {effects.summary()}")
     problems = check(effects, status)

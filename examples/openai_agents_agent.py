@@ -81,6 +81,7 @@ except ModuleNotFoundError as missing:  # the optional extra is not installed
 
 from saga import (
     AsyncOrchestrator,
+    AsyncSession,
     PermanentError,
     RetryPolicy,
     SessionBusy,
@@ -328,9 +329,23 @@ class ScriptedModel(Model):
 # ----- handling a ticket -------------------------------------------------------------------------
 
 
-async def handle(aorch: AsyncOrchestrator, ticket: Ticket) -> tuple[str, int, int]:
+@dataclass
+class Counts:
+    """How the session's calls were answered, over every entry of the ticket."""
+
+    executed: int = 0
+    replayed: int = 0
+    reconciled: int = 0
+
+    def add(self, session: AsyncSession) -> None:
+        self.executed += session.executed
+        self.replayed += session.replayed
+        self.reconciled += session.reconciled
+
+
+async def handle(aorch: AsyncOrchestrator, ticket: Ticket, counts: Counts) -> str:
     """Run the agent on the ticket until it is done, getting approvals on the way; the
-    session's status, and how many calls ran and replayed."""
+    session's status. `counts` adds up how the calls were answered, whatever happens."""
     agent = Agent(
         name="exchange_agent",
         instructions="Exchange the customer's kettle.",
@@ -339,7 +354,6 @@ async def handle(aorch: AsyncOrchestrator, ticket: Ticket) -> tuple[str, int, in
     )
     resume: RunState[Any] | None = None
     tokens: dict[str, str] = {}
-    executed = replayed = 0
     while True:
         session = aorch.session(ticket.id, wait_seconds=15)
         try:
@@ -350,9 +364,8 @@ async def handle(aorch: AsyncOrchestrator, ticket: Ticket) -> tuple[str, int, in
                 else:
                     result = await durable.run(agent, resume, approvals=tokens)
                 say(f"  agent: {result.final_output}")
-            return "completed", executed + run.executed, replayed + run.replayed
+            return "completed"
         except AgentRunInterrupted as interrupted:
-            executed, replayed = executed + session.executed, replayed + session.replayed
             tokens = {}
             for call_id, request in interrupted.approval_requests().items():
                 say(f"  waits for approval: {request.tool}({request.arguments})")
@@ -362,6 +375,8 @@ async def handle(aorch: AsyncOrchestrator, ticket: Ticket) -> tuple[str, int, in
                 )
                 say("  lead@example.com signs an approval of exactly this request")
             resume = interrupted.state()
+        finally:
+            counts.add(session)
 
 
 async def count_effects(ticket: Ticket) -> dict[str, int]:
@@ -400,11 +415,12 @@ async def main(argv: list[str] | None = None) -> int:
     ticket = Ticket(args.ticket)
     async with AsyncOrchestrator(args.database_url, lease_seconds=5) as aorch:
         await providers.connect(aorch.database_url)
+        counts = Counts()
         try:
-            status, executed, replayed = await handle(aorch, ticket)
+            status = await handle(aorch, ticket, counts)
             failure = None
         except PermanentError as exc:
-            status, executed, replayed, failure = "compensated", 0, 0, exc
+            status, failure = "compensated", exc
         except SessionParked as exc:
             say(f"The session needs a human: {exc}")
             return EXIT_PARKED
@@ -414,7 +430,10 @@ async def main(argv: list[str] | None = None) -> int:
         effects = await count_effects(ticket)
         await providers.conn.close()
     say()
-    say(f"Ticket {ticket.id}: {status}; calls executed {executed}, replayed {replayed}")
+    say(
+        f"Ticket {ticket.id}: {status}; calls executed {counts.executed}, replayed "
+        f"{counts.replayed}, reconciled {counts.reconciled}"
+    )
     say("  effects: " + ", ".join(f"{name} {n}" for name, n in effects.items()))
     twice = [name for name, n in effects.items() if n > 1]
     expected = {"charges": 1, "refunds of the payment": 1, "refunds of the charge": 0, "emails": 1}

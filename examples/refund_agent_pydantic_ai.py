@@ -54,6 +54,7 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from saga import (
     AsyncOrchestrator,
+    AsyncSession,
     PermanentError,
     RetryPolicy,
     SessionBusy,
@@ -262,12 +263,25 @@ async def send_email(to: str, template: str, order_id: str) -> dict[str, Any]:
 # ----- handling a ticket -------------------------------------------------------------------------
 
 
-async def handle(aorch: AsyncOrchestrator, ticket: Ticket) -> tuple[str, int, int]:
+@dataclass
+class Counts:
+    """How the session's calls were answered, over every entry of the ticket."""
+
+    executed: int = 0
+    replayed: int = 0
+    reconciled: int = 0
+
+    def add(self, session: AsyncSession) -> None:
+        self.executed += session.executed
+        self.replayed += session.replayed
+        self.reconciled += session.reconciled
+
+
+async def handle(aorch: AsyncOrchestrator, ticket: Ticket, counts: Counts) -> str:
     """Run the agent on the ticket until it is done, getting approvals on the way; the
-    session's status, and how many calls ran and replayed."""
+    session's status. `counts` adds up how the calls were answered, whatever happens."""
     history: list[ModelMessage] | None = None
     approvals: DeferredToolResults | None = None
-    executed = replayed = 0
     while True:
         session = aorch.session(ticket.id, wait_seconds=15)
         try:
@@ -280,9 +294,8 @@ async def handle(aorch: AsyncOrchestrator, ticket: Ticket) -> tuple[str, int, in
                     deferred_tool_results=approvals,
                 )
                 say(f"  agent: {result.output}")
-            return "completed", executed + run.executed, replayed + run.replayed
+            return "completed"
         except AgentRunDeferred as deferred:
-            executed, replayed = executed + session.executed, replayed + session.replayed
             history, tokens = deferred.messages, {}
             for call_id, request in deferred.approval_requests().items():
                 say(f"  waits for approval: {request.tool}({request.arguments})")
@@ -292,6 +305,8 @@ async def handle(aorch: AsyncOrchestrator, ticket: Ticket) -> tuple[str, int, in
                 )
                 say("  lead@example.com signs an approval of exactly this request")
             approvals = approval_results(tokens)
+        finally:
+            counts.add(session)
 
 
 async def count_effects(ticket: Ticket) -> dict[str, int]:
@@ -330,11 +345,12 @@ async def main(argv: list[str] | None = None) -> int:
     ticket = Ticket(args.ticket)
     async with AsyncOrchestrator(args.database_url, lease_seconds=5) as aorch:
         await providers.connect(aorch.database_url)
+        counts = Counts()
         try:
-            status, executed, replayed = await handle(aorch, ticket)
+            status = await handle(aorch, ticket, counts)
             failure = None
         except PermanentError as exc:
-            status, executed, replayed, failure = "compensated", 0, 0, exc
+            status, failure = "compensated", exc
         except SessionParked as exc:
             say(f"The session needs a human: {exc}")
             return EXIT_PARKED
@@ -344,7 +360,10 @@ async def main(argv: list[str] | None = None) -> int:
         effects = await count_effects(ticket)
         await providers.conn.close()
     say()
-    say(f"Ticket {ticket.id}: {status}; calls executed {executed}, replayed {replayed}")
+    say(
+        f"Ticket {ticket.id}: {status}; calls executed {counts.executed}, replayed "
+        f"{counts.replayed}, reconciled {counts.reconciled}"
+    )
     say("  effects: " + ", ".join(f"{name} {n}" for name, n in effects.items()))
     twice = [name for name, n in effects.items() if n > 1]
     expected = {"charges": 1, "refunds of the payment": 1, "refunds of the charge": 0, "emails": 1}

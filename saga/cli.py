@@ -1620,9 +1620,9 @@ def _after_request(
     if state.status.is_runnable:
         holder = f"; {state.lease_owner} is driving it" if state.lease_owner else ""
         drive = fmt.code_first(state.saga, state.status) or "a worker will drive it"
-        print(f"saga {state.id} is {state.status}: {drive}{holder}")
+        print(f"saga {state.id} is {fmt.status_text(state)}: {drive}{holder}")
     else:
-        print(f"saga {state.id} is {state.status}")
+        print(f"saga {state.id} is {fmt.status_text(state)}")
     return EXIT_OK
 
 

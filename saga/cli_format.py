@@ -167,6 +167,13 @@ def code_first(saga: str, status: str = "running") -> str | None:
     return None
 
 
+def status_text(state: SagaState) -> str:
+    """The saga's status for people (`SagaState.display_status`), with the stored status
+    after it when they differ (a session or ledger channel): `idle (running)`."""
+    shown = state.display_status
+    return shown if shown == state.status.value else f"{shown} ({state.status})"
+
+
 def _list_reason(state: SagaState, known_kinds: Collection[str]) -> str:
     if waiting_for_worker(state, known_kinds):
         return f"waiting for a worker: no live worker runs {state.saga} v{state.version}"
@@ -186,7 +193,7 @@ def saga_list(states: Sequence[SagaState], known_kinds: Collection[str]) -> str:
             f"{s.saga} v{s.version}",
             s.tenant_id or "-",
             s.key,
-            str(s.status),
+            s.display_status,
             age(s.updated_at),
             _list_reason(s, known_kinds),
         ]
@@ -204,6 +211,7 @@ def to_json(
     """A saga (and its history) as one line of JSON; with `known_kinds`, also whether it
     waits for a worker that knows its kind."""
     data: dict[str, Any] = state.model_dump(mode="json")
+    data["display_status"] = state.display_status
     if known_kinds is not None:
         data["waiting_for_worker"] = waiting_for_worker(state, known_kinds)
     if history is not None:
@@ -227,7 +235,7 @@ def show(state: SagaState, history: Sequence[HistoryEvent]) -> str:
         ["tenant", state.tenant_id or "-"],
         ["key", state.key],
         ["input", one_line(json.dumps(state.input, separators=(",", ":")), 100)],
-        ["status", str(state.status)],
+        ["status", status_text(state)],
     ]
     if state.forked_from:
         head.append(["forked from", state.forked_from])

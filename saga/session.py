@@ -38,6 +38,7 @@ from saga.errors import (
 from saga.flow import Flows, log_events, retried
 from saga.keys import call_operation_long_name, call_operation_name, operation_key
 from saga.keys import request_hash as hash_fields
+from saga.outcomes import Found
 from saga.protocol import Planner, SagaRow
 from saga.remedies import resolve_commands
 from saga.retry import RetryPolicy
@@ -85,6 +86,9 @@ class SessionSaga(Saga[_NoInput]):
         # Why a call's result could not be stored (its codec's TypeError), by operation:
         # the session's code gets a TypeError of its own, the session is parked.
         self.refused: dict[str, TypeError] = {}
+        # The calls whose reconcile hook found their effect in this process: settled
+        # without running, so counted as reconciled, neither executed nor replayed.
+        self.found: set[str] = set()
 
     def adopt(self, ops: Sequence[Any]) -> None:
         """Install a step for each call the rows record that this definition does not
@@ -146,7 +150,7 @@ class SessionSaga(Saga[_NoInput]):
         if durable.reconcile_fn is not None:
             step.reconcile(
                 window_seconds=durable.reconcile_window_seconds, retry=durable.reconcile_retry
-            )(_hook(durable.reconcile_fn, args, name))
+            )(_hook(durable.reconcile_fn, args, name, self.found))
         self.steps.append(step)
         return step
 
@@ -270,22 +274,31 @@ def _compensation(durable: DurableStep[Any, Any], args: Any, name: str) -> Calla
     return call
 
 
-def _hook(fn: Callable[..., Any], args: Any, name: str) -> Callable[..., Any]:
+def _hook(
+    fn: Callable[..., Any], args: Any, name: str, found: set[str] | None = None
+) -> Callable[..., Any]:
     """A durable step's reconcile or prepare hook as its call's step calls it: with the
-    context, then the call's own arguments."""
+    context, then the call's own arguments. With `found`, a reconcile hook's `Found`
+    answer adds the call's name to it."""
+
+    def noted(answer: Any) -> Any:
+        if found is not None and isinstance(answer, Found):
+            found.add(name)
+        return answer
+
     if is_async(fn):
 
         async def acall(ctx: Any, _input: Any) -> Any:
             positional, keywords = _arguments(args, name)
             with context_scope(ctx):
-                return await fn(ctx, *positional, **keywords)
+                return noted(await fn(ctx, *positional, **keywords))
 
         return acall
 
     def call(ctx: Any, _input: Any) -> Any:
         positional, keywords = _arguments(args, name)
         with context_scope(ctx):
-            return fn(ctx, *positional, **keywords)
+            return noted(fn(ctx, *positional, **keywords))
 
     return call
 
@@ -452,6 +465,7 @@ class _Ledger:
         self.failure: str | None = None
         self.executed = 0
         self.replayed = 0
+        self.reconciled = 0
 
     def before(
         self, durable: DurableStep[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -521,6 +535,7 @@ class _Ledger:
         # What an earlier run of this call left here is not this run's.
         self.definition.raised.pop(name, None)
         self.definition.refused.pop(name, None)
+        self.definition.found.discard(name)
         return _Decided(name, call.key, asked, _NOT_STORED)
 
     def after(self, durable: DurableStep[Any, Any], decided: _Decided, planner: Planner) -> Any:
@@ -544,7 +559,11 @@ class _Ledger:
         op = planner.find(name, "action")
         assert op is not None
         if op.status == OperationStatus.SUCCEEDED:
-            self.executed += 1
+            if name in self.definition.found:
+                self.definition.found.discard(name)
+                self.reconciled += 1
+            else:
+                self.executed += 1
             return durable.codec.decode(op.result)
         if op.status == OperationStatus.FAILED:
             raise self._raised(name, op.error)
@@ -725,6 +744,13 @@ class _SessionBase:
         """Calls answered from the ledger without running."""
         return self._ledger.replayed
 
+    @property
+    def reconciled(self) -> int:
+        """Calls whose earlier attempt's outcome was unknown (a crash, a timeout) and
+        that this block settled by their reconcile hook finding the effect (`Found`):
+        not run again, and not counted as executed or replayed."""
+        return self._ledger.reconciled
+
     def fail(self, reason: str) -> None:
         """End the session as failed when its block exits: its succeeded calls are
         compensated in reverse. No call runs after this."""
@@ -796,6 +822,8 @@ class Session(_SessionBase):
         id: The session's saga id.
         executed: Calls run in this block.
         replayed: Calls answered from the ledger without running.
+        reconciled: Calls settled in this block by their reconcile hook finding the
+            effect of an earlier attempt whose outcome was unknown.
     """
 
     def __init__(

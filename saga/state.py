@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -72,6 +72,8 @@ class OperationState(BaseModel):
     # The version `request_hash` was computed under (`saga.keys.HASH_VERSIONS`): 1 for
     # rows written before RFC 8785 request hashes, 2 after.
     hash_version: int = 1
+    # A ledger call's claim: when its holder's lease ends (None when no one holds it).
+    claim_expires_at: datetime | None = None
 
 
 class SagaState(BaseModel):
@@ -104,6 +106,11 @@ class SagaState(BaseModel):
     forked_from: str | None = None
     forked_to: str | None = None
     operations: list[OperationState] = []
+
+    @property
+    def display_status(self) -> str:
+        """The status to show people: see `display_status`."""
+        return display_status(self)
 
     def operation(self, step: str, kind: OperationKind = "action") -> OperationState:
         """The operation of `step` of the given kind; `KeyError` when there is none."""
@@ -173,3 +180,58 @@ class Confirmation(BaseModel):
     # The attempt whose start used the approval up (one approval, one attempt), and when.
     consumed_attempt: int | None = None
     consumed_at: datetime | None = None
+
+
+# Names of the saga rows of sessions and ledger channels begin so (as
+# `saga.session.SESSION_PREFIX` and `LEDGER_PREFIX`).
+_CODE_FIRST_PREFIXES = ("session/", "ledger/")
+
+
+def display_status(
+    state: SagaState, *, now: datetime | None = None, live_claims: int | None = None
+) -> str:
+    """The status of a saga as `saga list`, `saga show` and the dashboard show it.
+
+    A declared saga's is its stored `status`. A session or a ledger channel is stored
+    `running` for as long as it is open, whatever its calls did, so its status is told
+    from its rows instead:
+
+    - `open`: a call is in flight. A session's `with` block holds its lease (live); a
+      ledger channel has a call claimed under a live claim.
+    - `idle`: open, but nothing is in flight and no call waits for a human: the next
+      entry of the session (or claim in the channel) goes on. A call left `running` by
+      a holder that stopped is settled by that next entry or claim.
+    - `parked`: a call needs a human (`needs_review`, or `awaiting_confirmation`).
+    - `compensating`: its calls are being undone (a `PermanentError` left the block, or
+      an operator's `compensate` or `cancel`).
+    - `closed`: it ended: the block exited (or `run.fail`), `ledger.close` closed the
+      channel, or it was compensated or forked; the stored status says which.
+
+    `now` is the time leases are compared with (the current time by default);
+    `live_claims` is how many of the channel's calls are held under a live claim, when
+    `state` holds only some of its operations (one page of them).
+    """
+    if not state.saga.startswith(_CODE_FIRST_PREFIXES):
+        return state.status.value
+    if state.status.is_terminal:
+        return "closed"
+    if state.status in (SagaStatus.NEEDS_REVIEW, SagaStatus.AWAITING_CONFIRMATION):
+        return "parked"
+    if state.status == SagaStatus.COMPENSATING:
+        return "compensating"
+    moment = now or datetime.now(UTC)
+    if state.saga.startswith("session/"):
+        held = state.lease_owner is not None and (
+            state.lease_expires_at is not None and state.lease_expires_at > moment
+        )
+        return "open" if held else "idle"
+    if live_claims is None:
+        live_claims = sum(
+            1
+            for op in state.operations
+            if op.kind == "action"
+            and op.status == OperationStatus.RUNNING
+            and op.claim_expires_at is not None
+            and op.claim_expires_at > moment
+        )
+    return "open" if live_claims else "idle"

@@ -665,6 +665,14 @@ class Store:
             ).fetchall()
         return _state(row, ops), int(counted["total"]) if counted else 0
 
+    def count_live_claims(self, saga_id: str) -> int:
+        """How many calls of the ledger channel `saga_id` are held under a live claim
+        (`saga.state.display_status` of a channel whose operations are read a page at a
+        time)."""
+        with self._connection() as conn:
+            row = conn.execute(_q("count_live_claims"), {"saga_id": saga_id}).fetchone()
+        return int(row["total"]) if row else 0
+
     def history_of_operations(
         self, saga_id: str, operations: Sequence[tuple[str, str]]
     ) -> list[HistoryEvent]:

@@ -75,6 +75,14 @@ SELECT count(*) AS total
 FROM saga.operations
 WHERE saga_id = %(saga_id)s
 
+-- count_live_claims --
+-- How many calls of a ledger channel are held under a live claim (the channel is open),
+-- by the database clock.
+SELECT count(*) AS total
+FROM saga.operations
+WHERE saga_id = %(saga_id)s AND kind = 'action' AND status = 'running'
+  AND claim_expires_at > now()
+
 -- get_operations_page --
 -- One page of a saga's operations, in get_operations' order (the step breaks ties, so
 -- that pages never overlap).

@@ -17,7 +17,7 @@ from saga.errors import SagaNotFound
 from saga.orchestrator import Orchestrator
 from saga.remedies import parked_commands
 from saga.session import LEDGER_PREFIX, SESSION_PREFIX
-from saga.state import HistoryEvent, OperationState, SagaState, SagaStatus
+from saga.state import HistoryEvent, OperationState, SagaState, SagaStatus, display_status
 from saga.store import parse_id
 from saga.web import timeline
 
@@ -166,6 +166,12 @@ class Row:
         return saga_kind(self.state.saga)
 
     @property
+    def status(self) -> str:
+        """The status shown (`SagaState.display_status`): a session's or a channel's
+        open, idle, parked, compensating or closed, else the stored one."""
+        return self.state.display_status
+
+    @property
     def commands(self) -> list[str]:
         """The `saga` command lines that take it on when it is parked (else none)."""
         return parked_commands(self.state, self.kind)
@@ -185,7 +191,7 @@ class ListPage:
     def fingerprint(self) -> str:
         """Changes whenever something the page shows of its sagas changes."""
         seen = [
-            (r.state.id, r.state.status, r.state.updated_at.isoformat(), r.reason)
+            (r.state.id, r.status, r.state.updated_at.isoformat(), r.reason)
             for r in (*self.rows, *self.queue)
         ]
         return _digest(seen)
@@ -246,6 +252,8 @@ class SagaPage:
     now: datetime
     # The page of the operations shown (`state.operations` holds that page's only).
     pages: Pages
+    # The status shown (`display_status`, told from all the operations, not this page's).
+    status: str = ""
 
     @property
     def fingerprint(self) -> str:
@@ -273,8 +281,9 @@ def saga_fingerprint(state: SagaState) -> str:
 
 
 def page_fingerprint(state: SagaState, pages: Pages) -> str:
-    """Changes whenever the saga, the operations of the page, or their count changes."""
-    return _digest([state.model_dump(mode="json"), pages.number, pages.total])
+    """Changes whenever the saga, the operations of the page, or their count changes, or
+    its shown status (a claim that expired turns a channel idle)."""
+    return _digest([state.model_dump(mode="json"), pages.number, pages.total, state.display_status])
 
 
 def _digest(value: Any) -> str:
@@ -398,8 +407,12 @@ class Reader:
                     source=provenance.source if inherited else None,
                 )
             )
+        live_claims = None
+        if pages.count > 1 and state.status.is_runnable:
+            live_claims = self.orch.store.count_live_claims(saga_id)
         return SagaPage(
             state=state,
+            status=display_status(state, live_claims=live_claims),
             kind=saga_kind(state.saga),
             reason=reason(state, known),
             input=pretty_json(state.input),

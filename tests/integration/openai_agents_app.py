@@ -155,7 +155,16 @@ async def main(run_id: str) -> None:
     ):
         say(f"SESSION {run.id}")
         output = (await durable.run(agent, "Refund order o-1, please.")).final_output
-        say(json.dumps({"output": output, "executed": run.executed, "replayed": run.replayed}))
+        say(
+            json.dumps(
+                {
+                    "output": output,
+                    "executed": run.executed,
+                    "replayed": run.replayed,
+                    "reconciled": run.reconciled,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

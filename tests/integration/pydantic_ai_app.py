@@ -138,7 +138,16 @@ async def main(run_id: str) -> None:
     ):
         say(f"SESSION {run.id}")
         output = (await agent.run("Refund order o-1, please.")).output
-        say(json.dumps({"output": output, "executed": run.executed, "replayed": run.replayed}))
+        say(
+            json.dumps(
+                {
+                    "output": output,
+                    "executed": run.executed,
+                    "replayed": run.replayed,
+                    "reconciled": run.reconciled,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -144,6 +144,11 @@ def test_a_run_killed_after_the_effect_resumes_without_doing_it_again(
     resumed = run(database_url, ticket)
     assert resumed.returncode == 0, shown(resumed)
     assert f"calls:    {calls}" in resumed.stdout, shown(resumed)
+    # A call settled by its reconcile hook is counted so, not as executed; a same-key
+    # retry ran the call again, so it is executed.
+    executed, reconciled = {"charge_card": (2, 1), "refund": (2, 0), "send_email": (1, 0)}[tool]
+    assert f"executed: {executed}\n" in resumed.stdout, shown(resumed)
+    assert f"reconciled: {reconciled}\n" in resumed.stdout, shown(resumed)
     assert SUMMARY in resumed.stdout and "no effect happened twice" in resumed.stdout
     assert not tool_call_ids(killed.stdout) & tool_call_ids(resumed.stdout)
     assert effects(database_url, ticket) == HANDLED

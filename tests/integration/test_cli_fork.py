@@ -377,7 +377,7 @@ def test_fork_continues_a_session_from_one_of_its_calls(
     shown = saga_cmd("show", "--database-url", database_url, source)
     assert shown.returncode == 0, shown.stderr
     head = _header(shown.stdout)
-    assert (head["status"], head["forked to"]) == ("forked", fork_id)
+    assert (head["status"], head["forked to"]) == ("closed (forked)", fork_id)
     shown = saga_cmd("show", "--database-url", database_url, fork_id)
     assert shown.returncode == 0, shown.stderr
     assert _header(shown.stdout)["forked from"] == source

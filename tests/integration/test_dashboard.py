@@ -526,7 +526,7 @@ def test_sessions_and_ledger_channels_have_pages_like_sagas(
 
     browser.get(f"{dashboard.base}/sagas/{world.channel}")
     assert "channel" in browser.find_element("id", "saga-title").text
-    assert browser.find_element("id", "saga-status").text == "needs_review"
+    assert browser.find_element("id", "saga-status").text == "parked"
     lanes = {step: lane for kind, step, lane in _lanes(browser) if kind == "action"}
     assert len(lanes) == 2
     unknown = browser.find_element(
@@ -769,6 +769,38 @@ def test_a_saga_that_changes_state_updates_without_a_reload(
     )
     assert late not in _rows(browser, "queue-table")
     assert browser.execute_script("return window.notReloaded === true;")
+
+
+def _badges(browser: Any) -> dict[str, str]:
+    """Saga id -> the status its badge shows, of the rows of the list's sagas."""
+    pairs = browser.execute_script(
+        "return Array.from(document.querySelectorAll('#saga-table tbody tr')).map("
+        "r => [r.dataset.sagaId, r.querySelector('.badge').innerText.trim()])"
+    )
+    return dict(pairs)
+
+
+def test_sessions_and_channels_show_open_idle_parked_or_closed(
+    world: World, dashboard: Dashboard, browser: Any, tmp_path: Path
+) -> None:
+    """A session or a ledger channel is stored `running` while it is open: the list and
+    its page say whether a call is in flight (open), none is (idle), one waits for a
+    human (parked), or it ended (closed), the stored status in the badge's title."""
+    held = world.orch.ledger.claim("run-idle", "refund:o-8", "refund", {"order_id": "o-8"})
+    browser.get(dashboard.base + "/")
+    _live(browser)
+    wait_until(lambda: _badges(browser).get(held.saga_id) == "open", timeout=LIVE_TIMEOUT)
+    world.orch.ledger.fail(held, "card declined for good")
+    wait_until(lambda: _badges(browser).get(held.saga_id) == "idle", timeout=LIVE_TIMEOUT)
+    badges = _badges(browser)
+    assert (badges[world.session], badges[world.channel]) == ("closed", "parked")
+    _screenshot(browser, tmp_path / "list-statuses.png")
+
+    browser.get(f"{dashboard.base}/sagas/{held.saga_id}")
+    badge = browser.find_element("id", "saga-status")
+    assert (badge.text, badge.get_attribute("title")) == ("idle", "stored as running")
+    browser.get(f"{dashboard.base}/sagas/{world.session}")
+    assert browser.find_element("id", "saga-status").text == "closed"
 
 
 # ----- saga show --format mermaid, and the missing extra ------------------------------

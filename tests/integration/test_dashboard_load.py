@@ -340,4 +340,11 @@ def test_the_page_of_a_long_ledger_channel_shows_one_page_of_its_calls(
 
     update = asyncio.run(first_update())
     assert any(step.endswith(f"-{LONG_CHANNEL - 1}") for step in _operation_steps(update))
+
+    # A call claimed now is on the last page; the first page says the channel is open.
+    assert re.search(r'id="saga-status"[^>]*>idle<', first.text), first.text[:2000]
+    with Orchestrator(database_url) as orch:
+        orch.ledger.claim("long", "charge:new", "charge", {"amount_cents": 1})
+    held = httpx.get(f"{served.base}/sagas/{saga_id}", timeout=60)
+    assert re.search(r'id="saga-status"[^>]*>open<', held.text), held.text[:2000]
     assert _stop(served) < STOP_SECONDS

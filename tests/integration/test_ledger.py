@@ -6,8 +6,10 @@ recognised when sent again."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -523,7 +525,7 @@ def test_saga_resolve_settles_a_ledger_call_without_an_app(url: str, orch: Orche
     claim = orch.ledger.claim("run-11", "refund:1", "refund", {"order": "1"})
     orch.ledger.unknown(claim, "gateway timeout")
     listed = _saga(url, "list")
-    assert "needs_review" in listed.stdout
+    assert "parked" in listed.stdout
     assert f"{claim.step}: outcome unknown: gateway timeout" in listed.stdout
 
     done = _saga(
@@ -537,6 +539,60 @@ def test_saga_resolve_settles_a_ledger_call_without_an_app(url: str, orch: Orche
     assert (replay.status, replay.result) == ("replayed", {"refund_id": "r1"})
     listed = _saga(url, "list")
     assert "an open ledger channel: its callers claim its calls" in listed.stdout
+
+
+def _listed_status(url: str, saga_id: str) -> str:
+    """The STATUS column of `saga list` for one saga."""
+    listed = _saga(url, "list")
+    assert listed.returncode == 0, listed.stderr
+    header, *rows = listed.stdout.splitlines()
+    (row,) = [r for r in rows if r.startswith(saga_id)]
+    column = header.index("STATUS")
+    return row[column:].split()[0]
+
+
+def test_saga_list_and_show_tell_open_idle_parked_and_closed_channels(
+    url: str, orch: Orchestrator
+) -> None:
+    """A channel is stored `running` until it is closed; `saga list` and `saga show` say
+    whether a call is in flight (open), none is (idle), one needs a human (parked), or
+    the channel ended (closed), keeping the stored status for `show`."""
+    claim = orch.ledger.claim("run-st", "refund:1", "refund", {"order": "1"})
+    assert _listed_status(url, claim.saga_id) == "open"
+    orch.ledger.fail(claim, "card declined for good")
+    assert _listed_status(url, claim.saga_id) == "idle"
+    shown = _saga(url, "show", claim.saga_id, "--json")
+    assert json.loads(shown.stdout)["display_status"] == "idle", shown.stdout
+    shown = _saga(url, "show", claim.saga_id)
+    assert re.search(r"^status +idle \(running\)$", shown.stdout, re.M), shown.stdout
+    orch.ledger.close("run-st")
+    assert _listed_status(url, claim.saga_id) == "closed"
+
+    parked = orch.ledger.claim("run-pk", "refund:2", "refund", {"order": "2"})
+    orch.ledger.unknown(parked, "gateway timeout")
+    assert _listed_status(url, parked.saga_id) == "parked"
+
+
+def test_saga_list_tells_an_open_session_from_an_idle_and_a_closed_one(
+    url: str, orch: Orchestrator
+) -> None:
+    """A session is open while its block runs, idle once an error other than a
+    `PermanentError` left the block (its next entry resumes it), closed once the block
+    exited."""
+    with isolated_steps():
+
+        @durable_step(key=lambda n: n)
+        def note(n: str) -> str:
+            return n
+
+        with pytest.raises(RuntimeError), orch.session("ticket-st") as run:
+            note("a")
+            assert _listed_status(url, run.id) == "open"
+            raise RuntimeError("the agent's model timed out")
+        assert _listed_status(url, run.id) == "idle"
+        with orch.session("ticket-st") as run:
+            note("a")
+        assert _listed_status(url, run.id) == "closed"
 
 
 def test_saga_list_into_a_closed_pipe_is_not_an_error(url: str, orch: Orchestrator) -> None:

@@ -298,7 +298,8 @@ def _lines(proc: subprocess.CompletedProcess[str], prefix: str) -> list[str]:
 
 
 def _outcome(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
-    """What the child's session did: its last line, `{"output", "executed", "replayed"}`."""
+    """What the child's session did: its last line, `{"output", "executed", "replayed",
+    "reconciled"}`."""
     (line,) = [line for line in _lines(proc, "") if line.startswith("{")]
     outcome: dict[str, Any] = json.loads(line)
     return outcome
@@ -339,6 +340,10 @@ def test_a_run_killed_during_a_tool_call_resumes_with_the_effect_once(
     (seen,) = [json.loads(line) for line in _lines(resumed, "RESULT")]
     assert seen["content"]["refund_id"] == refunds[0][0], "the model saw the one refund"
     assert _outcome(resumed)["output"] == "refunded"
+    # A call its reconcile hook found was neither run again nor replayed.
+    counts = {k: _outcome(resumed)[k] for k in ("executed", "replayed", "reconciled")}
+    found = settled_by == "RECONCILED found"
+    assert counts == {"executed": 0 if found else 1, "replayed": 0, "reconciled": int(found)}
 
     again = _child(url, ticket, tool)
     assert again.returncode == 0, again.stdout + again.stderr
@@ -812,3 +817,5 @@ def test_the_example_runs_offline_and_each_effect_happens_once(database_url: str
     failing = example("--ticket", "T-2", "--fail-permanently")
     assert failing.returncode == 3, failing.stdout + failing.stderr
     assert "compensated" in failing.stdout
+    # The charge ran (and was refunded): the counts say so, not zeros.
+    assert "calls executed 1, replayed 0, reconciled 0" in failing.stdout, failing.stdout

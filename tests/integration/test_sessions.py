@@ -286,7 +286,8 @@ def test_a_call_cut_off_is_settled_by_its_reconcile_hook(url: str) -> None:
     run_id = _killed_in(url, "ship", "ship")
     with _orch(url) as orch, orch.session(run_id, wait_seconds=10) as run:
         assert session_app.ship("o-1") == {"tracking": "t-o-1"}
-        assert (run.executed, run.replayed) == (1, 0)
+        # Settled by its hook: neither run again nor replayed.
+        assert (run.executed, run.replayed, run.reconciled) == (0, 0, 1)
         assert "reconcile_found" in [e.event for e in run.history()]
     assert _effects(url, "ship") == 1
 
@@ -595,7 +596,7 @@ def test_the_saga_command_shows_and_compensates_a_session(url: str, tmp_path: Pa
         "unbooked r-2",
         "unbooked r-1",
     ]
-    assert "status   compensated" in saga("show", session_id).stdout
+    assert "status   closed (compensated)" in saga("show", session_id).stdout
 
 
 # ----- SIGKILL at each fault point of a durable step ----------------------------------------

@@ -18,6 +18,7 @@ import saga
 from saga import Saga
 from saga.keys import (
     HASH_VERSION,
+    call_operation_name,
     canonical_form,
     canonical_json,
     check_json,
@@ -423,3 +424,26 @@ def test_the_writing_statements_record_the_current_hash_version() -> None:
     marks = re.findall(r"saga\.hashed_under\((\d+),", code)
     assert len(marks) == 5
     assert set(marks) == {str(HASH_VERSION)}
+
+
+def test_the_documented_key_escaping_example_is_what_the_code_writes() -> None:
+    """README.md and docs/getting-started.md show how a forked session's call key is
+    escaped, and how to read it back: both are what `operation_key` does."""
+    root = Path(__file__).resolve().parents[2]
+    run_id = "crashB-028:fork:rent_car"
+    step = call_operation_name("rent_car", "car-1")
+    key = operation_key("session/session", 1, "box-office", run_id, step, "action")
+    for page in ("README.md", "docs/getting-started.md"):
+        raw = (root / page).read_text(encoding="utf-8")
+        text = " ".join(raw.split())
+        assert key in raw, page
+        assert "`%` is written `%25`" in text, page
+        assert f"`{run_id}`" in text, page
+    # Read back as documented: split on ':', then '%3A' -> ':' and '%25' -> '%' per part.
+    parts = [p.replace("%3A", ":").replace("%25", "%") for p in key.split(":")]
+    assert parts == ["session/session", "v1", "box-office", run_id, step]
+    assert step == "rent_car.701cec69f31b"
+    # '%' is escaped first, so a literal '%3A' in a part reads back as itself.
+    odd = operation_key("s", 1, "t", "50%3A:x", "y", "action")
+    assert odd == "s:v1:t:50%253A%3Ax:y"
+    assert [p.replace("%3A", ":").replace("%25", "%") for p in odd.split(":")][3] == "50%3A:x"
