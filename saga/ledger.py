@@ -42,6 +42,7 @@ from saga.keys import (
     same_request,
 )
 from saga.operator import actor_or_os_user
+from saga.remedies import resolve_commands
 from saga.session import LEDGER_PREFIX
 
 if TYPE_CHECKING:
@@ -251,10 +252,18 @@ def _verdict(asked: _Asked, row: Mapping[str, Any]) -> Claim:
             f"channel {asked.channel!r} ({saga_id}) is {row['saga_status']}: no call runs in "
             f"it now, so {where} was not claimed"
         )
-    if verdict in ("parked", "exhausted"):
+    if verdict == "exhausted":
+        happened, did_not = resolve_commands(saga_id, step)
         raise SessionParked(
-            f"channel {asked.channel!r} ({saga_id}) needs a human: {row['error']}; settle it "
-            f"with `saga resolve {saga_id} --step {step} ...` (nothing was claimed)"
+            f"channel {asked.channel!r} ({saga_id}) needs a human: {row['error']}; settle the "
+            f"call with `{happened}` or `{did_not}` (nothing was claimed)"
+        )
+    if verdict == "parked":
+        happened, did_not = resolve_commands(saga_id, "CALL")
+        raise SessionParked(
+            f"channel {asked.channel!r} ({saga_id}) needs a human: {row['error']}; settle the "
+            f"call it names (`saga show {saga_id}` lists them) with `{happened}` or "
+            f"`{did_not}` (nothing was claimed)"
         )
     if verdict == "failed":
         raise PermanentError(

@@ -264,8 +264,10 @@ def test_unknown_parks_the_channel_until_the_call_is_reclaimed(orch: Orchestrato
     state = orch.get(claim.saga_id)
     assert state.status == SagaStatus.NEEDS_REVIEW
     assert "read timeout" in (state.error or "") and claim.step in (state.error or "")
-    with pytest.raises(SessionParked, match="needs a human"):
+    with pytest.raises(SessionParked, match="needs a human") as parked:
         _claim(orch, "order-other")  # nothing new runs in a parked channel
+    # The advice is a command `saga resolve` takes: ID, then the call's name.
+    assert f"`saga resolve {claim.saga_id} CALL --succeeded --result JSON`" in str(parked.value)
 
     again = _claim(orch, "order-6")
     assert (again.status, again.outcome_unknown) == ("reclaimed", True)
@@ -281,8 +283,9 @@ def test_unknown_outcomes_past_the_ceiling_park_for_a_human(orch: Orchestrator) 
     second = _claim(orch, "order-7", max_attempts=2, lease_seconds=0.1)
     assert second.status == "reclaimed"
     time.sleep(0.3)
-    with pytest.raises(SessionParked, match=r"2 attempts of 2 ended without an outcome"):
+    with pytest.raises(SessionParked, match=r"2 attempts of 2 ended without an outcome") as out:
         _claim(orch, "order-7", max_attempts=2)
+    assert f"`saga resolve {first.saga_id} {first.step} --failed --reason TEXT`" in str(out.value)
     state = orch.get(first.saga_id)
     assert state.status == SagaStatus.NEEDS_REVIEW
     assert state.operation(first.step).status == OperationStatus.UNKNOWN
