@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Any, Literal, TextIO
 
 from saga.operator import IN_FLIGHT, Outcome, PlannedSaga, PurgeCandidate, Report, VersionInFlight
+from saga.remedies import parked_commands
 from saga.session import LEDGER_PREFIX, SESSION_PREFIX
 from saga.state import HistoryEvent, OperationKind, OperationState, SagaState
 from saga.upgrade import UpgradePlan
@@ -255,6 +256,9 @@ def show(state: SagaState, history: Sequence[HistoryEvent]) -> str:
     lines = [f"{k.ljust(width)}  {printable(v)}" for k, v in head]
     ops = _operations(state.operations, Provenance.of(history))
     lines += ["", "OPERATIONS", ops, "", "TIMELINE", _timeline(history)]
+    commands = parked_commands(state)
+    if commands:
+        lines += ["", "WHAT TO RUN (one of these)", *(f"  {printable(c)}" for c in commands)]
     return "\n".join(lines)
 
 

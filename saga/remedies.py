@@ -11,6 +11,22 @@ from saga.state import OperationKind, OperationStatus, SagaState, SagaStatus
 # What a person fills in: the app module (`--app`), a result, a reason.
 APP = "--app MODULE"
 
+# Sessions' saga rows are named so: a declared saga's name never has a '/'.
+SESSION_PREFIX = "session/"
+# A ledger channel's saga row (saga.ledger) is named so: its calls are claimed one by one
+# by callers that own their control flow, never driven under the saga's lease.
+LEDGER_PREFIX = "ledger/"
+
+
+def saga_kind(name: str) -> str:
+    """`session`, `channel` (a ledger channel) or `saga` (a declared one), from a saga's
+    name: what `parked_commands` takes as its `kind`."""
+    if name.startswith(SESSION_PREFIX):
+        return "session"
+    if name.startswith(LEDGER_PREFIX):
+        return "channel"
+    return "saga"
+
 
 def resolve_commands(
     saga_id: str, step: str, kind: OperationKind = "action", *, app: bool = False
@@ -40,7 +56,7 @@ def retry_command(saga_id: str) -> str:
     return f"saga retry {saga_id} {APP}"
 
 
-def parked_commands(state: SagaState, kind: str = "saga") -> list[str]:
+def parked_commands(state: SagaState, kind: str | None = None) -> list[str]:
     """The command lines an operator may run on a parked saga, each complete but for what
     only a person knows (the app module, a result, a reason); empty when it is not parked.
 
@@ -50,7 +66,8 @@ def parked_commands(state: SagaState, kind: str = "saga") -> list[str]:
     `saga compensate`. A saga parked on a ceiling or on a failure after its pivot resumes
     with `saga retry` (its reason says what to raise), or is compensated. `kind` is `saga`,
     `session` or `channel`: a ledger channel is settled call by call (its callers, not
-    `saga compensate`, go on from there); a declared saga's lines load its app.
+    `saga compensate`, go on from there); a declared saga's lines load its app. Without
+    `kind`, it is read from the saga's name (`saga_kind`).
     """
     if state.status != SagaStatus.NEEDS_REVIEW:
         return []
@@ -58,6 +75,7 @@ def parked_commands(state: SagaState, kind: str = "saga") -> list[str]:
     unsettled = (OperationStatus.UNKNOWN, OperationStatus.RUNNING)
     lines: list[str] = []
     failed = False
+    kind = kind or saga_kind(state.saga)
     app = kind == "saga"
     for op in state.operations:
         if op.status in unsettled:

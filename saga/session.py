@@ -40,6 +40,8 @@ from saga.keys import call_operation_long_name, call_operation_name, operation_k
 from saga.keys import request_hash as hash_fields
 from saga.outcomes import Found
 from saga.protocol import Planner, SagaRow
+from saga.remedies import LEDGER_PREFIX as LEDGER_PREFIX  # re-exported: named by saga.session
+from saga.remedies import SESSION_PREFIX as SESSION_PREFIX
 from saga.remedies import resolve_commands
 from saga.retry import RetryPolicy
 from saga.rows import Event, OpRow
@@ -53,11 +55,6 @@ if TYPE_CHECKING:
     from saga.runner import Runner
 
 
-# Sessions' saga rows are named so: a declared saga's name never has a '/'.
-SESSION_PREFIX = "session/"
-# A ledger channel's saga row (saga.ledger) is named so: its calls are claimed one by one
-# by callers that own their control flow, never driven under the saga's lease.
-LEDGER_PREFIX = "ledger/"
 # How often a session entry that found a live holder looks again (seconds).
 _BUSY_POLL = 0.1
 

@@ -15,8 +15,7 @@ from saga import cli_format as fmt
 from saga import operator
 from saga.errors import SagaNotFound
 from saga.orchestrator import Orchestrator
-from saga.remedies import parked_commands
-from saga.session import LEDGER_PREFIX, SESSION_PREFIX
+from saga.remedies import parked_commands, saga_kind
 from saga.state import HistoryEvent, OperationState, SagaState, SagaStatus, display_status
 from saga.store import parse_id
 from saga.web import timeline
@@ -264,15 +263,6 @@ class SagaPage:
     def commands(self) -> list[str]:
         """The `saga` command lines that take it on when it is parked (else none)."""
         return parked_commands(self.state, self.kind)
-
-
-def saga_kind(name: str) -> str:
-    """`session`, `channel` (a ledger channel) or `saga`, from a saga's name."""
-    if name.startswith(SESSION_PREFIX):
-        return "session"
-    if name.startswith(LEDGER_PREFIX):
-        return "channel"
-    return "saga"
 
 
 def saga_fingerprint(state: SagaState) -> str:

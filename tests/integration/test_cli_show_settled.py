@@ -32,15 +32,27 @@ def test_show_says_who_resolved_a_step_instead_of_how_long_it_took(
     `saga show` says `resolved by alice` where a timed attempt says its seconds."""
     orch = make_orch(*cli_app.SAGAS)
     saga_id = _park_unknown(orch, "o-who")
+
+    # Parked, `saga show` ends with the command lines that take it on, as run here.
+    parked = saga_cmd("show", "--database-url", database_url, saga_id)
+    assert parked.returncode == 0, parked.stderr
+    commands = parked.stdout.split("\nWHAT TO RUN (one of these)\n", 1)[1].splitlines()
+    assert [c.strip() for c in commands] == [
+        f"saga resolve {saga_id} charge --app MODULE --succeeded --result JSON",
+        f"saga resolve {saga_id} charge --app MODULE --failed --reason TEXT",
+        f"saga compensate {saga_id} --app MODULE --include-unknown",
+    ]
+    resolve = commands[0].split()[1:-1]  # without `saga` and the JSON placeholder
+    resolve[resolve.index("MODULE")] = "cli_app"
     resolved = saga_cmd(
-        *("resolve", "--app", "cli_app", "--database-url", database_url, saga_id, "charge"),
-        "--succeeded",
-        *("--result", '{"charge_id": "ch_manual"}', "--actor", "alice"),
+        *resolve,
+        *('{"charge_id": "ch_manual"}', "--actor", "alice", "--database-url", database_url),
         app_dir=app_dir,
     )
     assert resolved.returncode == 0, resolved.stderr
 
     shown = saga_cmd("show", "--database-url", database_url, saga_id[:8])
+    assert "WHAT TO RUN" not in shown.stdout  # no longer parked
     assert shown.returncode == 0, shown.stderr
     ops = _operations(shown.stdout)
     assert ops[("charge", "action")]["STATUS"] == "succeeded"
