@@ -5,6 +5,7 @@ command in a subprocess, on a real PostgreSQL."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -125,6 +126,69 @@ def test_a_worker_signalled_while_it_starts_stops_with_exit_0(
         wait_until(lambda: (app_dir / "importing").exists() or proc.poll() is not None)
         proc.send_signal(signal.SIGTERM)
         (app_dir / "go").touch()
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert out == "", out
+    assert "stopped (SIGTERM)" in err, err
+    assert "driving" not in err and "Traceback" not in err, err
+    assert orch.get(saga_id).status == "pending"
+    assert orch.workers() == []
+
+
+# Put first on PYTHONPATH, this holds the command while its own code (any `saga.` module
+# but the package and its entry point) is imported: it creates `saga-importing` in
+# CLI_APP_DIR, then waits for `saga-go` there. Python imports `sitecustomize` at start-up.
+_HOLD_THE_IMPORT = """
+import os, sys, time
+from pathlib import Path
+
+class Hold:
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith("saga.") and name not in {"saga._entry", "saga.__main__"}:
+            sys.meta_path.remove(self)
+            state = Path(os.environ["CLI_APP_DIR"])
+            (state / "saga-importing").touch()
+            deadline = time.monotonic() + 30
+            while not (state / "saga-go").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return None
+
+sys.meta_path.insert(0, Hold())
+"""
+
+
+@pytest.mark.parametrize("command", ["module", "script"])
+def test_a_worker_signalled_while_saga_is_imported_stops_with_exit_0(
+    make_orch: OrchestratorFactory, database_url: str, app_dir: Path, command: str
+) -> None:
+    """SIGTERM in the first moment of `saga worker`, while the saga package itself is
+    still being imported (about a second, before the command runs): it exits 0 saying it
+    stopped, and drives nothing. It used to be killed by the signal (exit -15)."""
+    orch = make_orch(*cli_app.SAGAS)
+    saga_id = orch.start(cli_app.parcel, Job(order_id="o-boot")).id
+    hook = app_dir / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_HOLD_THE_IMPORT)
+    env = _env(app_dir, SAGA_DATABASE_URL=database_url)
+    env["PYTHONPATH"] = os.pathsep.join([str(hook), env["PYTHONPATH"]])
+    saga = [sys.executable, "-m", "saga"]
+    if command == "script":  # the console script `pip install` made
+        saga = [str(Path(sys.executable).with_name("saga"))]
+    proc = subprocess.Popen(
+        [*saga, "worker", "--app", "cli_app:orch"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until(lambda: (app_dir / "saga-importing").exists() or proc.poll() is not None)
+        proc.send_signal(signal.SIGTERM)
+        (app_dir / "saga-go").touch()
         out, err = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
