@@ -2,6 +2,6 @@
 
 import sys
 
-from saga.cli import main
+from saga._entry import main
 
 sys.exit(main())

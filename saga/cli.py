@@ -23,7 +23,7 @@ from typing import Any, Literal, NoReturn, TypeVar, cast
 import pydantic
 import structlog
 
-from saga import __version__, operator
+from saga import __version__, _entry, operator
 from saga import cli_format as fmt
 from saga.aorchestrator import AsyncOrchestrator
 from saga.approvals import ApprovalSigner
@@ -972,8 +972,12 @@ class _StopSignals:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _StopSignals:
+        early = _entry.installed()
         for signum in (signal.SIGTERM, signal.SIGINT):
             self._previous[signum] = signal.signal(signum, self._on_signal)
+        # One that came while the command itself was being imported (see saga/_entry.py).
+        if early and _entry.received is not None:
+            self._on_signal(_entry.received, None)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -1779,6 +1783,11 @@ def _dashboard(args: argparse.Namespace) -> int:
         raise UsageError(
             f"the dashboard needs the web extra, and {missing} is not installed: {WEB_EXTRA}"
         ) from None
+    # A signal while the command and the web framework were imported stops it cleanly.
+    early = _entry.take()
+    if early is not None:
+        _announce(f"saga dashboard: stopped ({early.name})", "dashboard_stopped")
+        return EXIT_OK
     try:
         web.serve(
             args.database_url,
@@ -1860,6 +1869,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging(_log_level(args), args.log_format)
     urls = (getattr(args, "database_url", None),)
     try:
+        if args.command not in {"worker", "dashboard"}:  # they handle signals themselves
+            _entry.release()
         return _COMMANDS[args.command](args)
     except UsageError as exc:
         return _fail(f"{args.command}: {exc}", EXIT_USAGE, urls)

@@ -5,6 +5,7 @@ command in a subprocess, on a real PostgreSQL."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -136,6 +137,104 @@ def test_a_worker_signalled_while_it_starts_stops_with_exit_0(
     assert "driving" not in err and "Traceback" not in err, err
     assert orch.get(saga_id).status == "pending"
     assert orch.workers() == []
+
+
+# Put first on PYTHONPATH, this holds the command while its own code (any `saga.` module
+# but the package and its entry point) is imported: it creates `saga-importing` in
+# CLI_APP_DIR, then waits for `saga-go` there. Python imports `sitecustomize` at start-up.
+_HOLD_THE_IMPORT = """
+import os, sys, time
+from pathlib import Path
+
+class Hold:
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith("saga.") and name not in {"saga._entry", "saga.__main__"}:
+            sys.meta_path.remove(self)
+            state = Path(os.environ["CLI_APP_DIR"])
+            (state / "saga-importing").touch()
+            deadline = time.monotonic() + 30
+            while not (state / "saga-go").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return None
+
+sys.meta_path.insert(0, Hold())
+"""
+
+
+def _signalled_while_saga_is_imported(
+    app_dir: Path, saga: list[str], *args: str, **env: str
+) -> tuple[int, str, str]:
+    """Run `saga ARGS` (`saga` the command to run), SIGTERM it while it imports its own
+    code, before the command runs: its exit code, stdout and stderr."""
+    hook = app_dir / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_HOLD_THE_IMPORT)
+    environ = _env(app_dir, **env)
+    environ["PYTHONPATH"] = os.pathsep.join([str(hook), environ["PYTHONPATH"]])
+    proc = subprocess.Popen(
+        [*saga, *args], env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        wait_until(lambda: (app_dir / "saga-importing").exists() or proc.poll() is not None)
+        proc.send_signal(signal.SIGTERM)
+        (app_dir / "saga-go").touch()
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, out, err
+
+
+_PYTHON_M_SAGA = [sys.executable, "-m", "saga"]
+
+
+@pytest.mark.parametrize("command", ["module", "script"])
+def test_a_worker_signalled_while_saga_is_imported_stops_with_exit_0(
+    make_orch: OrchestratorFactory, database_url: str, app_dir: Path, command: str
+) -> None:
+    """SIGTERM in the first moment of `saga worker`, while the saga package itself is
+    still being imported (about a second, before the command runs): it exits 0 saying it
+    stopped, and drives nothing. It used to be killed by the signal (exit -15)."""
+    orch = make_orch(*cli_app.SAGAS)
+    saga_id = orch.start(cli_app.parcel, Job(order_id="o-boot")).id
+    saga = _PYTHON_M_SAGA
+    if command == "script":  # the console script `pip install` made
+        saga = [str(Path(sys.executable).with_name("saga"))]
+    code, out, err = _signalled_while_saga_is_imported(
+        app_dir, saga, "worker", "--app", "cli_app:orch", SAGA_DATABASE_URL=database_url
+    )
+    assert code == 0, err
+    assert out == "", out
+    assert "stopped (SIGTERM)" in err, err
+    assert "driving" not in err and "Traceback" not in err, err
+    assert orch.get(saga_id).status == "pending"
+    assert orch.workers() == []
+
+
+def test_a_dashboard_signalled_while_saga_is_imported_stops_with_exit_0(
+    database_url: str, app_dir: Path
+) -> None:
+    """The same for `saga dashboard`: exit 0, `stopped (SIGTERM)`, nothing served. It used
+    to be killed by the signal (exit -15)."""
+    code, out, err = _signalled_while_saga_is_imported(
+        app_dir, _PYTHON_M_SAGA, "dashboard", "--port", "0", "--database-url", database_url
+    )
+    assert code == 0, err
+    assert out == ""
+    assert err == "saga dashboard: stopped (SIGTERM)\n"
+
+
+def test_another_command_signalled_while_saga_is_imported_is_ended_by_it(
+    database_url: str, app_dir: Path
+) -> None:
+    """A command that handles no signal (`saga list`) still ends by a SIGTERM that came
+    while it started, as a supervisor expects of it, after doing nothing."""
+    code, out, err = _signalled_while_saga_is_imported(
+        app_dir, _PYTHON_M_SAGA, "list", "--database-url", database_url
+    )
+    assert code == -signal.SIGTERM, err
+    assert out == err == ""
 
 
 def test_dashboard_logs_json_on_stderr_only(database_url: str, tmp_path: Path) -> None:
