@@ -318,6 +318,11 @@ class Engine:
     ) -> Flow[tuple[SagaHandle, tuple[Planner, Next] | None]]:
         """Create a saga instance, idempotently on (tenant, saga name, key); with `claim`,
         created leased to us with its first move planned and recorded (`execute`)."""
+        if not isinstance(saga, Saga):
+            raise TypeError(
+                "start() and execute() take the Saga object itself (the one its steps are "
+                f"declared on), not {type(saga).__name__} {saga!r}"
+            )
         if (saga.name, saga.version) not in self._registry:
             self.register(saga)
         model = saga.validate_input(data)

@@ -98,6 +98,12 @@ def test_invalid_input_raises_before_anything_is_written(
         orch.start(saga, {"order_id": "o-1", "amount_cents": "a lot"})
     with pytest.raises(pydantic.ValidationError):
         orch.start(saga, {"amount_cents": 5})  # no order_id
+    # The saga's name where its object belongs: a TypeError that says so, not an
+    # AttributeError from inside.
+    with pytest.raises(TypeError, match=r"take the Saga object itself .*not str 'checkout'"):
+        orch.start("checkout", {"order_id": "o-1", "amount_cents": 5})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="take the Saga object itself"):
+        orch.execute("checkout", {"order_id": "o-1", "amount_cents": 5})  # type: ignore[arg-type]
 
     assert count_rows(database_url, "sagas") == 0
     assert count_rows(database_url, "operations") == 0
