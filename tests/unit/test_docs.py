@@ -7,7 +7,8 @@ broken link, a page left out of the nav or a docstring griffe cannot parse fails
 That built site's API reference must show no internal name (a base such as `Engine`, a
 `_private` parameter or module), and in headless Chromium (Debian's `chromium` and
 `chromium-driver`; skipped without them) its long code lines scroll sideways and the
-copy button lies over no code.
+copy button lies over no code. The README stays a front door: at most 300 lines, its
+links reach files and headings that exist, and its first example is the manual's.
 """
 
 from __future__ import annotations
@@ -347,3 +348,12 @@ def test_the_readmes_links_reach_a_file_and_heading() -> None:
             failures.append(f"{path}#{anchor}: no such heading")
     assert links >= 10
     assert not failures, "\n".join(failures)
+
+
+def test_the_readmes_first_example_is_the_one_of_declared_sagas() -> None:
+    """The one block the README shares with the manual, its first example, is the same
+    text as the first example of docs/sagas.md: a fix in one that misses the other fails
+    here instead of drifting."""
+    readme = [block for lang, block in fenced_blocks(README) if lang == "python"]
+    sagas = [block for lang, block in fenced_blocks(DOCS / "sagas.md") if lang == "python"]
+    assert readme[0].code == sagas[0].code, "README.md's first example differs from sagas.md's"
