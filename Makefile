@@ -76,7 +76,7 @@ clean:
 	rm -rf $(VENV) dist build .pytest_cache .mypy_cache .ruff_cache .demo-pgdata .demo-pgdata.lock
 
 # The benchmark has an environment of its own: DBOS Transact is measured beside us,
-# it is not a dependency of the project. Figures and command: README, "Benchmarks".
+# it is not a dependency of the project. Figures and command: docs/benchmarks.md.
 BENCH_VENV ?= bench/.venv
 
 $(BENCH_VENV)/.installed: pyproject.toml bench/requirements.txt

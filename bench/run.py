@@ -932,7 +932,7 @@ def async_report(b: dict[str, Row]) -> tuple[list[str], dict[str, float]]:
 
 @dataclass(frozen=True)
 class Target:
-    """One throughput target of the table in the README, as measured."""
+    """One throughput target of the table in docs/benchmarks.md, as measured."""
 
     label: str
     value: float

@@ -62,6 +62,8 @@ class Provider:
     crash_after_charge = False  # set in the child of scene 2
 
     def connect(self, url: str) -> None:
+        if getattr(self, "conn", None) is not None:  # connected again: to another database
+            self.conn.close()
         self.conn = psycopg.connect(url, autocommit=True)  # every call commits at once
         self.conn.execute(PROVIDER_SCHEMA)
 

@@ -209,7 +209,7 @@ def behind_pooler(conn: psycopg.Connection[Any]) -> bool:
     key, and keeps the session too, so it is rightly taken for a direct connection. A
     pooler that forwards the real backend key of a session it then shares is not
     detected: give such a URL `prepared_statements=False` (`SAGA_PREPARED_STATEMENTS=off`)
-    and a direct `listen_url` (README, "Running in production")."""
+    and a direct `listen_url` (docs/production.md, "Running in production")."""
     row = conn.execute("SELECT pg_backend_pid()").fetchone()
     return row is None or int(row[0]) != conn.info.backend_pid
 

@@ -1,12 +1,13 @@
 """Apply the SQL migrations in order, once, under an advisory lock.
 
-The upgrade policy (README, "Upgrades"): during a rolling upgrade, workers of the previous
-release keep running against the schema the new release has migrated, so a migration never
-removes or changes anything the previous release calls or reads. A SQL function whose
-contract changes gets a new versioned name (`saga.write_saga_v2` beside `saga.write_saga`);
-the old one is dropped one release later, once no supported release calls it. Columns are
-added nullable or with a default, never dropped or retyped in the release that stops using
-them. tests/integration/test_upgrade.py checks this against the previous release's tree.
+The upgrade policy (docs/deploying.md, "A new release of the package"): during a rolling
+upgrade, workers of the previous release keep running against the schema the new release
+has migrated, so a migration never removes or changes anything the previous release calls
+or reads. A SQL function whose contract changes gets a new versioned name
+(`saga.write_saga_v2` beside `saga.write_saga`); the old one is dropped one release later,
+once no supported release calls it. Columns are added nullable or with a default, never
+dropped or retyped in the release that stops using them. tests/integration/test_upgrade.py
+checks this against the previous release's tree.
 
 The advisory lock is transaction-scoped (`pg_advisory_xact_lock`) and every migration
 runs in the one transaction that holds it, so migrating through a pooler in transaction

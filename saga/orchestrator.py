@@ -107,8 +107,8 @@ class Orchestrator(Engine):
             detected at the first connection (`route`): a pooler in transaction mode
             hands a prepared statement's name to another client's session. Behind a
             pooler the timeouts of each transaction are set in it (`SET LOCAL`), and
-            workers wake on `LISTEN` only on a direct `listen_url` (README, "Running in
-            production").
+            workers wake on `LISTEN` only on a direct `listen_url` ("Running in
+            production" in the manual).
         telemetry_keys: OpenTelemetry spans carry the saga's key and tenant, and each
             operation's idempotency key and request hash (they can carry personal data,
             so they are left out by default); else `SAGA_OTEL_INCLUDE_KEYS=1`. Traces

@@ -6,7 +6,7 @@ finish every saga. With asynchronous replication the last transitions before the
 failover can vanish; the saga then finds its step as it was when the standby last heard
 of it, and what it does is safe: the attempt whose outcome record vanished is treated as
 unknown and settled by its reconcile hook, and a step whose start vanished too is called
-again with the same idempotency key (README, "Running in production")."""
+again with the same idempotency key (docs/production.md, "Through a failover")."""
 
 from __future__ import annotations
 

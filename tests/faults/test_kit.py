@@ -1,4 +1,4 @@
-"""saga.testing on the renewal example, as the README shows it, and its checks biting."""
+"""saga.testing on the renewal example, as docs/proving-it.md shows it, and its checks biting."""
 
 from __future__ import annotations
 
@@ -48,10 +48,10 @@ PARKED = {
 
 
 def test_renewal_survives_a_kill_at_every_fault_point(database_url: str) -> None:
-    """The README's worked example: a renewal killed at each of the 4 fault points of each
-    of its 3 steps is resumed; it completes, or is parked for a human where the step that is
-    neither idempotent nor reconcilable (the shipment) was in flight; no charge is ever made
-    twice."""
+    """The worked example of docs/proving-it.md: a renewal killed at each of the 4 fault
+    points of each of its 3 steps is resumed; it completes, or is parked for a human where
+    the step that is neither idempotent nor reconcilable (the shipment) was in flight; no
+    charge is ever made twice."""
     report = crash_test(
         app="faults.renewal_app:orch",
         saga="renewal",

@@ -1,4 +1,4 @@
-"""Deploying a new version while sagas are in flight, as the README tells it.
+"""Deploying a new version while sagas are in flight, as docs/deploying.md tells it.
 
 A saga is planned from the operations stored at its start, by the definition registered
 under its (name, version): a definition changed under the same version parks the sagas

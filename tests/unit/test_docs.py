@@ -7,7 +7,8 @@ broken link, a page left out of the nav or a docstring griffe cannot parse fails
 That built site's API reference must show no internal name (a base such as `Engine`, a
 `_private` parameter or module), and in headless Chromium (Debian's `chromium` and
 `chromium-driver`; skipped without them) its long code lines scroll sideways and the
-copy button lies over no code.
+copy button lies over no code. The README stays a front door: at most 300 lines, its
+links reach files and headings that exist, and its first example is the manual's.
 """
 
 from __future__ import annotations
@@ -297,3 +298,62 @@ def test_the_home_page_says_which_exceptions_fail_a_step() -> None:
         "outcome is unknown",
     ):
         assert words in bullet, words
+
+
+README = ROOT / "README.md"
+# A Markdown link to a file of the repository: [text](path) or [text](path#anchor).
+LINK = re.compile(r"\]\((?P<path>[^)#\s]*)(?:#(?P<anchor>[^)\s]+))?\)")
+HEADING = re.compile(r"^#{1,6}\s+(?P<title>.+?)\s*$")
+
+
+def _slug(title: str) -> str:
+    """The anchor GitHub (and MkDocs' toc, for these headings) gives a heading."""
+    title = re.sub(r"[^\w\- ]", "", title.strip().lower())
+    return title.replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    anchors, fenced = set(), False
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced and (heading := HEADING.match(line)):
+            anchors.add(_slug(heading["title"]))
+    return anchors
+
+
+def test_the_readme_is_a_front_door_not_the_manual() -> None:
+    """The README stays short (the pitch, the two commands, the first example, the doors
+    and the limits); the manual is docs/."""
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 300, f"README.md has {len(lines)} lines: move detail into docs/"
+    text = "\n".join(lines)
+    for words in ("make demo", "make test", "## Limits", "## Which door"):
+        assert words in text, words
+
+
+def test_the_readmes_links_reach_a_file_and_heading() -> None:
+    """Every relative link of the README names a file of the repository (as GitHub reads
+    it) and, with an anchor, a heading of that file."""
+    failures, links = [], 0
+    for match in LINK.finditer(README.read_text(encoding="utf-8")):
+        path, anchor = match["path"], match["anchor"]
+        if "://" in path or not (path or anchor):
+            continue
+        links += 1
+        target = (ROOT / path) if path else README
+        if not target.is_file():
+            failures.append(f"{path}: no such file")
+        elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
+            failures.append(f"{path}#{anchor}: no such heading")
+    assert links >= 10
+    assert not failures, "\n".join(failures)
+
+
+def test_the_readmes_first_example_is_the_one_of_declared_sagas() -> None:
+    """The one block the README shares with the manual, its first example, is the same
+    text as the first example of docs/sagas.md: a fix in one that misses the other fails
+    here instead of drifting."""
+    readme = [block for lang, block in fenced_blocks(README) if lang == "python"]
+    sagas = [block for lang, block in fenced_blocks(DOCS / "sagas.md") if lang == "python"]
+    assert readme[0].code == sagas[0].code, "README.md's first example differs from sagas.md's"

@@ -427,13 +427,13 @@ def test_the_writing_statements_record_the_current_hash_version() -> None:
 
 
 def test_the_documented_key_escaping_example_is_what_the_code_writes() -> None:
-    """README.md and docs/getting-started.md show how a forked session's call key is
+    """docs/sagas.md and docs/getting-started.md show how a forked session's call key is
     escaped, and how to read it back: both are what `operation_key` does."""
     root = Path(__file__).resolve().parents[2]
     run_id = "crashB-028:fork:rent_car"
     step = call_operation_name("rent_car", "car-1")
     key = operation_key("session/session", 1, "box-office", run_id, step, "action")
-    for page in ("README.md", "docs/getting-started.md"):
+    for page in ("docs/sagas.md", "docs/getting-started.md"):
         raw = (root / page).read_text(encoding="utf-8")
         text = " ".join(raw.split())
         assert key in raw, page

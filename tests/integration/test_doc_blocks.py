@@ -1,10 +1,12 @@
-"""Every ```python block of the README runs, in order, and its sagas end as it says.
+"""Every ```python block of README.md and of every docs/ page runs, in order, and its
+sagas end as it says.
 
-The blocks share one namespace for the whole file, so a block may use the names an
-earlier one defined (the first example's `renewal`, `Renewal`, `gateway`, ...). They run
-against this test's fresh database: `SAGA_DATABASE_URL` is set to it, and the repository
-root is importable, so `from examples.fake_providers import ...` works as it does for a
-reader in a clone of the repository.
+Each page is a test of its own (parametrized by its path). The blocks of a page share one
+namespace, so a block may use the names an earlier block of the same page defined (the
+first example's `renewal`, `Renewal`, `gateway`, ...); a page never relies on another
+page's names. Each page runs against a fresh database of its own: `SAGA_DATABASE_URL`
+is set to it, and the repository root is importable, so `from examples.fake_providers
+import ...` works as it does for a reader in a clone of the repository.
 
 A block is skipped only when its first line says why: `# not run: <reason>`. After each
 block, a saga of the database that has come to `compensated` or `needs_review` fails the
@@ -33,7 +35,11 @@ from saga.durable import isolated_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-FENCE = re.compile(r"^```\s*(\S*)\s*$")
+DOCS = ROOT / "docs"
+# Every Markdown page a reader is shown: the README and the site's pages.
+PAGES = [README, *sorted(DOCS.rglob("*.md"))]
+# A fence, possibly indented (inside a list item or an admonition).
+FENCE = re.compile(r"^(?P<indent>\s*)```\s*(?P<lang>[^\s`]*)\s*$")
 SKIP = re.compile(r"^#\s*not run:\s*(?P<reason>\S.*)$")
 EXPECTS = re.compile(r"#.*\bends (?P<status>compensated|needs_review)\b")
 UNEXPECTED = ("compensated", "needs_review")
@@ -46,6 +52,7 @@ class Block:
     line: int
     section: str
     code: str
+    page: str = "README.md"
 
     @property
     def skip_reason(self) -> str | None:
@@ -58,31 +65,33 @@ class Block:
         return {m["status"] for m in EXPECTS.finditer(self.code)}
 
     def where(self) -> str:
-        return f"README.md line {self.line} (section {self.section!r})"
+        return f"{self.page} line {self.line} (section {self.section!r})"
 
 
-def python_blocks(text: str) -> list[Block]:
-    """The ```python blocks of a Markdown text, in order; an unclosed fence is an error."""
+def python_blocks(text: str, page: str = "README.md") -> list[Block]:
+    """The ```python blocks of a Markdown text, in order; an unclosed fence is an error.
+    An indented block (in a list item) loses its fence's indentation."""
     blocks: list[Block] = []
     section = "(top)"
-    fence: tuple[str, int] | None = None
+    fence: tuple[str, str, int] | None = None  # indent, language, first line of code
     body: list[str] = []
     for number, line in enumerate(text.splitlines(), start=1):
+        match = FENCE.match(line)
         if fence is None:
             if line.startswith("## "):
                 section = line[3:].strip()
-            opened = FENCE.match(line)
-            if opened:
-                fence, body = (opened[1], number + 1), []
+            if match:
+                fence, body = (match["indent"], match["lang"], number + 1), []
             continue
-        if line.strip() == "```":
-            lang, start = fence
-            if lang == "python":
-                blocks.append(Block(start, section, "\n".join(body) + "\n"))
+        if match and not match["lang"] and len(match["indent"]) <= len(fence[0]):
+            indent, lang, start = fence
+            if lang in ("python", "py"):
+                code = "\n".join(text.removeprefix(indent) for text in body) + "\n"
+                blocks.append(Block(start, section, code, page))
             fence = None
         else:
             body.append(line)
-    assert fence is None, f"README.md: the fence opened at line {fence[1] - 1} is never closed"
+    assert fence is None, f"{page}: the fence opened at line {fence[2] - 1} is never closed"
     return blocks
 
 
@@ -103,7 +112,7 @@ def isolated_process_state() -> Iterator[None]:
     library_level = library.level
     environ = dict(os.environ)
     try:
-        # A reader's process: the README's durable steps, not those of other tests.
+        # A reader's process: the page's durable steps, not those of other tests.
         with isolated_steps():
             yield
     finally:
@@ -117,11 +126,11 @@ def isolated_process_state() -> Iterator[None]:
 def run_blocks(blocks: list[Block], database_url: str, source: Path = README) -> list[str]:
     """Run the blocks in order in one namespace; returns the skipped ones with their reason,
     and fails the calling test at the first block that raises or ends a saga unannounced."""
-    namespace: dict[str, Any] = {"__name__": "readme"}
+    namespace: dict[str, Any] = {"__name__": source.stem}
     skipped: list[str] = []
     try:
         for block in blocks:
-            # Padded so that a traceback names the README's own line numbers. A skipped
+            # Padded so that a traceback names the page's own line numbers. A skipped
             # block must still be Python.
             code = compile("\n" * (block.line - 1) + block.code, str(source), "exec")
             reason = block.skip_reason
@@ -151,24 +160,35 @@ def run_blocks(blocks: list[Block], database_url: str, source: Path = README) ->
     return skipped
 
 
+def _name(page: Path) -> str:
+    return page.relative_to(ROOT).as_posix()
+
+
 def test_python_blocks_parse_in_order() -> None:
-    """The extraction finds the blocks (a README without any would make the test vacuous)."""
+    """The extraction finds the blocks (pages without any would make the test vacuous)."""
     blocks = python_blocks(README.read_text(encoding="utf-8"))
     assert len(blocks) >= 5
     assert blocks[0].section == "What it does"
+    every = [b for page in PAGES for b in python_blocks(page.read_text("utf-8"), _name(page))]
+    assert len(every) >= 30
+    assert {"docs/sagas.md", "docs/sessions.md", "docs/guardrails.md"} <= {b.page for b in every}
 
 
-def test_every_python_block_of_the_readme_runs(
-    database_url: str, monkeypatch: pytest.MonkeyPatch, isolated_process_state: None
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_every_python_block_of_the_page_runs(
+    page: Path, database_url: str, monkeypatch: pytest.MonkeyPatch, isolated_process_state: None
 ) -> None:
-    """Each block runs with the names the blocks before it defined; none raises, and no
-    saga ends compensated or parked unless its block says it expects that."""
+    """Each block runs with the names the blocks before it on its page defined; none
+    raises, and no saga ends compensated or parked unless its block says it expects that."""
+    blocks = python_blocks(page.read_text(encoding="utf-8"), _name(page))
+    if not blocks:
+        return  # a page with no Python to run (an API reference page, a table)
     monkeypatch.setenv("SAGA_DATABASE_URL", database_url)
     monkeypatch.syspath_prepend(str(ROOT))
-    blocks = python_blocks(README.read_text(encoding="utf-8"))
     started = time.monotonic()
-    skipped = run_blocks(blocks, database_url)
-    print(f"{len(blocks)} blocks, {len(skipped)} skipped, {time.monotonic() - started:.1f} s")
+    skipped = run_blocks(blocks, database_url, page)
+    print(f"{_name(page)}: {len(blocks)} blocks, {len(skipped)} skipped,"
+          f" {time.monotonic() - started:.1f} s")  # fmt: skip
     for line in skipped:
         print(f"  skipped {line}")
 
