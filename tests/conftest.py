@@ -98,12 +98,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         path = Path(str(item.path)).resolve()
         if path == _INTEGRATION_DIR or _INTEGRATION_DIR in path.parents:
             item.add_marker(pytest.mark.integration)
-        if config.getoption("server_tests_only") and not (
-            _SERVER_FIXTURES & set(getattr(item, "fixturenames", ()))
-        ):
-            dropped.append(item)
-        elif config.getoption("skip_long_faults") and (
-            path == _FAULTS_DIR or _FAULTS_DIR in path.parents
+        no_server = not _SERVER_FIXTURES & set(getattr(item, "fixturenames", ()))
+        a_fault = path == _FAULTS_DIR or _FAULTS_DIR in path.parents
+        if (config.getoption("server_tests_only") and no_server) or (
+            config.getoption("skip_long_faults") and a_fault
         ):
             dropped.append(item)
         else:
