@@ -51,8 +51,18 @@ lint: $(BIN)/.installed-test
 	$(BIN)/ruff check saga tests examples
 	$(BIN)/mypy saga examples
 
+# The suite in two phases: first the few tests marked `serial`, which read or change what
+# the whole server or machine shares, one at a time; then all the others in TEST_WORKERS
+# processes (pytest-xdist: one server for all of them, a fresh database per test; most
+# tests wait on leases, timers and child processes, so more workers than cores pay).
+# TEST_WORKERS=0 runs the second phase in this process too. PYTEST_ARGS go to both phases
+# (a phase left with no test, as `PYTEST_ARGS=tests/unit` leaves the first, is no error).
+TEST_WORKERS ?= 4
+PYTEST_ARGS ?=
+
 test: lint
-	$(BIN)/pytest
+	$(BIN)/pytest -p no:xdist -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(BIN)/pytest -n $(TEST_WORKERS) -m 'not serial' $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 wheel-check: $(BIN)/.installed-test
 	bash tests/wheel_check.sh $(BIN)/python

@@ -12,6 +12,7 @@ asks for one of these fixtures, so the unit tests never touch a database.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -31,14 +32,83 @@ from saga import embedded
 from saga.testing import postgres_server
 
 _INTEGRATION_DIR = Path(__file__).resolve().parent / "integration"
+_FAULTS_DIR = Path(__file__).resolve().parent / "faults"
+
+
+# Set by the controller of a parallel run (pytest-xdist, `-n N`) for its workers: the URL of
+# the one server every worker uses, and the data directory of that server when it is the
+# embedded one. Not for users: they set SAGA_TEST_DATABASE_URL.
+_ENV_SHARED_URL = "SAGA_TEST_SHARED_SERVER_URL"
+_ENV_SHARED_DIR = "SAGA_TEST_SHARED_EMBEDDED_DIR"
+
+# Fixtures through which a test reaches the suite's database server.
+_SERVER_FIXTURES = frozenset({"server_url", "postgres_server_url"})
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--server-tests-only",
+        action="store_true",
+        help="run only the tests that use the suite's database server (a fixture such as"
+        " database_url): a second run against another server skips the tests that could"
+        " not tell the two apart",
+    )
+    parser.addoption(
+        "--skip-long-faults",
+        action="store_true",
+        help="leave out the fault scenarios of tests/faults (run them in another pass)",
+    )
+
+
+def _xdist_controller(config: pytest.Config) -> bool:
+    """This process hands tests to pytest-xdist workers (`-n N`, N > 0)."""
+    if hasattr(config, "workerinput"):
+        return False
+    return bool(getattr(config.option, "numprocesses", None)) and (
+        getattr(config.option, "dist", "no") != "no"
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In a parallel run, the controller starts the suite's one server (the embedded one,
+    or a container) before the workers start, and hands its URL to them: one server for
+    all, started once, stopped when the run ends. Each worker migrates a template of its
+    own on it, and each test still gets a fresh database."""
+    if not _xdist_controller(config) or os.environ.get(_ENV_SHARED_URL):
+        return
+    if os.environ.get("SAGA_TEST_DATABASE_URL"):
+        return  # the workers use it as it is
+    stack = contextlib.ExitStack()
+    root = Path(tempfile.mkdtemp(prefix="saga-test-"))
+    stack.callback(shutil.rmtree, root, ignore_errors=True)
+    data_dir = root / "pgdata"
+    stack.callback(embedded.detach, data_dir)
+    url = stack.enter_context(postgres_server(data_dir))
+    os.environ[_ENV_SHARED_URL] = url
+    os.environ[_ENV_SHARED_DIR] = str(data_dir)
+    config.add_cleanup(stack.close)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every test under tests/integration as `integration`."""
+    """Mark every test under tests/integration as `integration`; leave out what
+    `--server-tests-only` and `--skip-long-faults` say."""
+    keep: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
     for item in items:
         path = Path(str(item.path)).resolve()
         if path == _INTEGRATION_DIR or _INTEGRATION_DIR in path.parents:
             item.add_marker(pytest.mark.integration)
+        no_server = not _SERVER_FIXTURES & set(getattr(item, "fixturenames", ()))
+        a_fault = path == _FAULTS_DIR or _FAULTS_DIR in path.parents
+        if (config.getoption("server_tests_only") and no_server) or (
+            config.getoption("skip_long_faults") and a_fault
+        ):
+            dropped.append(item)
+        else:
+            keep.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
 
 
 @pytest.fixture(autouse=True)
@@ -99,13 +169,19 @@ def private_dir(private_root: Path, request: pytest.FixtureRequest) -> Iterator[
 
 @pytest.fixture(scope="session")
 def embedded_data_dir(private_root: Path) -> Path:
-    """Where this session's embedded PostgreSQL lives, when the suite uses one."""
-    return private_root / "pgdata"
+    """Where this session's embedded PostgreSQL lives, when the suite uses one (in a
+    parallel run, the one the controller started for all workers)."""
+    shared = os.environ.get(_ENV_SHARED_DIR)
+    return Path(shared) if shared else private_root / "pgdata"
 
 
 @pytest.fixture(scope="session")
 def server_url(embedded_data_dir: Path) -> Iterator[str]:
     """The maintenance URL of the PostgreSQL server used by this test session."""
+    shared = os.environ.get(_ENV_SHARED_URL)
+    if shared:
+        yield shared  # started and stopped by the controller of this parallel run
+        return
     try:
         with postgres_server(embedded_data_dir) as url:
             yield url

@@ -22,8 +22,11 @@ from saga import embedded
 
 def _pytests_shared_base(config: pytest.Config, factory: pytest.TempPathFactory) -> Path:
     """The directory other pytest runs of this user share: the parent of this run's base
-    (`/tmp/pytest-of-<user>`), or the given `--basetemp` itself."""
+    (`/tmp/pytest-of-<user>`), or the given `--basetemp` itself. A pytest-xdist worker's
+    base is `popen-gwN` inside its run's base."""
     base = factory.getbasetemp().resolve()
+    if hasattr(config, "workerinput"):
+        return base.parent.parent
     return base if config.getoption("basetemp") else base.parent
 
 
@@ -63,6 +66,7 @@ def _another_pytest_run(where: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.serial  # loosens and resets the mode of pytest's base, shared by every run
 def test_an_embedded_server_placed_as_the_suites_survives_another_pytest_run(
     embedded_data_dir: Path,
     request: pytest.FixtureRequest,
