@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo demo-agent demo-agent-openai test lint typecheck unit integration wheel-check soak clean
+.PHONY: demo demo-agent demo-agent-openai test lint wheel-check soak clean
 
 $(BIN)/.installed-demo: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -65,7 +65,7 @@ test: lint
 	$(BIN)/pytest -n $(TEST_WORKERS) -m 'not serial' $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 wheel-check: $(BIN)/.installed-test
-	bash tests/wheel_check.sh $(BIN)/python
+	$(BIN)/pytest -q -p no:xdist tests/integration/test_wheel.py
 
 # The long fault run: SOAK_SAGAS (default 10000) sagas under random kills and restarts.
 soak: $(BIN)/.installed-test
