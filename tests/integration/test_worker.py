@@ -81,15 +81,18 @@ def test_a_long_backoff_releases_the_lease(make_orch: OrchestratorFactory) -> No
     saga_id = orch.start(saga, Order(order_id="o-1")).id
     worker = orch.worker(concurrency=1, short_wait_seconds=0.5, poll_seconds=0.2)
     with running(worker):
+        # `orch.get` reads the saga row and its operations in two statements, which may
+        # straddle the worker's commit: wait for a state showing both sides of it.
         sleeping = wait_until(
             lambda: (
                 (s := orch.get(saga_id)).operation("flaky").attempts == 1
                 and s.operation("flaky").status == "pending"
+                and s.lease_owner is None
                 and s
             ),
             timeout=10,
         )
-        assert sleeping.lease_owner is None and sleeping.lease_expires_at is None
+        assert sleeping.lease_expires_at is None
         assert sleeping.run_after is not None
         assert worker.in_flight == 0
         done = wait_until(lambda: (s := orch.get(saga_id)).status == "completed" and s, timeout=10)
