@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from saga.dbretry import DEFAULT_RETRY_SECONDS, aretrying, retrying
+from saga._db.dbretry import DEFAULT_RETRY_SECONDS, aretrying, retrying
 from saga.errors import (
     IdempotencyConflict,
     LeaseLost,
@@ -46,8 +46,8 @@ from saga.remedies import resolve_commands
 from saga.session import LEDGER_PREFIX
 
 if TYPE_CHECKING:
-    from saga.aorchestrator import AsyncOrchestrator
     from saga.orchestrator import Orchestrator
+    from saga.orchestrator_async import AsyncOrchestrator
 
 # The saga row of every channel is named so (its key is the channel).
 CHANNEL_SAGA = LEDGER_PREFIX + "channel"

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Literal
 
-from saga import interventions
+from saga._core import requests as interventions
+from saga._core.planner import Planner
+from saga._db.store import Store, parse_id
 from saga.errors import DatabaseUnavailable, NotRegistered, SagaError, SagaNotFound
-from saga.protocol import Planner
 from saga.state import OperationStatus, SagaState, SagaStatus
-from saga.store import Store, parse_id
 
 if TYPE_CHECKING:
     from saga.orchestrator import Orchestrator

@@ -14,10 +14,14 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 from pydantic import BaseModel
 
-from saga import inputs
-from saga.database import Route, check_connection, prepare_threshold, unavailable
-from saga.definition import Saga
-from saga.engine import (
+from saga._core import inputs
+from saga._db.database import Route, check_connection, prepare_threshold, unavailable
+from saga._db.migrate import migrate_database
+from saga._db.store import Store
+from saga._drivers.driver import Runner
+from saga._drivers.leases import LeaseKeeper
+from saga._drivers.loopguard import sync_only
+from saga._engine import (
     ENV_APPROVAL_PUBLIC_KEY,
     ENV_CONFIRMATION_KEY,
     Engine,
@@ -26,14 +30,11 @@ from saga.engine import (
     resolve_arguments,
     upgraded,
 )
+from saga.definition import Saga
 from saga.keys import HASH_VERSION
-from saga.leases import LeaseKeeper
 from saga.ledger import Ledger
 from saga.logs import get_logger
-from saga.loopguard import sync_only
-from saga.migrate import migrate_database
 from saga.operator import actor_or_os_user, check_actor
-from saga.runner import Runner
 from saga.session import Session
 from saga.state import (
     Confirmation,
@@ -43,7 +44,6 @@ from saga.state import (
     SagaStatus,
     WorkerInfo,
 )
-from saga.store import Store
 from saga.upgrade import UpgradePlan, check_upgrade_arguments
 
 if TYPE_CHECKING:

@@ -22,11 +22,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
-from saga import inputs
+from saga._core import inputs
+from saga._core.planner import Planner, SagaRow
+from saga._core.rows import Event, OpRow
+from saga._flows.drive import Flows, log_events, retried
+from saga._flows.effects import Flow, Pause, db
 from saga.codec import ResultCodec
 from saga.definition import Guards, Saga, Step
 from saga.durable import DurableStep, context_scope, registered_step, session_scope
-from saga.effects import Flow, Pause, db
 from saga.errors import (
     IdempotencyConflict,
     PermanentError,
@@ -35,24 +38,21 @@ from saga.errors import (
     SessionParked,
     StepStateError,
 )
-from saga.flow import Flows, log_events, retried
 from saga.keys import call_operation_long_name, call_operation_name, operation_key
 from saga.keys import request_hash as hash_fields
 from saga.outcomes import Found
-from saga.protocol import Planner, SagaRow
 from saga.remedies import LEDGER_PREFIX as LEDGER_PREFIX  # re-exported: named by saga.session
 from saga.remedies import SESSION_PREFIX as SESSION_PREFIX
 from saga.remedies import resolve_commands
 from saga.retry import RetryPolicy
-from saga.rows import Event, OpRow
 from saga.signatures import is_async
 from saga.state import HistoryEvent, OperationState, OperationStatus, SagaState, SagaStatus
 
 if TYPE_CHECKING:
-    from saga.adriver import AsyncRunner
-    from saga.aorchestrator import AsyncOrchestrator
+    from saga._drivers.driver import Runner
+    from saga._drivers.driver_async import AsyncRunner
     from saga.orchestrator import Orchestrator
-    from saga.runner import Runner
+    from saga.orchestrator_async import AsyncOrchestrator
 
 
 # How often a session entry that found a live holder looks again (seconds).

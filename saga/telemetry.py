@@ -20,7 +20,7 @@ drivers report:
 Without the API installed, every function here returns at once (a traced flow is the flow
 itself); with the API but no SDK configured (the global providers are still the API's
 placeholders), likewise, checked at each use, so an SDK configured later is picked up.
-The core (`saga.protocol`, `saga.rows`, `saga.inputs`...) never imports this module.
+The core (`saga._core`: the planner, its rows and inputs) never imports this module.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from saga.effects import Call, Flow, NotCalledError
+from saga._flows.effects import Call, Flow, NotCalledError
 from saga.errors import LeaseLost
 from saga.logs import get_logger
 from saga.state import OperationStatus
@@ -45,10 +45,10 @@ if TYPE_CHECKING:
     from opentelemetry.metrics import CallbackOptions, Histogram, Observation
     from opentelemetry.trace import Link, Span, Tracer
 
-    from saga.protocol import Next, OpRow, Planner, SagaRow
-    from saga.rows import Event
+    from saga._core.planner import Next, OpRow, Planner, SagaRow
+    from saga._core.rows import Event
+    from saga._db.store import DatabaseGauges
     from saga.state import SagaState
-    from saga.store import DatabaseGauges
 
 try:
     from opentelemetry import context as _context

@@ -18,17 +18,17 @@ import psycopg
 from psycopg import sql
 
 from saga import telemetry
-from saga.database import Route, behind_pooler, describe_url, is_malformed_url
-from saga.dbretry import is_transient, retrying
+from saga._core.planner import Next, Planner
+from saga._db.database import Route, behind_pooler, describe_url, is_malformed_url
+from saga._db.dbretry import is_transient, retrying
+from saga._db.store import Store
+from saga._drivers.driver import Runner, RunnerOptions
+from saga._drivers.leases import LeaseKeeper
+from saga._drivers.loopguard import sync_only
 from saga.definition import Saga
 from saga.errors import DatabaseRefused, DatabaseUnavailable
-from saga.leases import LeaseKeeper
 from saga.logs import get_logger
-from saga.loopguard import sync_only
-from saga.protocol import Next, Planner
 from saga.redact import scrub
-from saga.runner import Runner, RunnerOptions
-from saga.store import Store
 
 _log = get_logger("saga.worker")
 

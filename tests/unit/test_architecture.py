@@ -17,13 +17,13 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "saga"
 CORE = (
-    "saga.rows",
-    "saga.protocol",
-    "saga.ceilings",
-    "saga.confirmations",
-    "saga.interventions",
-    "saga.inputs",
-    "saga.effects",
+    "saga._core.rows",
+    "saga._core.planner",
+    "saga._core.ceilings",
+    "saga._core.confirmations",
+    "saga._core.requests",
+    "saga._core.inputs",
+    "saga._flows.effects",
 )
 # Libraries that do I/O, run threads or event loops: none of them is reachable from the core.
 DRIVER_LIBRARIES = {"psycopg", "psycopg_pool", "threading", "asyncio", "socket", "subprocess"}
@@ -39,7 +39,26 @@ CLOCK_CALLS = {
 
 
 def _source(module: str) -> Path:
-    return PACKAGE / f"{module.removeprefix('saga.')}.py"
+    relative = Path(*module.split(".")[1:])
+    package = PACKAGE / relative / "__init__.py"
+    return package if package.exists() else PACKAGE / f"{relative}.py"
+
+
+def _library_files() -> list[Path]:
+    """The package's modules, the web and integration packages aside (they have tests of
+    their own below)."""
+    return sorted(
+        path
+        for path in PACKAGE.rglob("*.py")
+        if path.relative_to(PACKAGE).parts[0] not in {"web", "integrations"}
+    )
+
+
+def _module_of(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(("saga", *parts))
 
 
 def _runtime_imports(module: str) -> set[str]:
@@ -54,13 +73,15 @@ def _runtime_imports(module: str) -> set[str]:
             elif isinstance(node, ast.Import):
                 found.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found.add(node.module)
-                if node.module == "saga":
-                    found.update(
-                        f"saga.{alias.name}"
-                        for alias in node.names
-                        if _source(f"saga.{alias.name}").exists()
-                    )
+                submodules = {
+                    f"{node.module}.{alias.name}"
+                    for alias in node.names
+                    if node.module.startswith("saga")
+                    and _source(f"{node.module}.{alias.name}").exists()
+                }
+                found.update(submodules)
+                if len(submodules) < len(node.names) or node.module == "saga":
+                    found.add(node.module)
             elif isinstance(node, ast.If | ast.Try | ast.With):
                 visit(node.body)
                 visit(getattr(node, "orelse", []))
@@ -74,11 +95,9 @@ def _runtime_imports(module: str) -> set[str]:
 
 def _graph() -> dict[str, set[str]]:
     return {
-        f"saga.{path.stem}": {
-            m for m in _runtime_imports(f"saga.{path.stem}") if m.startswith("saga.")
-        }
-        for path in PACKAGE.glob("*.py")
-        if path.stem != "__init__"
+        _module_of(path): {m for m in _runtime_imports(_module_of(path)) if m.startswith("saga.")}
+        for path in _library_files()
+        if _module_of(path) != "saga"
     }
 
 
@@ -137,8 +156,8 @@ def test_runtime_imports_form_no_cycle() -> None:
 @pytest.mark.parametrize(
     ("worker", "orchestrators"),
     [
-        ("saga.worker", {"saga.orchestrator", "saga.aorchestrator"}),
-        ("saga.aworker", {"saga.orchestrator", "saga.aorchestrator"}),
+        ("saga.worker", {"saga.orchestrator", "saga.orchestrator_async"}),
+        ("saga.worker_async", {"saga.orchestrator", "saga.orchestrator_async"}),
     ],
 )
 def test_workers_do_not_import_the_orchestrators(worker: str, orchestrators: set[str]) -> None:
@@ -160,7 +179,7 @@ def test_workers_do_not_import_the_orchestrators(worker: str, orchestrators: set
 
 
 # The `saga` command and the batch jobs behind it: they see the orchestrator's errors only.
-COMMAND_MODULES = ("saga.cli", "saga.cli_format", "saga.operator")
+COMMAND_MODULES = ("saga.cli", "saga.cli.format", "saga.operator")
 
 
 @pytest.mark.parametrize("module", COMMAND_MODULES)
@@ -184,10 +203,10 @@ def test_the_command_and_batch_jobs_never_see_driver_errors(module: str) -> None
 def test_the_checks_see_what_they_look_for() -> None:
     """The walkers are not blind: the flows stamp inputs with the clock, and the sync
     driver imports threading."""
-    assert ("datetime", "now") in _clock_calls("saga.flow")
-    assert "threading" in _runtime_imports("saga.runner")
-    assert "saga.store" in _reachable(_graph(), "saga.runner")
-    assert "psycopg" in _runtime_imports("saga.store")
+    assert ("datetime", "now") in _clock_calls("saga._flows.drive")
+    assert "threading" in _runtime_imports("saga._drivers.driver")
+    assert "saga._db.store" in _reachable(_graph(), "saga._drivers.driver")
+    assert "psycopg" in _runtime_imports("saga._db.store")
 
 
 # ----- agent integrations: optional, and never reached from the core ---------------------------
@@ -229,7 +248,7 @@ def _all_imports(path: Path) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("path", sorted(PACKAGE.glob("*.py")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", _library_files(), ids=_module_of)
 def test_core_modules_import_no_integration_and_no_agent_framework(path: Path) -> None:
     """The core package works without any extra: no module of it imports the integrations
     or an agent framework, not even for type checking or inside a function."""
@@ -277,10 +296,10 @@ def test_importing_the_core_loads_no_agent_framework() -> None:
     frameworks installed or not) has loaded none of them."""
     modules = [
         "saga",
-        *sorted(
-            f"saga.{path.stem}"
-            for path in PACKAGE.glob("*.py")
-            if path.stem not in {"__init__", "__main__"}  # __main__ runs the command
+        *(
+            _module_of(path)
+            for path in _library_files()
+            if path.stem != "__main__"  # __main__ runs the command
         ),
     ]
     code = (

@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from saga import RetryPolicy, Saga, StepStateError, interventions
+from saga import RetryPolicy, Saga, StepStateError
+from saga._core import requests as interventions
+from saga._core.planner import Invoke, OpRow, Planner, SagaRow, new_action_rows
 from saga.cli import UsageError, _parser, load_app
 from saga.operator import parse_duration
-from saga.protocol import Invoke, OpRow, Planner, SagaRow, new_action_rows
 from saga.state import OperationStatus, SagaStatus
 
 
@@ -333,7 +334,7 @@ def test_load_app_finds_the_single_orchestrator_or_explains(
 def test_cli_wording_names_flags_and_never_suggests_one_already_passed() -> None:
     """Library messages become the command's words; a flag the user passed is not
     suggested again as if it had not been."""
-    from saga.cli_format import cli_wording
+    from saga.cli.format import cli_wording
 
     parked = "resolve it first, or compensate with include_unknown=True"
     assert cli_wording(parked) == "resolve it first, or compensate with --include-unknown"

@@ -8,9 +8,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from saga import RetryPolicy, Saga, StepContext, confirmations, interventions
-from saga.approvals import preview_hash
-from saga.protocol import (
+from saga import RetryPolicy, Saga, StepContext
+from saga._core import confirmations
+from saga._core import requests as interventions
+from saga._core.planner import (
     ConfirmationRow,
     Invoke,
     Next,
@@ -19,6 +20,7 @@ from saga.protocol import (
     Stop,
     new_action_rows,
 )
+from saga.approvals import preview_hash
 from saga.state import OperationStatus, SagaStatus
 
 

@@ -1,8 +1,9 @@
 """What a flow asks its driver to do: the only I/O of driving a saga, as values.
 
-Flows (`saga.flow`) are generators that yield these and receive what came of them; a
-sync driver (`saga.runner`) and an asyncio driver (`saga.adriver`) carry them out, the
-way psycopg runs one generator per protocol exchange with a blocking or an async waiter.
+Flows (`saga._flows.drive`) are generators that yield these and receive what came of them;
+a sync driver (`saga._drivers.driver`) and an asyncio driver (`saga._drivers.driver_async`)
+carry them out, the way psycopg runs one generator per protocol exchange with a blocking or
+an async waiter.
 An effect that fails raises its error inside the flow, at the `yield`.
 """
 

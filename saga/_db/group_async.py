@@ -1,7 +1,7 @@
 """Group commit for the asyncio door: the transitions that sagas driven on one event loop
 have ready while a write is on the wire go out together, in one statement and one commit.
 
-The batching is the one both doors share (`saga.group`). A write that finds nothing on
+The batching is the one both doors share (`saga._db.group`). A write that finds nothing on
 the wire goes out at once (with the writes made ready in the same turn of the loop): a
 saga driven by itself (`execute()` in a loop) waits for nothing and costs what it did.
 Writes that arrive while a batch is on the wire queue up and leave as the next batch,
@@ -16,7 +16,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from saga.group import Answers, Batching
+from saga._db.group import Answers, Batching
 
 P = TypeVar("P")
 R = TypeVar("R")

@@ -16,16 +16,16 @@ import psycopg
 from psycopg import sql
 
 from saga import telemetry
-from saga.adriver import AsyncRunner
-from saga.astore import AsyncStore
-from saga.database import behind_pooler_async
-from saga.dbretry import is_transient
+from saga._core.planner import Next, Planner
+from saga._db.database import behind_pooler_async
+from saga._db.dbretry import is_transient
+from saga._db.store import DatabaseGauges
+from saga._db.store_async import AsyncStore
+from saga._drivers.driver_async import AsyncRunner
+from saga._flows.drive import describe_error
 from saga.definition import Saga
-from saga.flow import describe_error
 from saga.logs import get_logger
-from saga.protocol import Next, Planner
 from saga.redact import scrub
-from saga.store import DatabaseGauges
 from saga.worker import (
     CHANNEL,
     MAX_CLAIM_BATCH,

@@ -15,7 +15,7 @@ saga's next effect starts before its transition committed.
 call `Orchestrator.run`): leader and followers. The thread whose write finds the wire free
 leads: it sends its batch and, once the reply is in, hands the writes queued meanwhile to
 the first of their threads, which leads the next batch, before it hands out its own
-batch's answers. `saga.agroup.GroupCommit` is the event loop's.
+batch's answers. `saga._db.group_async.GroupCommit` is the event loop's.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from saga._db.store import Store
 from saga.logs import get_logger
-from saga.store import Store
 
 _log = get_logger("saga")
 

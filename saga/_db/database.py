@@ -49,9 +49,9 @@ def embedded_database_url(data_dir: Path | None = None) -> str:
     """Start (or reuse) the embedded PostgreSQL in `data_dir` and return its URL.
 
     The server is shared by every process using the same directory; the last of them
-    to exit stops it, clients that were killed are not waited for (`saga.embedded`).
+    to exit stops it, clients that were killed are not waited for (`saga._db.embedded`).
     """
-    from saga import embedded
+    from saga._db import embedded
 
     directory = (data_dir or default_embedded_dir()).resolve()
     try:

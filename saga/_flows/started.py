@@ -19,7 +19,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from saga.rows import OpRow, SagaRow
+from saga._core.rows import OpRow, SagaRow
 
 __all__ = ["DEFAULT_LIMIT", "Started", "StartedSagas"]
 

@@ -16,8 +16,13 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
-from saga.database import describe_url
-from saga.dbretry import is_transient
+from saga._core.live_calls import RunningCall
+from saga._core.planner import ConfirmationChange, ConfirmationRow, Event, OpRow, SagaRow, Write
+from saga._db.database import describe_url
+from saga._db.dbretry import is_transient
+from saga._db.group import GroupCommit
+from saga._db.roles import RoleKind, check_privileges, privileges_query
+from saga._db.sqlfiles import load_queries
 from saga.errors import (
     DatabaseError,
     DatabaseInterrupted,
@@ -27,12 +32,7 @@ from saga.errors import (
     SchemaMissing,
     StepStateError,
 )
-from saga.group import GroupCommit
-from saga.live_calls import RunningCall
-from saga.protocol import ConfirmationChange, ConfirmationRow, Event, OpRow, SagaRow, Write
 from saga.redact import scrub
-from saga.roles import RoleKind, check_privileges, privileges_query
-from saga.sqlfiles import load_queries
 from saga.state import (
     Confirmation,
     HistoryEvent,
@@ -432,7 +432,7 @@ class Store:
     ) -> SagaState | None:
         """Persist a lease holder's write in one statement and one round trip, shared with
         the writes other threads have ready at the same moment (group commit,
-        `saga.group`); the saga's new state when `write.return_state`. `LeaseLost` when
+        `saga._db.group`); the saga's new state when `write.return_state`. `LeaseLost` when
         the fence no longer matches, `StepStateError` when a confirmation cannot be
         written: either fails this saga's write alone.
 
@@ -517,7 +517,7 @@ class Store:
 
     def check_privileges(self, kind: RoleKind) -> None:
         """Raise `InsufficientPrivilege` when the connected role lacks what `kind` needs
-        (`saga.roles`), naming what it lacks and the `saga grant` that gives it."""
+        (`saga._db.roles`), naming what it lacks and the `saga grant` that gives it."""
         query, params = privileges_query(kind)
         with self._connection() as conn:
             rows = conn.execute(query, params).fetchall()

@@ -1,13 +1,13 @@
 """The step protocol's decisions, free of I/O: what to write and what to call next.
 
 The planner works on an in-memory snapshot of one saga (its row and its operation
-rows, `saga.rows`). Each method mutates the snapshot, marks what changed and records
+rows, `saga._core.rows`). Each method mutates the snapshot, marks what changed and records
 audit events; the runner persists those changes in one transaction and carries out the
 returned `Next` (call a step, ask a reconcile hook, sleep, or stop). Keeping the
 decisions here lets a sync and an async runner share one protocol. It reads no clock:
 every input carries the time it happened (`now`). The checks before an attempt live
-beside it (`saga.ceilings`, `saga.confirmations`), and an operator's requests in
-`saga.interventions`.
+beside it (`saga._core.ceilings`, `saga._core.confirmations`), and an operator's requests in
+`saga._core.requests`.
 """
 
 from __future__ import annotations
@@ -16,11 +16,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
-from saga import ceilings, confirmations
-from saga.definition import Compensation, OperationSpec, Saga, Step
-from saga.errors import StepStateError
-from saga.keys import HASH_VERSION, canonical_json, operation_key, request_hash, same_request
-from saga.rows import (
+from saga._core import ceilings, confirmations
+from saga._core.rows import (
     ConfirmationChange,
     ConfirmationRow,
     Event,
@@ -30,12 +27,15 @@ from saga.rows import (
     Write,
     describe,
 )
+from saga.definition import Compensation, OperationSpec, Saga, Step
+from saga.errors import StepStateError
+from saga.keys import HASH_VERSION, canonical_json, operation_key, request_hash, same_request
 from saga.state import OperationStatus, SagaState, SagaStatus
 
 if TYPE_CHECKING:
     from saga.approvals import ApprovalVerifier
 
-# The rows (from `saga.rows`) are named through this module too, as they were before
+# The rows (from `saga._core.rows`) are named through this module too, as they were before
 # they had a module of their own.
 __all__ = [
     "AskReconcile",
@@ -159,7 +159,7 @@ class Planner:
         self.ops = ops
         self.confirmations = confirmations or []
         # The approvers' public key(s), as data: with it, an attempt a confirmation holds
-        # back starts only when the approval stored with it verifies (`saga.confirmations`);
+        # back starts only when the approval stored with it verifies (`saga._core.confirmations`);
         # without it (HMAC approvals), the approved confirmation row is trusted.
         self.approval_verifier = approval_verifier
         # Operations whose request was prepared in this transaction, ready to start.
@@ -167,7 +167,7 @@ class Planner:
         self._input_model: Any = None
         self.events: list[Event] = []
         # The time of the input being applied: the core never reads a clock. Each input
-        # (`advance`, `saga.inputs.apply`, an operator's change) carries its own.
+        # (`advance`, `saga._core.inputs.apply`, an operator's change) carries its own.
         self.now = now
         self.may_call = True
         # When the write that last confirmed this planner's lease was sent, on the

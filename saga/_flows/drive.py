@@ -1,9 +1,9 @@
 """The control loop of driving a saga, written once for both drivers.
 
 Claim, plan, call, record, retry, reload: each exchange is a generator that yields
-effects (`saga.effects`) and receives their results. The sync `Runner` and the asyncio
+effects (`saga._flows.effects`) and receives their results. The sync `Runner` and the asyncio
 `AsyncRunner` carry the effects out and are the only code that differs between them; the
-decisions stay in the core (`saga.protocol`, `saga.inputs`).
+decisions stay in the core (`saga._core.planner`, `saga._core.inputs`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,30 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import tenacity
 
-from saga import faults, inputs, telemetry
-from saga.context import StepContext
-from saga.dbretry import DEFAULT_RETRY_SECONDS, is_transient, log_retry
-from saga.definition import Saga
-from saga.effects import (
+from saga import telemetry
+from saga._core import inputs
+from saga._core.planner import (
+    AskReconcile,
+    ConfirmationRow,
+    Event,
+    Hold,
+    Invoke,
+    Next,
+    OpRow,
+    Planner,
+    Prepare,
+    SagaRow,
+    Sleep,
+    Stop,
+    Write,
+    Yield,
+)
+from saga._core.rows import describe
+from saga._core.selffence import may_start_call
+from saga._db.dbretry import DEFAULT_RETRY_SECONDS, is_transient, log_retry
+from saga._db.store import Loaded, new_token
+from saga._drivers import faults
+from saga._flows.effects import (
     AttemptTimedOut,
     AwaitAbandoned,
     Begin,
@@ -41,31 +60,14 @@ from saga.effects import (
     Wait,
     db,
 )
+from saga._flows.started import Started
+from saga.context import StepContext
+from saga.definition import Saga
 from saga.errors import LeaseLost
 from saga.logs import events_logger, get_logger, step_logger
 from saga.outcomes import Absent, Found, Inconclusive
-from saga.protocol import (
-    AskReconcile,
-    ConfirmationRow,
-    Event,
-    Hold,
-    Invoke,
-    Next,
-    OpRow,
-    Planner,
-    Prepare,
-    SagaRow,
-    Sleep,
-    Stop,
-    Write,
-    Yield,
-)
 from saga.retry import is_ambiguous
-from saga.rows import describe
-from saga.selffence import may_start_call
-from saga.started import Started
 from saga.state import OperationStatus, SagaState
-from saga.store import Loaded, new_token
 
 if TYPE_CHECKING:
     from saga.approvals import ApprovalVerifier
@@ -989,7 +991,7 @@ class Flows:
 
     def _self_fence(self, planner: Planner, op: OpRow) -> Flow[None]:
         """Start a call only while the lease cannot have ended, less a margin
-        (`saga.selffence`), by this process's clock from when the write that last
+        (`saga._core.selffence`), by this process's clock from when the write that last
         confirmed it was sent. Past that (a reply held by a pooler, a lost reply found
         again, a stalled process), the lease is confirmed again by a fenced renewal first;
         `LeaseLost` when it is no longer ours: another owner may have settled the attempt

@@ -1,4 +1,4 @@
-"""The asyncio driver: carries out the flows of `saga.flow` on the caller's event loop.
+"""The asyncio driver: carries out the flows of `saga._flows.drive` on the caller's event loop.
 
 Async user code is awaited on the loop (a timeout cancels it); sync user code runs in a
 thread, never on the loop. Leases are kept alive by a heartbeat task, waits are
@@ -17,11 +17,11 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from typing import Any, TypeVar
 
-from saga import abandoned
-from saga.astore import AConn, AsyncStore
-from saga.context import StepContext
-from saga.definition import Saga
-from saga.effects import (
+from saga._core.planner import Next, OpRow, Planner, SagaRow
+from saga._db.store_async import AConn, AsyncStore
+from saga._drivers import abandoned
+from saga._flows.drive import Flows, RunnerOptions, describe_error, retried
+from saga._flows.effects import (
     AttemptTimedOut,
     AwaitAbandoned,
     Begin,
@@ -37,9 +37,9 @@ from saga.effects import (
     Wait,
     step_exited,
 )
-from saga.flow import Flows, RunnerOptions, describe_error, retried
+from saga.context import StepContext
+from saga.definition import Saga
 from saga.logs import get_logger
-from saga.protocol import Next, OpRow, Planner, SagaRow
 from saga.signatures import is_async
 from saga.state import SagaState
 
@@ -51,7 +51,7 @@ T = TypeVar("T")
 class AsyncLeaseKeeper:
     """Renews, every `heartbeat_seconds`, the leases of the sagas whose attempts are in
     flight on this loop, in one statement for all of them (the task twin of
-    `saga.leases.LeaseKeeper`; leases are held by (saga id, fence) in the same way)."""
+    `saga._drivers.leases.LeaseKeeper`; leases are held by (saga id, fence) in the same way)."""
 
     def __init__(
         self, store: AsyncStore, *, owner: str, lease_seconds: float, heartbeat_seconds: float
@@ -283,7 +283,7 @@ async def acarry_out(
     effect: Callable[[Effect, AConn | None], Any],
     open_transaction: Callable[[bool], AbstractAsyncContextManager[AConn]],
 ) -> T:
-    """The asyncio twin of `saga.runner.carry_out`: run `flow` to its end, awaiting each
+    """The asyncio twin of `saga._drivers.driver.carry_out`: run `flow` to its end, awaiting each
     effect; `Begin` opens a transaction that `Commit` commits, rolled back by an error."""
     txn: AsyncExitStack | None = None
     conn: AConn | None = None
@@ -328,7 +328,7 @@ async def _call_bounded(
     ctx: StepContext | None,
 ) -> Any:
     """Call `fn(*args)`: awaited on this loop when async (a timeout cancels it), else in a
-    thread (a timeout abandons it to run on, tracked in `saga.abandoned` and waited for
+    thread (a timeout abandons it to run on, tracked in `saga._drivers.abandoned` and waited for
     as the sync runner does). Raises `AttemptTimedOut` past the timeout."""
     if ctx is not None and abandoned.still_running(ctx.saga_id, ctx.step, ctx.kind):
         late = await asyncio.to_thread(abandoned.wait_for, ctx.saga_id, ctx.step, ctx.kind)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from saga._core.rows import OpRow, describe
 from saga.amounts import finite_amount
 from saga.definition import OperationSpec
-from saga.rows import OpRow, describe
 from saga.state import OperationStatus
 
 if TYPE_CHECKING:
-    from saga.protocol import Planner
+    from saga._core.planner import Planner
 
 
 def declared_cost(

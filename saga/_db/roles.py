@@ -15,9 +15,9 @@ from typing import Any, Literal, LiteralString, get_args
 import psycopg
 from psycopg import sql
 
-from saga.database import describe_url
+from saga._db.database import describe_url
+from saga._db.sqlfiles import load_queries
 from saga.errors import InsufficientPrivilege, SchemaMissing
-from saga.sqlfiles import load_queries
 
 RoleKind = Literal["reader", "worker", "operator"]
 ROLE_KINDS: tuple[RoleKind, ...] = get_args(RoleKind)

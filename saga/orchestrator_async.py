@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING, Any, Literal
 from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel
 
-from saga import inputs
-from saga.adriver import AsyncLeaseKeeper, AsyncRunner
-from saga.astore import AsyncStore
-from saga.database import check_connection, unavailable
+from saga._core import inputs
+from saga._db.database import check_connection, unavailable
+from saga._db.migrate import migrate_database
+from saga._db.store_async import AsyncStore
+from saga._drivers.driver_async import AsyncLeaseKeeper, AsyncRunner
+from saga._engine import Engine, list_filters, list_key, resolve_arguments, upgraded
 from saga.definition import Saga
-from saga.engine import Engine, list_filters, list_key, resolve_arguments, upgraded
 from saga.ledger import AsyncLedger
 from saga.logs import get_logger
-from saga.migrate import migrate_database
 from saga.operator import actor_or_os_user, check_actor
 from saga.orchestrator import connection_kwargs, transaction_settings
 from saga.session import AsyncSession
@@ -27,7 +27,7 @@ from saga.state import Confirmation, HistoryEvent, SagaHandle, SagaState, SagaSt
 from saga.upgrade import UpgradePlan, check_upgrade_arguments
 
 if TYPE_CHECKING:
-    from saga.aworker import AsyncWorker
+    from saga.worker_async import AsyncWorker
 
 _log = get_logger("saga")
 
@@ -470,7 +470,7 @@ class AsyncOrchestrator(Engine):
     ) -> AsyncWorker:
         """An `AsyncWorker` that claims and drives this orchestrator's registered sagas as
         tasks on the loop that runs it. See `AsyncWorker` for each setting."""
-        from saga.aworker import AsyncWorker
+        from saga.worker_async import AsyncWorker
 
         return AsyncWorker(
             self,

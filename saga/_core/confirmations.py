@@ -23,14 +23,14 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from saga._core.rows import ConfirmationRow, Event, OpRow, describe
 from saga.approvals import Approval, ApprovalRejected, preview_hash
 from saga.definition import OperationSpec
 from saga.keys import HASH_VERSIONS
-from saga.rows import ConfirmationRow, Event, OpRow, describe
 from saga.state import OperationStatus, SagaStatus
 
 if TYPE_CHECKING:
-    from saga.protocol import Planner
+    from saga._core.planner import Planner
 
 
 def holds_back(planner: Planner, op: OpRow, spec: OperationSpec, cost: float | None) -> bool:

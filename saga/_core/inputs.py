@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
-from saga import ceilings, interventions
-from saga.protocol import OpRow, Planner
+from saga._core import ceilings
+from saga._core import requests as interventions
+from saga._core.planner import OpRow, Planner
 from saga.state import OperationStatus, SagaStatus
 
 Verdict = Literal["retry", "failed", "unknown"]

@@ -24,17 +24,19 @@ import pydantic
 import structlog
 
 from saga import __version__, _entry, operator
-from saga import cli_format as fmt
-from saga.aorchestrator import AsyncOrchestrator
-from saga.approvals import ApprovalSigner
-from saga.aworker import AsyncWorker
-from saga.database import (
+from saga._core.requests import AmbiguousCall
+from saga._db.database import (
     ENV_URL,
     check_connection,
     default_embedded_dir,
     describe_url,
     resolve_database_url,
 )
+from saga._db.migrate import migrate_database
+from saga._db.roles import ROLE_KINDS, grant_role, role_kind
+from saga._db.store import Store
+from saga.approvals import ApprovalSigner
+from saga.cli import format as fmt
 from saga.durable import registered_step, registered_step_names
 from saga.errors import (
     DatabaseUnavailable,
@@ -43,17 +45,15 @@ from saga.errors import (
     SchemaMissing,
     StepStateError,
 )
-from saga.interventions import AmbiguousCall
 from saga.logs import EVENTS_CHANNEL, get_logger
-from saga.migrate import migrate_database
 from saga.orchestrator import ENV_APPROVAL_PUBLIC_KEY, ENV_CONFIRMATION_KEY, Orchestrator
+from saga.orchestrator_async import AsyncOrchestrator
 from saga.redact import scrub
-from saga.roles import ROLE_KINDS, grant_role, role_kind
 from saga.session import LEDGER_PREFIX, SESSION_PREFIX
 from saga.state import SagaState, SagaStatus
-from saga.store import Store
 from saga.upgrade import UpgradePlan, UpgradeRefused
 from saga.worker import Worker, unreachable
+from saga.worker_async import AsyncWorker
 
 EXIT_OK = 0
 EXIT_PARTIAL = 1

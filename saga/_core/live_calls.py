@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from saga import inputs
+from saga._core import inputs
 
 
 @dataclass(frozen=True, slots=True)

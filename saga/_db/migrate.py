@@ -62,7 +62,7 @@ def migrations_dir() -> Path:
     packaged = resources.files("saga") / "migrations"
     if packaged.is_dir():
         return Path(str(packaged))
-    source = Path(__file__).resolve().parent.parent / "migrations"
+    source = Path(__file__).resolve().parents[2] / "migrations"
     if source.is_dir():
         return source
     raise FileNotFoundError("saga migrations are missing from this installation")
@@ -172,8 +172,8 @@ def migrate_database(url: str) -> list[int]:
     retried like any database work, for a bounded time: the migration is one transaction,
     so a failed try leaves nothing behind. What is not transient, or outlasts the retries,
     is raised (a refused or unreachable server as `DatabaseUnavailable`)."""
-    from saga.database import unavailable
-    from saga.dbretry import retrying
+    from saga._db.database import unavailable
+    from saga._db.dbretry import retrying
 
     try:
         for attempt in retrying("migrate"):

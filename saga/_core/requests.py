@@ -4,7 +4,7 @@ runs of compensating.
 Each request (compensate, cancel, resolve, retry, raise ceilings, approve or reopen a
 confirmation) is refused with `StepStateError`, changing nothing, where it would leave
 the saga somewhere the protocol never goes; otherwise it changes the snapshot and
-records its audit events, with who asked. `saga.inputs.request` applies them as
+records its audit events, with who asked. `saga._core.inputs.request` applies them as
 values. Like the rest of the core, this module does no I/O and reads no clock: each
 request is made at the `now` it is given.
 """
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from saga.confirmations import pending_confirmation
+from saga._core.confirmations import pending_confirmation
+from saga._core.planner import Planner, new_action_rows, unknown_remedy
+from saga._core.rows import Event, Kind, OpRow, SagaRow, describe
 from saga.errors import StepStateError
 from saga.keys import operation_key
-from saga.protocol import Planner, new_action_rows, unknown_remedy
-from saga.rows import Event, Kind, OpRow, SagaRow, describe
 from saga.state import OperationState, OperationStatus, SagaStatus
 
 

@@ -1,7 +1,7 @@
 """The store's asyncio twin: the same named queries over an `AsyncConnectionPool`.
 
 Each method is the coroutine twin of the `Store` method of the same name: same queries,
-same parameters (built by the same functions of `saga.store`), same answers, same errors
+same parameters (built by the same functions of `saga._db.store`), same answers, same errors
 (a lost fence is `LeaseLost`, a row locked too long is `StepStateError`).
 """
 
@@ -17,13 +17,11 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from saga.agroup import GroupCommit
-from saga.errors import SagaError, StepStateError
-from saga.live_calls import RunningCall
-from saga.protocol import ConfirmationRow, Event, OpRow, SagaRow, Write
-from saga.roles import RoleKind, check_privileges, privileges_query
-from saga.state import Confirmation, HistoryEvent, SagaState, WorkerInfo
-from saga.store import (
+from saga._core.live_calls import RunningCall
+from saga._core.planner import ConfirmationRow, Event, OpRow, SagaRow, Write
+from saga._db.group_async import GroupCommit
+from saga._db.roles import RoleKind, check_privileges, privileges_query
+from saga._db.store import (
     DatabaseGauges,
     Loaded,
     _confirmation_row,
@@ -49,6 +47,8 @@ from saga.store import (
     upgrade_params,
     writes_of,
 )
+from saga.errors import SagaError, StepStateError
+from saga.state import Confirmation, HistoryEvent, SagaState, WorkerInfo
 
 AConn = psycopg.AsyncConnection[dict[str, Any]]
 
@@ -342,7 +342,7 @@ class AsyncStore:
     ) -> SagaState | None:
         """Persist a lease holder's write in one statement and one round trip, shared with
         the writes other sagas of this loop have ready at the same moment (group commit,
-        `saga.agroup`): a write refused for its own saga fails that saga alone."""
+        `saga._db.group_async`): a write refused for its own saga fails that saga alone."""
         params = _write(write, owner=owner, lease_seconds=lease_seconds, token=token)
         return await self.group.write(params)
 

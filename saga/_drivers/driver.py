@@ -1,4 +1,4 @@
-"""The sync driver: carries out the flows of `saga.flow` with blocking I/O.
+"""The sync driver: carries out the flows of `saga._flows.drive` with blocking I/O.
 
 It runs user code in the calling thread (a plain function; a timed one in a thread of its
 own; an async one in an event loop of its own), waits with `threading.Event`, keeps
@@ -17,11 +17,13 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any, TypeVar
 
-from saga import abandoned
-from saga.context import StepContext
-from saga.dbretry import retrying
-from saga.definition import Saga
-from saga.effects import (
+from saga._core.planner import Next, OpRow, Planner, SagaRow
+from saga._db.dbretry import retrying
+from saga._db.store import Conn, Store
+from saga._drivers import abandoned
+from saga._drivers.leases import LeaseKeeper
+from saga._flows.drive import Flows, RunnerOptions, describe_error, log_event, log_events
+from saga._flows.effects import (
     AttemptTimedOut,
     AwaitAbandoned,
     Begin,
@@ -38,13 +40,11 @@ from saga.effects import (
     Wait,
     step_exited,
 )
-from saga.flow import Flows, RunnerOptions, describe_error, log_event, log_events
-from saga.leases import LeaseKeeper
+from saga.context import StepContext
+from saga.definition import Saga
 from saga.logs import get_logger
-from saga.protocol import Next, OpRow, Planner, SagaRow
 from saga.signatures import is_async
 from saga.state import SagaState
-from saga.store import Conn, Store
 
 __all__ = ["Runner", "RunnerOptions", "carry_out", "log_event", "log_events"]
 
@@ -237,7 +237,7 @@ def _call_with_timeout(
     the caller records the outcome as unknown.
 
     A coroutine is cancelled (`asyncio.wait_for` returns once the task has ended). A plain
-    function cannot be stopped: it runs on in its thread, tracked in `saga.abandoned`, and
+    function cannot be stopped: it runs on in its thread, tracked in `saga._drivers.abandoned`, and
     is waited for up to `abandoned.wait_bound(timeout_seconds)` more before the unknown
     outcome is settled (reconcile, retry), so that no second attempt and no reconcile
     answer races it; if it is still running then, the saga parks (`still_running`).

@@ -1,7 +1,7 @@
 """What both doors share: settings, the registry, and the flows of their verbs.
 
 `Orchestrator` (blocking) and `AsyncOrchestrator` (asyncio) are two drivers of one
-`Engine`: the same settings and registry, and the same flows (`saga.flow`) for
+`Engine`: the same settings and registry, and the same flows (`saga._flows.drive`) for
 starting, driving and changing sagas, carried out with blocking or async I/O.
 """
 
@@ -19,10 +19,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from saga import approvals, faults, inputs, interventions, telemetry
-from saga.database import Route, describe_url, prepared_statements_setting, resolve_database_url
+from saga import approvals, telemetry
+from saga._core import inputs
+from saga._core import requests as interventions
+from saga._core.live_calls import RunningCall, claimed_refusal, leased_refusal, touched
+from saga._core.planner import Event, Next, Planner, SagaRow, new_action_rows
+from saga._core.rows import OpRow, Write
+from saga._db.database import Route, describe_url, prepared_statements_setting, resolve_database_url
+from saga._db.store import new_token, parse_id
+from saga._drivers import faults
+from saga._flows.drive import Flows, RunnerOptions, log_events, retried
+from saga._flows.effects import Begin, Commit, Fetch, Flow, Pause, Stopping, db
+from saga._flows.started import Started, StartedSagas
 from saga.definition import Saga
-from saga.effects import Begin, Commit, Fetch, Flow, Pause, Stopping, db
 from saga.errors import (
     IdempotencyConflict,
     NotRegistered,
@@ -30,18 +39,12 @@ from saga.errors import (
     SagaNotFound,
     StepStateError,
 )
-from saga.flow import Flows, RunnerOptions, log_events, retried
 from saga.keys import check_saga_input, same_request
 from saga.keys import request_hash as hash_business_fields
-from saga.live_calls import RunningCall, claimed_refusal, leased_refusal, touched
 from saga.logs import events_logger, get_logger
 from saga.operator import check_actor
-from saga.protocol import Event, Next, Planner, SagaRow, new_action_rows
-from saga.rows import OpRow, Write
 from saga.session import LEDGER_PREFIX, SESSION_PREFIX, code_first_definition
-from saga.started import Started, StartedSagas
 from saga.state import HistoryEvent, SagaHandle, SagaState, SagaStatus
-from saga.store import new_token, parse_id
 from saga.upgrade import UpgradePlan, UpgradeRefused, plan_upgrade
 
 _log = get_logger("saga")
@@ -144,7 +147,7 @@ class Engine:
         self.telemetry_keys = telemetry.include_keys(telemetry_keys)
         self._registry: dict[tuple[str, int], Saga[Any]] = {}
         # Sagas started here and not yet run here, as their start wrote them: run() claims
-        # one and records its first move in one statement (`saga.started`).
+        # one and records its first move in one statement (`saga._flows.started`).
         self._started = StartedSagas()
         for saga in sagas:
             self.register(saga)
