@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from saga import approvals, telemetry
+from saga._codefirst import code_first_definition
 from saga._core import inputs
 from saga._core import requests as interventions
 from saga._core.live_calls import RunningCall, claimed_refusal, leased_refusal, touched
@@ -43,7 +44,7 @@ from saga.keys import check_saga_input, same_request
 from saga.keys import request_hash as hash_business_fields
 from saga.logs import events_logger, get_logger
 from saga.operator import check_actor
-from saga.session import LEDGER_PREFIX, SESSION_PREFIX, code_first_definition
+from saga.remedies import LEDGER_PREFIX, SESSION_PREFIX
 from saga.state import HistoryEvent, SagaHandle, SagaState, SagaStatus
 from saga.upgrade import UpgradePlan, UpgradeRefused, plan_upgrade
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
@@ -42,12 +42,11 @@ from saga.keys import (
     same_request,
 )
 from saga.operator import actor_or_os_user
-from saga.remedies import resolve_commands
-from saga.session import LEDGER_PREFIX
+from saga.remedies import LEDGER_PREFIX, resolve_commands
 
 if TYPE_CHECKING:
-    from saga.orchestrator import Orchestrator
-    from saga.orchestrator_async import AsyncOrchestrator
+    from saga._db.store import Store
+    from saga._db.store_async import AsyncStore
 
 # The saga row of every channel is named so (its key is the channel).
 CHANNEL_SAGA = LEDGER_PREFIX + "channel"
@@ -377,6 +376,27 @@ def _non_json(claim: Claim, exc: TypeError) -> str:
     )
 
 
+class LedgerEngine(Protocol):
+    """What a `Ledger` needs of its orchestrator: its owner's name and the store (an
+    `Orchestrator` is one)."""
+
+    @property
+    def owner(self) -> str: ...
+
+    @property
+    def store(self) -> Store: ...
+
+
+class AsyncLedgerEngine(Protocol):
+    """What an `AsyncLedger` needs of its orchestrator: its owner's name and the store on
+    the running loop (an `AsyncOrchestrator` is one)."""
+
+    @property
+    def owner(self) -> str: ...
+
+    async def store(self) -> AsyncStore: ...
+
+
 class _LedgerDoor:
     """What both doors' ledgers share: their settings, and each write's parameters."""
 
@@ -457,7 +477,7 @@ class Ledger(_LedgerDoor):
 
     def __init__(
         self,
-        orch: Orchestrator,
+        orch: LedgerEngine,
         *,
         lease_seconds: float = 60.0,
         retry_seconds: float = DEFAULT_RETRY_SECONDS,
@@ -592,7 +612,7 @@ class AsyncLedger(_LedgerDoor):
 
     def __init__(
         self,
-        orch: AsyncOrchestrator,
+        orch: AsyncLedgerEngine,
         *,
         lease_seconds: float = 60.0,
         retry_seconds: float = DEFAULT_RETRY_SECONDS,

@@ -38,7 +38,7 @@ from saga._core.planner import new_action_rows
 from saga._core.rows import OpRow, SagaRow
 from saga.definition import Saga, Step
 from saga.errors import StepStateError
-from saga.session import LEDGER_PREFIX, SESSION_PREFIX
+from saga.remedies import LEDGER_PREFIX, SESSION_PREFIX
 from saga.state import HistoryEvent, OperationStatus, SagaState, SagaStatus
 
 __all__ = [
