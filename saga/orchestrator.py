@@ -606,8 +606,19 @@ class Orchestrator(Engine):
         flow = self._operator_flow(saga_id, change, force=force, actor=actor, registered=registered)
         return self._runner().run(flow)
 
+    def runner(
+        self, *, stopping: threading.Event | None = None, max_inline_sleep: float | None = None
+    ) -> Runner:
+        """A driver of this orchestrator's flows."""
+        options = (
+            self.runner_options()
+            if max_inline_sleep is None
+            else self.runner_options(max_inline_sleep=max_inline_sleep)
+        )
+        return Runner(self.store, options, keeper=self.lease_keeper, stopping=stopping)
+
     def _runner(self) -> Runner:
-        return Runner(self.store, self.runner_options(), keeper=self.lease_keeper)
+        return self.runner()
 
     @property
     def lease_keeper(self) -> LeaseKeeper:

@@ -65,6 +65,25 @@ def register(source: str, target: str, names: dict[str, str]) -> None:
     NAMES.update(names)
 
 
+# The doors: the workers, then the orchestrators.
+register(
+    "saga/worker_async.py",
+    "saga/worker.py",
+    {
+        "AsyncWorker": "Worker",
+        "AsyncWorkerEngine": "WorkerEngine",
+        "worker_async": "worker",
+        "AsyncRunner": "Runner",
+        "driver_async": "driver",
+        "AsyncStore": "Store",
+        "store_async": "store",
+        "behind_pooler_async": "behind_pooler",
+        "AsyncOrchestrator": "Orchestrator",
+        "orchestrator_async": "orchestrator",
+    },
+)
+
+
 def _drop_async_blocks(text: str) -> str:
     """Keep the `else:` branch of each `if True:  # ASYNC` block, dedented one level."""
     lines = text.splitlines(keepends=True)
