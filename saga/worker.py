@@ -1,5 +1,5 @@
-# WARNING: generated from saga/worker_async.py by tools/async_to_sync.py: edit the source, then run
-# `python tools/async_to_sync.py`. CI fails on any difference.
+# WARNING: generated from saga/worker_async.py by tools/async_to_sync.py:
+# edit the source, then run `python tools/async_to_sync.py`. CI fails on any difference.
 """The workers: claim runnable sagas of their orchestrator's registered kinds and drive them.
 
 `AsyncWorker` drives each saga as a task on one event loop; `Worker` drives each in a

@@ -17,7 +17,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from datetime import datetime
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import psycopg
 from psycopg import sql
@@ -38,6 +38,8 @@ from saga.redact import scrub
 if True:  # ASYNC
     import asyncio
     from asyncio import Event, Task
+
+    from saga._acompat import sync_only
 else:
     from threading import Event, Thread
 
@@ -46,12 +48,6 @@ else:
 _log = get_logger("saga.worker")
 
 if True:  # ASYNC
-    _F = TypeVar("_F", bound=Callable[..., Any])
-
-    def sync_only(*, runs_steps: bool = False) -> Callable[[_F], _F]:
-        """The blocking twin refuses calls made from a running event loop
-        (`saga._drivers.loopguard.sync_only`); the asyncio worker runs on one."""
-        return lambda method: method
 
     async def _wait(event: Event, seconds: float) -> None:
         """Wait until `event` is set, `seconds` at most."""
