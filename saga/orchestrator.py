@@ -56,11 +56,11 @@ _log = get_logger("saga")
 __all__ = [
     "ENV_APPROVAL_PUBLIC_KEY",
     "ENV_CONFIRMATION_KEY",
-    "Orchestrator",
     "connection_kwargs",
     "session_options",
     "transaction_settings",
 ]
+__all__ += ["Orchestrator"]
 
 
 class Orchestrator(Engine):
@@ -194,8 +194,8 @@ class Orchestrator(Engine):
     def runner(
         self, *, stopping: Event | None = None, max_inline_sleep: float | None = None
     ) -> Runner:
-        """A driver of this orchestrator's flows (an `AsyncOrchestrator`'s, on the running
-        loop)."""
+        """A driver of this orchestrator's flows (for an `AsyncOrchestrator`, on the
+        running loop)."""
         options = (
             self.runner_options()
             if max_inline_sleep is None

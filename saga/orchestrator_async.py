@@ -60,24 +60,17 @@ if TYPE_CHECKING:
 
 _log = get_logger("saga")
 
+__all__ = [
+    "ENV_APPROVAL_PUBLIC_KEY",
+    "ENV_CONFIRMATION_KEY",
+    "connection_kwargs",
+    "session_options",
+    "transaction_settings",
+]
 if True:  # ASYNC
-    __all__ = [
-        "ENV_APPROVAL_PUBLIC_KEY",
-        "ENV_CONFIRMATION_KEY",
-        "AsyncOrchestrator",
-        "connection_kwargs",
-        "session_options",
-        "transaction_settings",
-    ]
+    __all__ += ["AsyncOrchestrator"]
 else:
-    __all__ = [
-        "ENV_APPROVAL_PUBLIC_KEY",
-        "ENV_CONFIRMATION_KEY",
-        "Orchestrator",
-        "connection_kwargs",
-        "session_options",
-        "transaction_settings",
-    ]
+    __all__ += ["Orchestrator"]
 
 
 class AsyncOrchestrator(Engine):
@@ -269,8 +262,8 @@ class AsyncOrchestrator(Engine):
     async def runner(
         self, *, stopping: Event | None = None, max_inline_sleep: float | None = None
     ) -> AsyncRunner:
-        """A driver of this orchestrator's flows (an `AsyncOrchestrator`'s, on the running
-        loop)."""
+        """A driver of this orchestrator's flows (for an `AsyncOrchestrator`, on the
+        running loop)."""
         options = (
             self.runner_options()
             if max_inline_sleep is None
