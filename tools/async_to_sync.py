@@ -53,8 +53,8 @@ NAMES: dict[str, str] = {
 }
 
 HEADER = (
-    "# WARNING: generated from {source} by tools/async_to_sync.py: edit the source, then run\n"
-    "# `python tools/async_to_sync.py`. CI fails on any difference.\n"
+    "# WARNING: generated from {source} by tools/async_to_sync.py:\n"
+    "# edit the source, then run `python tools/async_to_sync.py`. CI fails on any difference.\n"
 )
 _MARKER = "if True:  # ASYNC"
 
@@ -63,6 +63,42 @@ def register(source: str, target: str, names: dict[str, str]) -> None:
     """Declare a twin: `source` generates `target`, with `names` renamed besides `NAMES`."""
     TWINS[source] = target
     NAMES.update(names)
+
+
+# The doors: the workers, then the orchestrators.
+register(
+    "saga/worker_async.py",
+    "saga/worker.py",
+    {
+        "AsyncWorker": "Worker",
+        "AsyncWorkerEngine": "WorkerEngine",
+        "worker_async": "worker",
+        "AsyncRunner": "Runner",
+        "driver_async": "driver",
+        "AsyncStore": "Store",
+        "store_async": "store",
+        "behind_pooler_async": "behind_pooler",
+        "AsyncOrchestrator": "Orchestrator",
+        "orchestrator_async": "orchestrator",
+    },
+)
+register(
+    "saga/orchestrator_async.py",
+    "saga/orchestrator.py",
+    {
+        "AsyncOrchestrator": "Orchestrator",
+        "orchestrator_async": "orchestrator",
+        "AsyncWorker": "Worker",
+        "worker_async": "worker",
+        "AsyncRunner": "Runner",
+        "driver_async": "driver",
+        "AsyncStore": "Store",
+        "store_async": "store",
+        "AsyncLeaseKeeper": "LeaseKeeper",
+        "AsyncLedger": "Ledger",
+        "AsyncSession": "Session",
+    },
+)
 
 
 def _drop_async_blocks(text: str) -> str:
