@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel
 
+from saga._actors import actor_or_os_user
 from saga._core import inputs
+from saga._core.requests import check_actor
 from saga._db.database import check_connection, unavailable
 from saga._db.migrate import migrate_database
 from saga._db.store_async import AsyncStore
@@ -20,7 +22,6 @@ from saga._engine import Engine, list_filters, list_key, resolve_arguments, upgr
 from saga.definition import Saga
 from saga.ledger import AsyncLedger
 from saga.logs import get_logger
-from saga.operator import actor_or_os_user, check_actor
 from saga.orchestrator import connection_kwargs, transaction_settings
 from saga.session import AsyncSession
 from saga.state import Confirmation, HistoryEvent, SagaHandle, SagaState, SagaStatus, WorkerInfo

@@ -24,6 +24,7 @@ import pydantic
 import structlog
 
 from saga import __version__, _entry, operator
+from saga._actors import os_user
 from saga._core.requests import AmbiguousCall
 from saga._db.database import (
     ENV_URL,
@@ -722,7 +723,7 @@ def _announce(text: str, event: str, *, level: str = "info", **fields: object) -
 def _actor(args: argparse.Namespace) -> str:
     actor = getattr(args, "actor", None)
     if actor is None:
-        return operator.os_user()
+        return os_user()
     if not actor.strip():
         raise UsageError(
             f"--actor {actor!r} names nobody: give who runs this (a person or a system), "
