@@ -23,7 +23,7 @@ from typing import Any, Literal, NoReturn, TypeVar, cast
 import pydantic
 import structlog
 
-from saga import __version__, _entry, operator
+from saga import __version__, _entry
 from saga._actors import os_user
 from saga._core.requests import AmbiguousCall
 from saga._db.database import (
@@ -37,6 +37,7 @@ from saga._db.migrate import migrate_database
 from saga._db.roles import ROLE_KINDS, grant_role, role_kind
 from saga._db.store import Store
 from saga.approvals import ApprovalSigner
+from saga.cli import admin
 from saga.cli import format as fmt
 from saga.durable import registered_step, registered_step_names
 from saga.errors import (
@@ -123,7 +124,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _duration(text: str) -> float:
     try:
-        return operator.parse_duration(text).total_seconds()
+        return admin.parse_duration(text).total_seconds()
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -818,7 +819,7 @@ def _defines_durable_steps(module: Any, before: set[str]) -> bool:
 
 
 class AsyncApp:
-    """An `AsyncOrchestrator` behind the blocking calls the verbs (and `saga.operator`'s
+    """An `AsyncOrchestrator` behind the blocking calls the verbs (and `saga.cli.admin`'s
     batch jobs) make of an `Orchestrator`.
 
     Each coroutine method runs to completion on one event loop of this command, the loop
@@ -925,8 +926,8 @@ def _operator(args: argparse.Namespace, *, runs_code: bool = True) -> Orchestrat
 
 def _full_id(orch: Orchestrator, args: argparse.Namespace) -> str:
     """The saga id given, expanded from a unique prefix (`saga show 6f0c`) or a business
-    key (`saga show crashB-013`); see `operator.expand_id` for the precedence."""
-    args.saga_id = operator.expand_id(orch.store, args.saga_id)
+    key (`saga show crashB-013`); see `admin.expand_id` for the precedence."""
+    args.saga_id = admin.expand_id(orch.store, args.saga_id)
     return str(args.saga_id)
 
 
@@ -1193,7 +1194,7 @@ def _compensate(args: argparse.Namespace) -> int:
             )
         batch = args.saga_id is None
         if args.dry_run:
-            plans = operator.dry_run(
+            plans = admin.dry_run(
                 orch, states, include_unknown=args.include_unknown, force=args.force, batch=batch
             )
             print("\n".join(fmt.plan_json(plans)) if args.json else fmt.plan(plans))
@@ -1204,7 +1205,7 @@ def _compensate(args: argparse.Namespace) -> int:
         progress = fmt.ProgressLine("compensating")
         show = _outcome_printer(args, progress)
 
-        report = operator.compensate_batch(
+        report = admin.compensate_batch(
             orch,
             states,
             include_unknown=args.include_unknown,
@@ -1224,11 +1225,11 @@ def _compensate(args: argparse.Namespace) -> int:
 
 def _outcome_printer(
     args: argparse.Namespace, progress: fmt.ProgressLine
-) -> Callable[[operator.Outcome], None]:
+) -> Callable[[admin.Outcome], None]:
     """How a batch job prints each saga's outcome: a text line, or a JSON line."""
     given = _given(args)
 
-    def show(outcome: operator.Outcome) -> None:
+    def show(outcome: admin.Outcome) -> None:
         progress.clear()
         if args.json:
             print(fmt.outcome_json(outcome, given), flush=True)
@@ -1357,9 +1358,9 @@ def _cancel(args: argparse.Namespace) -> int:
         before = orch.get(_full_id(orch, args))
         if before.status is SagaStatus.COMPENSATED:
             raise StepStateError(_nothing_to_cancel(before))
-        planned = operator.cancel_plan(orch, before, include_unknown=args.include_unknown)
+        planned = admin.cancel_plan(orch, before, include_unknown=args.include_unknown)
         preview = _cancel_preview(planned, include_unknown=args.include_unknown)
-        why = operator.refusal(orch, before, force=args.force, batch=False) if preview else None
+        why = admin.refusal(orch, before, force=args.force, batch=False) if preview else None
         if why is not None:  # refused anyway: no warning, and no question asked
             raise StepStateError(why)
         for line in preview:
@@ -1450,7 +1451,7 @@ def _fork(args: argparse.Namespace) -> int:
         return EXIT_OK
 
 
-def _cancel_preview(planned: operator.PlannedSaga | None, *, include_unknown: bool) -> list[str]:
+def _cancel_preview(planned: admin.PlannedSaga | None, *, include_unknown: bool) -> list[str]:
     """What a cancel will do, said before it acts: the compensations that will get None
     as a step's result, and, when its compensation will stop, what it undoes before the
     saga parks, and why. Nothing when it runs to the end with every result."""
@@ -1568,7 +1569,7 @@ def _purge(args: argparse.Namespace) -> int:
     )
     with orch:
         if args.dry_run:
-            found, total = operator.purge_candidates(orch, older_than_days=days, limit=args.limit)
+            found, total = admin.purge_candidates(orch, older_than_days=days, limit=args.limit)
             if args.json:
                 print("\n".join(fmt.purge_json(found, total)))
             else:
@@ -1636,7 +1637,7 @@ def _reconcile(args: argparse.Namespace) -> int:
     progress = fmt.ProgressLine("reconciling")
     show = _outcome_printer(args, progress)
     with orch:
-        report = operator.reconcile(orch, limit=args.limit, progress=progress, on_outcome=show)
+        report = admin.reconcile(orch, limit=args.limit, progress=progress, on_outcome=show)
         progress.clear()
     if args.json:
         print(fmt.summary_json(report, "reconcile"))
@@ -1741,7 +1742,7 @@ def _versions(args: argparse.Namespace) -> int:
         registered = {(s.name, s.version) for s in app.registered()}
         app.close()
     with _reader(args.database_url) as orch:
-        rows = operator.versions_in_flight(orch.store, registered)
+        rows = admin.versions_in_flight(orch.store, registered)
     if args.json:
         for line in fmt.versions_json(rows):
             print(line)

@@ -179,7 +179,7 @@ def test_workers_do_not_import_the_orchestrators(worker: str, orchestrators: set
 
 
 # The `saga` command and the batch jobs behind it: they see the orchestrator's errors only.
-COMMAND_MODULES = ("saga.cli", "saga.cli.format", "saga.operator")
+COMMAND_MODULES = ("saga.cli", "saga.cli.format", "saga.cli.admin")
 
 
 @pytest.mark.parametrize("module", COMMAND_MODULES)

@@ -15,7 +15,7 @@ from saga import RetryPolicy, Saga, StepStateError
 from saga._core import requests as interventions
 from saga._core.planner import Invoke, OpRow, Planner, SagaRow, new_action_rows
 from saga.cli import UsageError, _parser, load_app
-from saga.operator import parse_duration
+from saga.cli.admin import parse_duration
 from saga.state import OperationStatus, SagaStatus
 
 
