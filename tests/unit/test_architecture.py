@@ -179,7 +179,16 @@ def test_workers_do_not_import_the_orchestrators(worker: str, orchestrators: set
 
 
 # The `saga` command and the batch jobs behind it: they see the orchestrator's errors only.
-COMMAND_MODULES = ("saga.cli", "saga.cli.format", "saga.cli.admin")
+COMMAND_MODULES = (
+    "saga.cli",
+    "saga.cli.parser",
+    "saga.cli.commands",
+    "saga.cli.serve",
+    "saga.cli.console",
+    "saga.cli.format",
+    "saga.cli.admin",
+    "saga._app",
+)
 
 
 @pytest.mark.parametrize("module", COMMAND_MODULES)
