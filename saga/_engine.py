@@ -25,6 +25,7 @@ from saga._core import inputs
 from saga._core import requests as interventions
 from saga._core.live_calls import RunningCall, claimed_refusal, leased_refusal, touched
 from saga._core.planner import Event, Next, Planner, SagaRow, new_action_rows
+from saga._core.requests import check_actor
 from saga._core.rows import OpRow, Write
 from saga._db.database import Route, describe_url, prepared_statements_setting, resolve_database_url
 from saga._db.store import new_token, parse_id
@@ -43,7 +44,6 @@ from saga.errors import (
 from saga.keys import check_saga_input, same_request
 from saga.keys import request_hash as hash_business_fields
 from saga.logs import events_logger, get_logger
-from saga.operator import check_actor
 from saga.remedies import LEDGER_PREFIX, SESSION_PREFIX
 from saga.state import HistoryEvent, SagaHandle, SagaState, SagaStatus
 from saga.upgrade import UpgradePlan, UpgradeRefused, plan_upgrade

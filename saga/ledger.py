@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
+from saga._actors import actor_or_os_user
 from saga._db.dbretry import DEFAULT_RETRY_SECONDS, aretrying, retrying
 from saga.errors import (
     IdempotencyConflict,
@@ -41,7 +42,6 @@ from saga.keys import (
     request_hash,
     same_request,
 )
-from saga.operator import actor_or_os_user
 from saga.remedies import LEDGER_PREFIX, resolve_commands
 
 if TYPE_CHECKING:

@@ -23,7 +23,9 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 from pydantic import BaseModel
 
+from saga._actors import actor_or_os_user
 from saga._core import inputs
+from saga._core.requests import check_actor
 from saga._db.database import Route, check_connection, prepare_threshold, unavailable
 from saga._db.migrate import migrate_database
 from saga._db.store import Store
@@ -43,7 +45,6 @@ from saga.definition import Saga
 from saga.keys import HASH_VERSION
 from saga.ledger import Ledger
 from saga.logs import get_logger
-from saga.operator import actor_or_os_user, check_actor
 from saga.session import Session
 from saga.state import Confirmation, HistoryEvent, SagaHandle, SagaState, SagaStatus, WorkerInfo
 from saga.upgrade import UpgradePlan, check_upgrade_arguments

@@ -60,8 +60,8 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from pydantic import BaseModel
 
+from saga._app import load_app
 from saga._drivers import faults
-from saga.cli import load_app
 from saga.definition import Saga
 from saga.errors import PermanentError, SessionBusy, SessionParked
 from saga.orchestrator import Orchestrator

@@ -881,3 +881,17 @@ def refuse_when_forked(planner: Planner, verb: str) -> None:
             f"saga {saga.id} was forked to {saga.forked_to}: it is final and what it did "
             f"belongs to the fork; {verb} saga {saga.forked_to} instead"
         )
+
+
+def check_actor(verb: str, actor: str) -> str:
+    """`actor` when it names someone; `ValueError` naming `verb` when it is empty or blank.
+
+    An actor is who makes an operator's change (a person, or the system acting for
+    one), recorded with it in the saga's audit trail.
+    """
+    if not isinstance(actor, str) or not actor.strip():
+        raise ValueError(
+            f"{verb}() needs an actor: who makes this change (a person or a system), "
+            f"recorded in the saga's audit trail; got {actor!r}"
+        )
+    return actor

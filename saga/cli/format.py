@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, TextIO
 
-from saga.operator import IN_FLIGHT, Outcome, PlannedSaga, PurgeCandidate, Report, VersionInFlight
+from saga.cli.admin import IN_FLIGHT, Outcome, PlannedSaga, PurgeCandidate, Report, VersionInFlight
 from saga.remedies import parked_commands
 from saga.session import LEDGER_PREFIX, SESSION_PREFIX
 from saga.state import HistoryEvent, OperationKind, OperationState, SagaState

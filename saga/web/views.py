@@ -11,8 +11,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlencode
 
-from saga import operator
 from saga._db.store import parse_id
+from saga.cli import admin as operator
 from saga.cli import format as fmt
 from saga.errors import SagaNotFound
 from saga.orchestrator import Orchestrator

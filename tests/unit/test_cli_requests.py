@@ -12,10 +12,11 @@ import pytest
 from pydantic import BaseModel
 
 from saga import RetryPolicy, Saga, StepStateError
+from saga._app import UsageError, load_app
 from saga._core import requests as interventions
 from saga._core.planner import Invoke, OpRow, Planner, SagaRow, new_action_rows
-from saga.cli import UsageError, _parser, load_app
-from saga.operator import parse_duration
+from saga.cli.admin import parse_duration
+from saga.cli.parser import build_parser
 from saga.state import OperationStatus, SagaStatus
 
 
@@ -284,7 +285,7 @@ def test_parse_duration_rejects_garbage(text: str) -> None:
 def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     """argparse errors exit 2 with one line on stderr."""
     with pytest.raises(SystemExit) as excinfo:
-        _parser().parse_args(argv)
+        build_parser().parse_args(argv)
     assert excinfo.value.code == 2
     assert capsys.readouterr().err.strip().count("\n") == 0
 

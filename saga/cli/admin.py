@@ -1,12 +1,9 @@
 """Operator jobs behind the `saga` command: compensation-only batches, the reconcile sweep,
-the purge's dry run, id prefixes, the versions in flight, and the actor every operator
-verb records."""
+the purge's dry run, id prefixes and business keys, and the versions in flight."""
 
 from __future__ import annotations
 
 import functools
-import getpass
-import os
 import re
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -72,35 +69,6 @@ class Report:
     def complete(self) -> bool:
         """Every selected saga is done: nothing parked, skipped or left out."""
         return not self.interrupted and len(self.outcomes) == self.count("done")
-
-
-def os_user() -> str:
-    """The login name of the user running this process (`uid-N` when it has none)."""
-    try:
-        return getpass.getuser()
-    except Exception:  # no login name in some containers
-        getuid = getattr(os, "getuid", None)
-        return f"uid-{getuid()}" if getuid is not None else "unknown-user"
-
-
-def check_actor(verb: str, actor: str) -> str:
-    """`actor` when it names someone; `ValueError` naming `verb` when it is empty or blank.
-
-    An actor is who makes an operator's change (a person, or the system acting for
-    one), recorded with it in the saga's audit trail.
-    """
-    if not isinstance(actor, str) or not actor.strip():
-        raise ValueError(
-            f"{verb}() needs an actor: who makes this change (a person or a system), "
-            f"recorded in the saga's audit trail; got {actor!r}"
-        )
-    return actor
-
-
-def actor_or_os_user(verb: str, actor: str | None) -> str:
-    """The actor an operator verb records: `actor`, or the OS user running the call when
-    it is None; `ValueError` (see `check_actor`) when it is empty or blank."""
-    return os_user() if actor is None else check_actor(verb, actor)
 
 
 def describe(state: SagaState) -> str:
