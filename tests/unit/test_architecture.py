@@ -54,7 +54,7 @@ ONLY_FROM = {
 }
 # The one arrow that may run up: a lazy import of an optional extra.
 ALLOWED_UPWARD = {
-    ("saga.cli.serve", "saga.web"): "`saga dashboard` imports the dashboard (the `web` extra) when run",
+    ("saga.cli.serve", "saga.web"): "`saga dashboard` imports the dashboard (`web` extra) when run",
 }
 # Driver libraries: only `_db` imports them; these modules aside, each for its reason.
 DATABASE_LIBRARIES = {"psycopg", "psycopg_pool"}
