@@ -53,8 +53,8 @@ NAMES: dict[str, str] = {
 }
 
 HEADER = (
-    "# WARNING: generated from {source} by tools/async_to_sync.py: edit the source, then run\n"
-    "# `python tools/async_to_sync.py`. CI fails on any difference.\n"
+    "# WARNING: generated from {source} by tools/async_to_sync.py:\n"
+    "# edit the source, then run `python tools/async_to_sync.py`. CI fails on any difference.\n"
 )
 _MARKER = "if True:  # ASYNC"
 
@@ -63,6 +63,13 @@ def register(source: str, target: str, names: dict[str, str]) -> None:
     """Declare a twin: `source` generates `target`, with `names` renamed besides `NAMES`."""
     TWINS[source] = target
     NAMES.update(names)
+
+
+register(
+    "saga/_db/store_async.py",
+    "saga/_db/store.py",
+    {"store_async": "store", "AsyncStore": "Store", "AConn": "Conn", "group_async": "group"},
+)
 
 
 def _drop_async_blocks(text: str) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from saga import operator
-from saga._db.store import parse_id
+from saga._db._store_base import parse_id
 from saga.cli import format as fmt
 from saga.errors import SagaNotFound
 from saga.orchestrator import Orchestrator
