@@ -27,8 +27,8 @@ from saga._core.live_calls import RunningCall, claimed_refusal, leased_refusal, 
 from saga._core.planner import Event, Next, Planner, SagaRow, new_action_rows
 from saga._core.requests import check_actor
 from saga._core.rows import OpRow, Write
+from saga._db._store_base import new_token, parse_id
 from saga._db.database import Route, describe_url, prepared_statements_setting, resolve_database_url
-from saga._db.store import new_token, parse_id
 from saga._drivers import faults
 from saga._flows.drive import Flows, RunnerOptions, log_events, retried
 from saga._flows.effects import Begin, Commit, Fetch, Flow, Pause, Stopping, db

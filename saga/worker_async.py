@@ -24,9 +24,9 @@ from psycopg import sql
 
 from saga import telemetry
 from saga._core.planner import Next, Planner
+from saga._db._store_base import DatabaseGauges
 from saga._db.database import Route, behind_pooler_async, describe_url, is_malformed_url
 from saga._db.dbretry import is_transient
-from saga._db.store import DatabaseGauges
 from saga._db.store_async import AsyncStore
 from saga._drivers.driver_async import AsyncRunner
 from saga._flows.drive import describe_error

@@ -65,6 +65,11 @@ def register(source: str, target: str, names: dict[str, str]) -> None:
     NAMES.update(names)
 
 
+register(
+    "saga/_db/store_async.py",
+    "saga/_db/store.py",
+    {"store_async": "store", "AsyncStore": "Store", "AConn": "Conn", "group_async": "group"},
+)
 # The doors: the workers, then the orchestrators.
 register(
     "saga/worker_async.py",

@@ -40,8 +40,8 @@ from saga._core.planner import (
 )
 from saga._core.rows import describe
 from saga._core.selffence import may_start_call
+from saga._db._store_base import Loaded, new_token
 from saga._db.dbretry import DEFAULT_RETRY_SECONDS, is_transient, log_retry
-from saga._db.store import Loaded, new_token
 from saga._drivers import faults
 from saga._flows.effects import (
     AttemptTimedOut,

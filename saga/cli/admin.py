@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Literal
 
 from saga._core import requests as interventions
 from saga._core.planner import Planner
-from saga._db.store import Store, parse_id
+from saga._db._store_base import parse_id
+from saga._db.store import Store
 from saga.errors import DatabaseUnavailable, NotRegistered, SagaError, SagaNotFound
 from saga.state import OperationStatus, SagaState, SagaStatus
 

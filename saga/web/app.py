@@ -21,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from saga._db._store_base import parse_id
 from saga._db.database import describe_url
-from saga._db.store import parse_id
 from saga.cli import format as fmt
 from saga.errors import SagaError, SagaNotFound
 from saga.orchestrator import Orchestrator

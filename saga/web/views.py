@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlencode
 
-from saga._db.store import parse_id
+from saga._db._store_base import parse_id
 from saga.cli import admin as operator
 from saga.cli import format as fmt
 from saga.errors import SagaNotFound

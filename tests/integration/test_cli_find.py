@@ -17,7 +17,7 @@ from support import OrchestratorFactory
 from test_cli import _one_line_error, _park_unknown, saga_cmd
 
 from saga import AsyncOrchestrator
-from saga._db.store import QUERIES
+from saga._db._store_base import QUERIES
 
 # A key as a booking system writes it: with colons, as the operator is paged about it.
 TRIP = "trip:crashB-013"
