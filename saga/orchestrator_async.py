@@ -15,7 +15,8 @@ from saga._core import inputs
 from saga._db.database import check_connection, unavailable
 from saga._db.migrate import migrate_database
 from saga._db.store_async import AsyncStore
-from saga._drivers.driver_async import AsyncLeaseKeeper, AsyncRunner
+from saga._drivers.driver_async import AsyncRunner
+from saga._drivers.leases_async import AsyncLeaseKeeper
 from saga._engine import Engine, list_filters, list_key, resolve_arguments, upgraded
 from saga.definition import Saga
 from saga.ledger import AsyncLedger

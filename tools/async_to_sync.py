@@ -50,11 +50,22 @@ NAMES: dict[str, str] = {
     "AsyncTransaction": "Transaction",
     "AsyncPipeline": "Pipeline",
     "StopAsyncIteration": "StopIteration",
+    "enter_async_context": "enter_context",
+    # saga._acompat: each asyncio primitive and its blocking twin.
+    "AEvent": "Event",
+    "await_set": "wait_set",
+    "asleep": "sleep",
+    "arun_blocking": "run_blocking",
+    "AWorker": "Worker",
+    "aspawn": "spawn",
+    "aworker_alive": "worker_alive",
+    "astop": "stop",
+    "AThreadResult": "ThreadResult",
 }
 
 HEADER = (
-    "# WARNING: generated from {source} by tools/async_to_sync.py: edit the source, then run\n"
-    "# `python tools/async_to_sync.py`. CI fails on any difference.\n"
+    "# WARNING: generated from {source} by tools/async_to_sync.py:\n"
+    "# edit the source, then run `python tools/async_to_sync.py`. CI fails on any difference.\n"
 )
 _MARKER = "if True:  # ASYNC"
 
@@ -63,6 +74,30 @@ def register(source: str, target: str, names: dict[str, str]) -> None:
     """Declare a twin: `source` generates `target`, with `names` renamed besides `NAMES`."""
     TWINS[source] = target
     NAMES.update(names)
+
+
+# ----- the twins ----------------------------------------------------------------------------
+
+register(
+    "saga/_drivers/leases_async.py",
+    "saga/_drivers/leases.py",
+    {
+        "leases_async": "leases",
+        "AsyncLeaseKeeper": "LeaseKeeper",
+        "store_async": "store",
+        "AsyncStore": "Store",
+    },
+)
+register(
+    "saga/_drivers/driver_async.py",
+    "saga/_drivers/driver.py",
+    {
+        "driver_async": "driver",
+        "AsyncRunner": "Runner",
+        "acarry_out": "carry_out",
+        "AConn": "Conn",
+    },
+)
 
 
 def _drop_async_blocks(text: str) -> str:
