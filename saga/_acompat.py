@@ -34,9 +34,6 @@ AEvent: TypeAlias = asyncio.Event
 Worker: TypeAlias = threading.Thread
 AWorker: TypeAlias = asyncio.Task[None]
 
-sleep = time.sleep
-asleep = asyncio.sleep
-
 
 def wait_set(event: Event, seconds: float) -> bool:
     """Wait until `event` is set, for at most `seconds`; whether it is set."""
@@ -48,6 +45,16 @@ async def await_set(event: AEvent, seconds: float) -> bool:
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(event.wait(), seconds)
     return event.is_set()
+
+
+def sleep(seconds: float) -> None:
+    """Sleep `seconds`."""
+    time.sleep(seconds)
+
+
+async def asleep(seconds: float) -> None:
+    """Sleep `seconds`."""
+    await asyncio.sleep(seconds)
 
 
 def run_blocking(fn: Callable[..., T], *args: Any) -> T:

@@ -1,13 +1,14 @@
 """The driver: carries out the flows of `saga._flows.drive`, every decision of which is the
 flow's and the core's.
 
-`AsyncRunner` (this source) runs on the caller's event loop: async user code is awaited on
-the loop (a timeout cancels it) and sync user code runs in a thread, never on the loop.
-`Runner`, its blocking twin generated from it (`driver.py`), runs user code in the calling
-thread: a timed plain function in a thread of its own, an async function in an event loop
-of its own. Both keep leases alive with the orchestrator's lease keeper, wait on their
-`stopping` event, and reach PostgreSQL through their store. The lines that differ are the
-`if True:  # ASYNC` blocks below and the primitives of `saga._acompat`.
+Two drivers share this text. `AsyncRunner` (`driver_async.py`, the source) runs on the
+caller's event loop: async user code is awaited on the loop (a timeout cancels it) and sync
+user code runs in a thread, never on the loop. `Runner` (`driver.py`, generated from it by
+`tools/async_to_sync.py`) blocks: it runs user code in the calling thread, a timed plain
+function in a thread of its own, an async function in an event loop of its own. Both keep
+leases alive with the orchestrator's lease keeper, wait on their `stopping` event, and
+reach PostgreSQL through their store. What differs is in the `if True:  # ASYNC` blocks
+of the source and in the primitives of `saga._acompat`.
 """
 
 from __future__ import annotations

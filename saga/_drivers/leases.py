@@ -1,7 +1,8 @@
 # WARNING: generated from saga/_drivers/leases_async.py by tools/async_to_sync.py:
 # edit the source, then run `python tools/async_to_sync.py`. CI fails on any difference.
 """Keeping leases alive while user code runs: one heartbeat worker per orchestrator, a task
-of its event loop (the blocking twin's, a thread)."""
+of its event loop for `AsyncLeaseKeeper` (`leases_async.py`, the source), a thread for
+`LeaseKeeper` (`leases.py`, generated from it by `tools/async_to_sync.py`)."""
 
 from __future__ import annotations
 

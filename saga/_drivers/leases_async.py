@@ -1,5 +1,6 @@
 """Keeping leases alive while user code runs: one heartbeat worker per orchestrator, a task
-of its event loop (the blocking twin's, a thread)."""
+of its event loop for `AsyncLeaseKeeper` (`leases_async.py`, the source), a thread for
+`LeaseKeeper` (`leases.py`, generated from it by `tools/async_to_sync.py`)."""
 
 from __future__ import annotations
 
