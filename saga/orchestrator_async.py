@@ -27,6 +27,7 @@ from saga._db.database import Route, check_connection, prepare_threshold, unavai
 from saga._db.migrate import migrate_database
 from saga._db.store_async import AsyncStore
 from saga._drivers.driver_async import AsyncRunner
+from saga._drivers.leases_async import AsyncLeaseKeeper
 from saga._engine import (
     ENV_APPROVAL_PUBLIC_KEY,
     ENV_CONFIRMATION_KEY,
@@ -49,11 +50,9 @@ if True:  # ASYNC
     from asyncio import Event
 
     from saga._acompat import sync_only
-    from saga._drivers.driver_async import AsyncLeaseKeeper
 else:
     from threading import Event
 
-    from saga._drivers.leases import LeaseKeeper
     from saga._drivers.loopguard import sync_only
 
 if TYPE_CHECKING:
@@ -140,12 +139,11 @@ class AsyncOrchestrator(Engine):
         self._pool: AsyncConnectionPool[Any] | None = None
         self._store: AsyncStore | None = None
         self._ledger: AsyncLedger | None = None
+        self._keeper: AsyncLeaseKeeper | None = None
         if True:  # ASYNC
-            self._keeper: AsyncLeaseKeeper | None = None
             self._connecting: asyncio.Lock | None = None
             self._loop: asyncio.AbstractEventLoop | None = None
         else:
-            self._keeper: LeaseKeeper | None = None
             self._lock = threading.Lock()
 
     # ----- set-up ------------------------------------------------------------------------
@@ -198,12 +196,12 @@ class AsyncOrchestrator(Engine):
             return self._store
 
         @property
-        def lease_keeper(self) -> LeaseKeeper:
+        def lease_keeper(self) -> AsyncLeaseKeeper:
             """The heartbeat that keeps this orchestrator's leases alive while steps run."""
             store = self.store
             with self._lock:
                 if self._keeper is None:
-                    self._keeper = LeaseKeeper(
+                    self._keeper = AsyncLeaseKeeper(
                         store,
                         owner=self.owner,
                         lease_seconds=self.lease_seconds,

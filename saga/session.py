@@ -44,8 +44,9 @@ from saga.state import HistoryEvent, OperationState, OperationStatus, SagaState,
 
 if TYPE_CHECKING:
     from saga._drivers.driver import Runner
-    from saga._drivers.driver_async import AsyncLeaseKeeper, AsyncRunner
+    from saga._drivers.driver_async import AsyncRunner
     from saga._drivers.leases import LeaseKeeper
+    from saga._drivers.leases_async import AsyncLeaseKeeper
 
 
 class SessionEngine(Protocol):

@@ -50,6 +50,17 @@ NAMES: dict[str, str] = {
     "AsyncTransaction": "Transaction",
     "AsyncPipeline": "Pipeline",
     "StopAsyncIteration": "StopIteration",
+    "enter_async_context": "enter_context",
+    # saga._acompat: each asyncio primitive and its blocking twin.
+    "AEvent": "Event",
+    "await_set": "wait_set",
+    "asleep": "sleep",
+    "arun_blocking": "run_blocking",
+    "AWorker": "Worker",
+    "aspawn": "spawn",
+    "aworker_alive": "worker_alive",
+    "astop": "stop",
+    "AThreadResult": "ThreadResult",
 }
 
 HEADER = (
@@ -65,6 +76,28 @@ def register(source: str, target: str, names: dict[str, str]) -> None:
     NAMES.update(names)
 
 
+# ----- the twins ----------------------------------------------------------------------------
+
+register(
+    "saga/_drivers/leases_async.py",
+    "saga/_drivers/leases.py",
+    {
+        "leases_async": "leases",
+        "AsyncLeaseKeeper": "LeaseKeeper",
+        "store_async": "store",
+        "AsyncStore": "Store",
+    },
+)
+register(
+    "saga/_drivers/driver_async.py",
+    "saga/_drivers/driver.py",
+    {
+        "driver_async": "driver",
+        "AsyncRunner": "Runner",
+        "acarry_out": "carry_out",
+        "AConn": "Conn",
+    },
+)
 register(
     "saga/_db/store_async.py",
     "saga/_db/store.py",

@@ -1,28 +1,39 @@
-"""The sync driver: carries out the flows of `saga._flows.drive` with blocking I/O.
+# WARNING: generated from saga/_drivers/driver_async.py by tools/async_to_sync.py:
+# edit the source, then run `python tools/async_to_sync.py`. CI fails on any difference.
+"""The driver: carries out the flows of `saga._flows.drive`, every decision of which is the
+flow's and the core's.
 
-It runs user code in the calling thread (a plain function; a timed one in a thread of its
-own; an async one in an event loop of its own), waits with `threading.Event`, keeps
-leases alive with the orchestrator's heartbeat thread, and talks to PostgreSQL through the
-blocking `Store`. Every decision is the flow's and the core's.
+Two drivers share this text. `AsyncRunner` (`driver_async.py`, the source) runs on the
+caller's event loop: async user code is awaited on the loop (a timeout cancels it) and sync
+user code runs in a thread, never on the loop. `Runner` (`driver.py`, generated from it by
+`tools/async_to_sync.py`) blocks: it runs user code in the calling thread, a timed plain
+function in a thread of its own, an async function in an event loop of its own. Both keep
+leases alive with the orchestrator's lease keeper, wait on their `stopping` event, and
+reach PostgreSQL through their store. What differs is in the `if True:  # ASYNC` blocks
+of the source and in the primitives of `saga._acompat`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import inspect
 import threading
-import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from contextlib import (
+    AbstractContextManager,
+    ExitStack,
+    nullcontext,
+)
 from typing import Any, TypeVar
 
+from saga._acompat import Event, ThreadResult, run_blocking, sleep, wait_set
 from saga._core.planner import Next, OpRow, Planner, SagaRow
-from saga._db.dbretry import retrying
 from saga._db.store import Conn, Store
 from saga._drivers import abandoned
 from saga._drivers.leases import LeaseKeeper
-from saga._flows.drive import Flows, RunnerOptions, describe_error, log_event, log_events
+from saga._drivers.ownloop import run_in_own_loop
+from saga._flows.drive import Flows, describe_error, retried
+from saga._flows.drive import RunnerOptions as RunnerOptions
 from saga._flows.effects import (
     AttemptTimedOut,
     AwaitAbandoned,
@@ -33,7 +44,7 @@ from saga._flows.effects import (
     Effect,
     Fetch,
     Flow,
-    MachineryFailedError,
+    Hold,
     NotCalledError,
     Pause,
     Stopping,
@@ -46,15 +57,13 @@ from saga.logs import get_logger
 from saga.signatures import is_async
 from saga.state import SagaState
 
-__all__ = ["Runner", "RunnerOptions", "carry_out", "log_event", "log_events"]
-
 _log = get_logger("saga")
 
 T = TypeVar("T")
 
 
 class Runner:
-    """Drives claimed sagas under a lease, blocking; every write is fenced."""
+    """Drives claimed sagas under a lease; every write is fenced."""
 
     def __init__(
         self,
@@ -62,14 +71,14 @@ class Runner:
         options: RunnerOptions,
         *,
         keeper: LeaseKeeper,
-        stopping: threading.Event | None = None,
+        stopping: Event | None = None,
     ) -> None:
         self.store = store
         self.keeper = keeper
         self.options = options
         self.owner = options.owner
         self.lease_seconds = options.lease_seconds
-        self.stopping = stopping or threading.Event()
+        self.stopping = stopping or Event()
         self.flows = Flows(options, reporter=self._spend_reporter)
 
     def claim_and_drive(self, definition: Saga[Any], saga_id: str) -> SagaState | None:
@@ -104,73 +113,114 @@ class Runner:
 
     def _effect(self, effect: Effect, conn: Conn | None) -> Any:
         if isinstance(effect, Db):
-            method = getattr(self.store, effect.method)
-            if effect.method.endswith("_txn"):
-                assert conn is not None, f"{effect.method} outside a transaction"
-                return method(conn, *effect.args, **effect.kwargs)
-            return method(*effect.args, **effect.kwargs)
+            return _store_call(self.store, effect, conn)
         if isinstance(effect, Call):
-            hold = self.keeper.holding(*effect.hold) if effect.hold is not None else nullcontext()
-            with hold:
-                try:
-                    if effect.timeout_seconds is None and effect.hold is None:
-                        return _call(effect.fn, *effect.args)
-                    return _call_with_timeout(effect.fn, effect.args, effect.timeout_seconds)
-                except Exception:
-                    raise
-                except BaseException as exc:
-                    outcome = _from_step(exc)
-                    if outcome is exc:
-                        raise
-                    raise outcome from exc
+            return self._call(effect)
         if isinstance(effect, Fetch):
             return effect.read()
         if isinstance(effect, Stopping):
             return self.stopping.is_set()
         if isinstance(effect, Wait):
-            hold = self.keeper.holding(*effect.hold) if effect.hold is not None else nullcontext()
-            with hold:
-                self.stopping.wait(effect.seconds)
+            with self._holding(effect.hold):
+                wait_set(self.stopping, effect.seconds)
             return None
         if isinstance(effect, Pause):
             if effect.interruptible:
-                self.stopping.wait(effect.seconds)
+                wait_set(self.stopping, effect.seconds)
             else:
-                time.sleep(effect.seconds)
+                sleep(effect.seconds)
             return None
         if isinstance(effect, AwaitAbandoned):
             if not abandoned.still_running(effect.saga_id, effect.step, effect.kind):
                 return []
             with self.keeper.holding(*effect.hold):
-                return abandoned.wait_for(effect.saga_id, effect.step, effect.kind)
+                return run_blocking(abandoned.wait_for, effect.saga_id, effect.step, effect.kind)
         raise TypeError(f"not an effect of a flow: {effect!r}")  # pragma: no cover
 
-    def _spend_reporter(self, saga: SagaRow, op: OpRow) -> Callable[[float], None]:
-        """What persists the running total an attempt reports with `ctx.spend()`: retried
-        on transient errors (writing the same total twice changes nothing), and never
-        raised into step code, whose spend is counted from memory at its outcome if the
-        write cannot be made."""
-        where = {"saga_id": saga.id, "step": op.step, "kind": op.kind, "attempt": op.attempts}
+    def _holding(self, hold: Hold | None) -> AbstractContextManager[None]:
+        """Keep the lease `hold` names alive for the block (no lease: nothing to keep)."""
+        return self.keeper.holding(*hold) if hold is not None else nullcontext()
 
-        def report(total: float) -> None:
+    def _call(self, effect: Call) -> Any:
+        """Call user code: a hook as it is; a step's attempt under its lease, its spend
+        reports written before its outcome is recorded."""
+        if effect.hold is None:
+            return _call_user(effect.fn, effect.args, effect.timeout_seconds, None)
+        ctx = effect.args[0] if effect.args and isinstance(effect.args[0], StepContext) else None
+        with self.keeper.holding(*effect.hold):
             try:
-                for attempt in retrying("report_spend", until=self.stopping):
-                    with attempt:
-                        written = self.store.report_spend(
-                            saga.id,
-                            step=op.step,
-                            kind=op.kind,
-                            attempt=op.attempts,
-                            total=total,
-                            owner=self.owner,
-                            fence=saga.fence,
-                        )
-                        if not written:
-                            _log.warning("spend_not_persisted", **where, total=total)
-            except Exception as exc:
-                _log.warning("spend_not_persisted", **where, total=total, error=describe_error(exc))
+                return _call_user(effect.fn, effect.args, effect.timeout_seconds, ctx)
+            finally:
+                if ctx is not None and isinstance(ctx._report, _SpendReporter):
+                    ctx._report.drain()
 
-        return report
+    def _spend_reporter(self, saga: SagaRow, op: OpRow) -> Callable[[float], None]:
+        return _SpendReporter(self, saga, op)
+
+
+def _store_call(store: Store, effect: Db, conn: Conn | None) -> Any:
+    """Make the store call a `Db` effect names; a `_txn` method receives the open
+    transaction's connection first."""
+    method = getattr(store, effect.method)
+    if effect.method.endswith("_txn"):
+        assert conn is not None, f"{effect.method} outside a transaction"
+        return method(conn, *effect.args, **effect.kwargs)
+    return method(*effect.args, **effect.kwargs)
+
+
+class _SpendReporter:
+    """Persists the running total an attempt reports with `ctx.spend()`: retried on
+    transient errors (writing the same total twice changes nothing), and never raised into
+    step code, whose spend is counted from memory at its outcome if the write cannot be
+    made. The blocking driver writes it in the reporting thread. With asyncio, a report
+    made on the loop's thread is written by a task, awaited before the attempt's outcome is
+    recorded (`drain`); one made in a step's thread is written on the loop, waited for in
+    that thread."""
+
+    def __init__(self, runner: Runner, saga: SagaRow, op: OpRow) -> None:
+        self.runner = runner
+        self.saga = saga
+        self.op = op
+
+    def __call__(self, total: float) -> None:
+        self._write(total)
+
+    def drain(self) -> None:
+        """Wait for the writes of the reports made on the loop's thread (none in the
+        blocking driver, whose writes are made as they are reported)."""
+
+    def _write(self, total: float) -> None:
+        saga, op = self.saga, self.op
+
+        def write() -> Flow[bool]:
+            written: bool = yield Db(
+                "report_spend",
+                (saga.id,),
+                {
+                    "step": op.step,
+                    "kind": op.kind,
+                    "attempt": op.attempts,
+                    "total": total,
+                    "owner": self.runner.owner,
+                    "fence": saga.fence,
+                },
+            )
+            return written
+
+        try:
+            written = self.runner.run(retried("report_spend", write, interruptible=True))
+        except Exception as exc:
+            self._not_persisted(total, exc)
+            return
+        if not written:
+            _log.warning("spend_not_persisted", **self._where(), total=total)
+
+    def _where(self) -> dict[str, Any]:
+        op = self.op
+        return {"saga_id": self.saga.id, "step": op.step, "kind": op.kind, "attempt": op.attempts}
+
+    def _not_persisted(self, total: float, exc: Exception) -> None:
+        _log.warning("spend_not_persisted", **self._where(), total=total, error=describe_error(exc))
 
 
 def carry_out(
@@ -219,146 +269,141 @@ def carry_out(
             error = exc
 
 
-def _from_step(exc: BaseException) -> BaseException:
-    """What a `BaseException` raised by user code in this thread becomes in the flow: the
-    attempt's unknown outcome (`StepExited`), so that one step's `sys.exit()` or
-    `KeyboardInterrupt` ends its attempt and not the worker. A `KeyboardInterrupt` in the
-    main thread may be a real Ctrl-C: it goes on as it is (the attempt is then unknown to
-    whoever takes the saga over)."""
-    if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
-        return exc
-    return step_exited(exc)
+# ----- calling user code ---------------------------------------------------------------------
 
 
-def _call_with_timeout(
-    fn: Callable[..., Any], args: tuple[Any, ...], timeout_seconds: float | None
+def _call_user(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    timeout_seconds: float | None,
+    ctx: StepContext | None,
 ) -> Any:
-    """Call `fn`, giving up after `timeout_seconds`: the call may still take effect, so
-    the caller records the outcome as unknown.
+    """Call `fn(*args)`, user code, giving up after `timeout_seconds` with `AttemptTimedOut`:
+    the call may still take effect, so the caller records the outcome as unknown.
 
-    A coroutine is cancelled (`asyncio.wait_for` returns once the task has ended). A plain
-    function cannot be stopped: it runs on in its thread, tracked in `saga._drivers.abandoned`, and
-    is waited for up to `abandoned.wait_bound(timeout_seconds)` more before the unknown
-    outcome is settled (reconcile, retry), so that no second attempt and no reconcile
-    answer races it; if it is still running then, the saga parks (`still_running`).
-    `args[0]` is the attempt's StepContext, which names the operation; an earlier attempt
-    of it still running here is waited for the same way before this one is called.
+    `ctx`, the attempt's StepContext, names the operation: an earlier attempt of it
+    abandoned at its timeout and still running here is waited for (`_in_thread`) before
+    this one is called. `NotCalledError` or `MachineryFailedError` when the machinery fails
+    to run the call.
     """
-    ctx = args[0] if args and isinstance(args[0], StepContext) else None
     if ctx is not None and abandoned.still_running(ctx.saga_id, ctx.step, ctx.kind):
-        late = abandoned.wait_for(ctx.saga_id, ctx.step, ctx.kind)
+        late = run_blocking(abandoned.wait_for, ctx.saga_id, ctx.step, ctx.kind)
         if late:
             raise AttemptTimedOut(
                 f"attempt {ctx.attempt} was not called: {late[0].describe()}; resolve the "
                 "outcome once it has ended",
                 still_running=True,
             )
+    what = (
+        f"attempt exceeded its timeout of {timeout_seconds:g}s; its outcome is unknown"
+        if timeout_seconds is not None
+        else ""
+    )
+    # User code runs in the calling thread, unless it is timed: a timed plain function
+    # runs in a thread of its own, a timed async one in an event loop of its own (its
+    # coroutine is cancelled at the timeout).
     if timeout_seconds is None:
-        return _call(fn, *args)
-    what = f"attempt exceeded its timeout of {timeout_seconds:g}s; its outcome is unknown"
+        return _in_this_thread(lambda: _call_here(fn, *args))
     if is_async(fn):
-        return _run_async(lambda: fn(*args), began=False, timeout=timeout_seconds, timed_out=what)
-    outcome: list[Any] = []
-    failure: list[BaseException] = []
+        return _in_this_thread(
+            lambda: run_in_own_loop(
+                lambda: fn(*args), began=False, timeout=timeout_seconds, timed_out=what
+            )
+        )
+    return _in_thread(lambda: _call_here(fn, *args), timeout_seconds, ctx, what)
+
+
+def _in_thread(
+    call: Callable[[], Any],
+    timeout_seconds: float | None,
+    ctx: StepContext | None,
+    what: str,
+) -> Any:
+    """Run `call()` in a thread of its own and wait for it, up to `timeout_seconds`.
+
+    A thread cannot be stopped: past the timeout it runs on, tracked in
+    `saga._drivers.abandoned`, and is waited for up to `abandoned.wait_bound(timeout_seconds)`
+    more before the unknown outcome is settled (reconcile, retry), so that no second
+    attempt and no reconcile answer races it; if it is still running then, the saga parks
+    (`AttemptTimedOut(still_running=True)`). `what` says what timed out.
+    """
+    outcome: ThreadResult[Any] = ThreadResult()
     tracked: list[abandoned.Abandoned] = []
 
     def target() -> None:
         try:
-            outcome.append(_call(fn, *args))
+            value = call()
         except BaseException as exc:
             # Raised in this thread, never by a signal: the attempt's outcome.
-            failure.append(step_exited(exc))
+            outcome.set_exception(step_exited(exc))
+        else:
+            outcome.set_result(value)
         finally:
             for entry in tracked:
                 abandoned.discard(entry)
 
     # The step sees the caller's context variables (the attempt's span among them), as a
-    # call without a timeout does.
+    # call in the caller's thread would.
     context = contextvars.copy_context()
     thread = threading.Thread(target=context.run, args=(target,), name="saga-attempt", daemon=True)
-    thread.start()
-    thread.join(timeout_seconds)
-    if thread.is_alive():
-        if ctx is None:
-            raise AttemptTimedOut(what)
-        entry = abandoned.Abandoned(
-            ctx.saga_id, ctx.step, ctx.kind, ctx.attempt, timeout_seconds, thread
+    try:
+        thread.start()
+    except RuntimeError as exc:  # no thread could be started: nothing of the step ran
+        raise NotCalledError(exc) from exc
+    if outcome.wait(timeout_seconds):
+        return outcome.result()
+    if ctx is None:
+        raise AttemptTimedOut(what)
+    assert timeout_seconds is not None
+    entry = abandoned.Abandoned(
+        ctx.saga_id, ctx.step, ctx.kind, ctx.attempt, timeout_seconds, thread
+    )
+    tracked.append(entry)
+    abandoned.add(entry)
+    if not thread.is_alive():  # ended before it was tracked: target() missed it
+        abandoned.discard(entry)
+    if run_blocking(abandoned.wait_for, ctx.saga_id, ctx.step, ctx.kind):
+        waited = abandoned.wait_bound(timeout_seconds)
+        raise AttemptTimedOut(
+            f"{what}: {entry.describe()} after {waited:g}s more; resolve it once it has ended",
+            still_running=True,
         )
-        tracked.append(entry)
-        abandoned.add(entry)
-        if not thread.is_alive():  # ended before it was tracked: target() missed it
-            abandoned.discard(entry)
-        if abandoned.wait_for(ctx.saga_id, ctx.step, ctx.kind):
-            waited = abandoned.wait_bound(timeout_seconds)
-            raise AttemptTimedOut(
-                f"{what}: {entry.describe()} after {waited:g}s more; resolve it once it has ended",
-                still_running=True,
-            )
-        raise AttemptTimedOut(f"{what} (it ended late; settled as any unknown outcome)")
-    if failure:
-        raise failure[0]
-    return outcome[0]
+    raise AttemptTimedOut(f"{what} (it ended late; settled as any unknown outcome)")
 
 
-def _call(fn: Callable[..., Any], *args: Any) -> Any:
-    """Call a user function; an async one (or one that returns an awaitable) is awaited in
-    an event loop of its own. `NotCalledError` or `MachineryFailedError` when that loop fails."""
+def _in_this_thread(call: Callable[[], Any]) -> Any:
+    """Run `call()`, user code, in this thread: a `BaseException` it raises becomes
+    what `_from_step` makes of it."""
+    try:
+        return call()
+    except Exception:
+        raise
+    except BaseException as exc:
+        outcome = _from_step(exc)
+        if outcome is exc:
+            raise
+        raise outcome from exc
+
+
+def _from_step(exc: BaseException) -> BaseException:
+    """What a `BaseException` raised by user code in this thread becomes in the flow:
+    the attempt's unknown outcome (`StepExited`), so that one step's `sys.exit()` or
+    `KeyboardInterrupt` ends its attempt and not the worker. A `KeyboardInterrupt` in
+    the main thread may be a real Ctrl-C: it goes on as it is (the attempt is then
+    unknown to whoever takes the saga over)."""
+    if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+        return exc
+    return step_exited(exc)
+
+
+def _call_here(fn: Callable[..., Any], *args: Any) -> Any:
+    """Call a user function; an async one (or one that returns an awaitable) is
+    awaited in an event loop of its own. `NotCalledError` or `MachineryFailedError`
+    when that loop fails."""
     if is_async(fn):
         # Nothing of an async function runs before its coroutine is awaited, in the loop.
-        return _run_async(lambda: fn(*args), began=False)
+        return run_in_own_loop(lambda: fn(*args), began=False)
     result = fn(*args)
     if inspect.isawaitable(result):
-        return _run_async(lambda: result, began=True)
+        return run_in_own_loop(lambda: result, began=True)
     return result
-
-
-def _run_async(
-    make: Callable[[], Any],
-    *,
-    began: bool,
-    timeout: float | None = None,
-    timed_out: str = "",
-) -> Any:
-    """Await `make()` in a new event loop (bounded by `timeout`, past which
-    `AttemptTimedOut(timed_out)`), telling the machinery's failures from the function's.
-
-    `began`: user code already ran to produce the awaitable. If the loop fails before our
-    coroutine starts, that is `NotCalledError` (nothing of the function ran) or, when `began`,
-    `MachineryFailedError`; if it fails as it closes after the function returned, the result
-    stands. An exception of the function itself is raised as it is.
-    """
-    entered = False
-    returned: list[Any] = []
-
-    async def main() -> Any:
-        nonlocal entered
-        entered = True
-        # A TimeoutError is ours only when our deadline expired: the function's own is its
-        # outcome, classified by its policy.
-        scope = asyncio.timeout(timeout)
-        try:
-            async with scope:
-                value = await make()
-        except TimeoutError:
-            if not scope.expired():
-                raise
-            raise AttemptTimedOut(timed_out) from None
-        returned.append(value)
-        return value
-
-    coro = main()
-    try:
-        return asyncio.run(coro)
-    except Exception as exc:
-        if not entered:
-            coro.close()
-            if began:
-                pending = make()
-                if inspect.iscoroutine(pending):
-                    pending.close()  # never to be awaited: no "never awaited" warning
-                raise MachineryFailedError(exc) from exc
-            raise NotCalledError(exc) from exc
-        if returned:
-            _log.warning("event_loop_close_failed", error=describe_error(exc))
-            return returned[0]
-        raise

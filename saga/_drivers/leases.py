@@ -1,4 +1,8 @@
-"""Keeping leases alive while user code runs: one heartbeat thread per orchestrator."""
+# WARNING: generated from saga/_drivers/leases_async.py by tools/async_to_sync.py:
+# edit the source, then run `python tools/async_to_sync.py`. CI fails on any difference.
+"""Keeping leases alive while user code runs: one heartbeat worker per orchestrator, a task
+of its event loop for `AsyncLeaseKeeper` (`leases_async.py`, the source), a thread for
+`LeaseKeeper` (`leases.py`, generated from it by `tools/async_to_sync.py`)."""
 
 from __future__ import annotations
 
@@ -6,7 +10,9 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from saga._acompat import Event, Worker, spawn, stop, wait_set, worker_alive
 from saga._db.store import Store
+from saga._flows.drive import describe_error
 from saga.logs import get_logger
 
 _log = get_logger("saga")
@@ -30,21 +36,24 @@ class LeaseKeeper:
         self.heartbeat_seconds = heartbeat_seconds
         # (saga id, fence) -> how many blocks hold it (one, unless nested).
         self._held: dict[tuple[str, int], int] = {}
+        # Holders are threads of the blocking twin; on a loop the lock is never contended.
         self._lock = threading.Lock()
-        self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._worker: Worker | None = None
+        self._stopped = Event()
 
     @contextmanager
     def holding(self, saga_id: str, fence: int) -> Iterator[None]:
-        """Keep the lease of `saga_id` at `fence` alive for the duration of the block."""
+        """Keep the lease of `saga_id` at `fence` alive for the duration of the block (with
+        asyncio, entered on the loop's thread). The heartbeat starts with the first hold,
+        and again after `close` or once its loop has ended."""
         key = (saga_id, fence)
         with self._lock:
             self._held[key] = self._held.get(key, 0) + 1
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._beat, name=f"saga-heartbeat-{self.owner}", daemon=True
+            if self._worker is None or not worker_alive(self._worker):
+                stopped = self._stopped = Event()
+                self._worker = spawn(
+                    lambda: self._beat(stopped), name=f"saga-heartbeat-{self.owner}"
                 )
-                self._thread.start()
         try:
             yield
         finally:
@@ -56,14 +65,15 @@ class LeaseKeeper:
                     self._held.pop(key, None)
 
     def close(self) -> None:
-        """Stop the heartbeat thread (leases then expire unless renewed by writes)."""
-        self._stopped.set()
-        thread = self._thread
-        if thread is not None:
-            thread.join()
+        """Stop the heartbeat (leases then expire unless renewed by writes)."""
+        with self._lock:
+            worker, self._worker = self._worker, None
+            self._stopped.set()
+        if worker is not None:
+            stop(worker)
 
-    def _beat(self) -> None:
-        while not self._stopped.wait(self.heartbeat_seconds):
+    def _beat(self, stopped: Event) -> None:
+        while not wait_set(stopped, self.heartbeat_seconds):
             with self._lock:
                 held = set(self._held)
             if not held:
@@ -73,7 +83,7 @@ class LeaseKeeper:
                     held, owner=self.owner, lease_seconds=self.lease_seconds
                 )
             except Exception as exc:  # outcome writes will find out; keep trying meanwhile
-                _log.warning("heartbeat_failed", error=f"{type(exc).__name__}: {exc}")
+                _log.warning("heartbeat_failed", error=describe_error(exc))
                 continue
             for saga_id, fence in held - alive:
                 with self._lock:
