@@ -27,6 +27,7 @@ from saga._core.planner import Planner, SagaRow
 from saga._core.rows import Event, OpRow
 from saga._flows.drive import Flows, log_events, retried
 from saga._flows.effects import Flow, Pause, db
+from saga._flows.store_ops import StoreOps
 from saga.codec import ResultCodec
 from saga.definition import Guards, Saga, Step
 from saga.durable import DurableStep, context_scope, registered_step, session_scope
@@ -338,8 +339,8 @@ class SessionFlows:
         row = planner.saga
 
         def start() -> Flow[dict[str, Any]]:
-            outcome: dict[str, Any] = yield db(
-                "start_saga", row, [], events, lease_seconds=self.lease_seconds, notify=False
+            outcome: dict[str, Any] = yield from db(
+                StoreOps.start_saga, row, [], events, lease_seconds=self.lease_seconds, notify=False
             )
             return outcome
 
@@ -390,10 +391,10 @@ class SessionFlows:
                 # compensations short. The claim has planned (and recorded) the next one;
                 # they are finished here, and the session is returned closed.
                 yield from self.flows.carry_on(planner, nxt)
-                closed: SagaState | None = yield db("get_state", saga_id)
+                closed: SagaState | None = yield from db(StoreOps.get_state, saga_id)
                 assert closed is not None
                 return None, closed
-            state: SagaState | None = yield db("get_state", saga_id)
+            state: SagaState | None = yield from db(StoreOps.get_state, saga_id)
             if state is None:
                 raise StepStateError(f"session {self.run_id!r} was deleted while it was opened")
             if not state.status.is_runnable:
@@ -439,7 +440,7 @@ class SessionFlows:
         if planner.final_state is not None:
             # Read by the statement of the last write, which gave the lease back.
             return planner.final_state
-        state: SagaState | None = yield db("get_state", planner.saga.id)
+        state: SagaState | None = yield from db(StoreOps.get_state, planner.saga.id)
         return state
 
 

@@ -59,8 +59,10 @@ from saga._flows.effects import (
     Stopping,
     Wait,
     db,
+    db_txn,
 )
 from saga._flows.started import Started
+from saga._flows.store_ops import StoreOps
 from saga.context import StepContext
 from saga.definition import Saga
 from saga.errors import LeaseLost
@@ -194,8 +196,8 @@ class Flows:
             if isinstance(nxt, Invoke):
                 faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
             sent = time.monotonic()
-            claimed, state = yield db(
-                "claim_started",
+            claimed, state = yield from db(
+                StoreOps.claim_started,
                 write,
                 start_token=started.start_token,
                 owner=self.owner,
@@ -250,7 +252,9 @@ class Flows:
     ) -> Flow[tuple[Planner, Next] | None]:
         sent = time.monotonic()
         yield Begin()
-        loaded = yield db("claim_txn", saga_id, owner=self.owner, lease_seconds=self.lease_seconds)
+        loaded = yield from db_txn(
+            StoreOps.claim_txn, saga_id, owner=self.owner, lease_seconds=self.lease_seconds
+        )
         if loaded is None:
             yield Commit()
             return None
@@ -276,7 +280,7 @@ class Flows:
 
         def once() -> Flow[tuple[Planner, Next] | None]:
             if tried[0]:
-                own = yield db("own_claim", owner=self.owner, token=token)
+                own = yield from db(StoreOps.own_claim, owner=self.owner, token=token)
                 if own is not None:
                     saga_id, _name, _version = own
                     reclaimed = yield from self._reclaim(lookup, saga_id, token)
@@ -297,8 +301,8 @@ class Flows:
     ) -> Flow[tuple[Planner, Next] | None]:
         sent = time.monotonic()
         yield Begin()
-        loaded = yield db(
-            "claim_next_txn", kinds=kinds, owner=self.owner, lease_seconds=self.lease_seconds
+        loaded = yield from db_txn(
+            StoreOps.claim_next_txn, kinds=kinds, owner=self.owner, lease_seconds=self.lease_seconds
         )
         if loaded is None:
             yield Commit()
@@ -339,7 +343,9 @@ class Flows:
 
         def once() -> Flow[list[tuple[Planner, Next]]]:
             if tried[0]:
-                owned: dict[str, str] = yield db("own_claims", owner=self.owner, tokens=tokens)
+                owned: dict[str, str] = yield from db(
+                    StoreOps.own_claims, owner=self.owner, tokens=tokens
+                )
                 for saga_id, token in sorted(owned.items(), key=lambda item: tokens.index(item[1])):
                     if saga_id not in carried:
                         carried[saga_id] = yield from self._reclaim_one(lookup, saga_id, token)
@@ -375,8 +381,8 @@ class Flows:
     ) -> Flow[list[tuple[Planner, Next]]]:
         sent = time.monotonic()
         yield Begin()
-        batch: list[Loaded] = yield db(
-            "claim_batch_txn",
+        batch: list[Loaded] = yield from db_txn(
+            StoreOps.claim_batch_txn,
             kinds=kinds,
             owner=self.owner,
             lease_seconds=self.lease_seconds,
@@ -400,8 +406,8 @@ class Flows:
             planned.append((planner, nxt, self._write(planner, nxt), token))
         read = None
         if planned:
-            read = yield db(
-                "save_batch_txn",
+            read = yield from db_txn(
+                StoreOps.save_batch_txn,
                 [(write, token) for _, _, write, token in planned],
                 owner=self.owner,
                 lease_seconds=self.lease_seconds,
@@ -440,7 +446,7 @@ class Flows:
 
         The claim's first move was committed with it: an attempt it started is ours to
         call now; any other move is planned again from what was committed."""
-        written = yield db("write_token", saga_id)
+        written = yield from db(StoreOps.write_token, saga_id)
         if written is None or written[0] != token or written[1] != self.owner:
             return None
         loaded = yield from self._load(saga_id)
@@ -449,7 +455,7 @@ class Flows:
         # Still our claim's, as read? Every write (another owner's claim, its reconcile,
         # the attempt it starts) changes the token: a read that came after one would hand
         # us the new owner's attempt, under its fence, to call a second time.
-        again = yield db("write_token", saga_id)
+        again = yield from db(StoreOps.write_token, saga_id)
         if again != written:
             _log.info("claim_taken_over", saga_id=saga_id, fence=loaded[0].fence)
             return None
@@ -471,7 +477,7 @@ class Flows:
 
     def _load(self, saga_id: str) -> Flow[Loaded | None]:
         yield Begin()
-        loaded: Loaded | None = yield db("load_txn", saga_id)
+        loaded: Loaded | None = yield from db_txn(StoreOps.load_txn, saga_id)
         yield Commit()
         return loaded
 
@@ -506,7 +512,7 @@ class Flows:
                 # A session driven outside its block (an operator's run): what it does
                 # next is its code's to say; give the lease back to the next entry.
                 yield from self.release_after_error(planner.saga)
-                state: SagaState | None = yield db("get_state", saga.id)
+                state: SagaState | None = yield from db(StoreOps.get_state, saga.id)
                 return state
         except LeaseLost as exc:
             _log.warning("lease_lost", saga_id=saga.id, fence=saga.fence, error=str(exc))
@@ -554,7 +560,7 @@ class Flows:
     def release_after_error(self, saga: SagaRow) -> Flow[None]:
         """Leave the saga to the next owner right away rather than after lease expiry."""
         try:
-            yield db("release_lease", saga.id, owner=self.owner, fence=saga.fence)
+            yield from db(StoreOps.release_lease, saga.id, owner=self.owner, fence=saga.fence)
         except Exception:
             _log.exception("lease_release_failed", saga_id=saga.id)
 
@@ -579,10 +585,10 @@ class Flows:
 
         def once() -> Flow[SagaState | None]:
             if tried[0]:
-                written = yield db("write_token", saga.id)
+                written = yield from db(StoreOps.write_token, saga.id)
                 if written is not None and written[0] == token:
                     _log.info("write_landed", saga_id=saga.id, fence=saga.fence)
-                    state: SagaState | None = yield db("get_state", saga.id)
+                    state: SagaState | None = yield from db(StoreOps.get_state, saga.id)
                     return state
             tried[0] = True
             fresh = yield from self._reload(planner)
@@ -722,21 +728,21 @@ class Flows:
         """Whether the write of `unsure` landed (its token is the saga's); if so, its events
         are logged and, when it gave the lease back, the saga's state is read."""
         planner = unsure.planner
-        written = yield db("write_token", planner.saga.id)
+        written = yield from db(StoreOps.write_token, planner.saga.id)
         if written is None or written[0] != unsure.token:
             return False
         _log.info("write_landed", saga_id=planner.saga.id, fence=planner.saga.fence)
         log_events(planner, unsure.events)
         if written[1] is None:
             # The write gave the lease back (a stop, a shutdown, a long backoff).
-            planner.final_state = yield db("get_state", planner.saga.id)
+            planner.final_state = yield from db(StoreOps.get_state, planner.saga.id)
         return True
 
     def _transact_at_once(self, planner: Planner, write: Write, token: str) -> Flow[None]:
         """A transition: one statement, one round trip (saga.write_saga_v4), which fails
         as a whole when the lease is no longer ours."""
-        state = yield db(
-            "apply_transition",
+        state = yield from db(
+            StoreOps.apply_transition,
             write,
             owner=self.owner,
             lease_seconds=self.lease_seconds,
@@ -751,14 +757,14 @@ class Flows:
         saga = planner.saga
         sent = time.monotonic()
         yield Begin()
-        yield db(
-            "assert_fence_txn",
+        yield from db_txn(
+            StoreOps.assert_fence_txn,
             saga.id,
             owner=self.owner,
             fence=saga.fence,
             lease_seconds=self.lease_seconds,
         )
-        loaded = yield db("load_txn", saga.id)
+        loaded = yield from db_txn(StoreOps.load_txn, saga.id)
         yield Commit()
         assert loaded is not None  # the fence check found the row
         fresh = self._planner(planner.definition, loaded)
@@ -775,8 +781,12 @@ class Flows:
     def _persist_txn(self, write: Write, token: str) -> Flow[Callable[[], Any] | None]:
         """Queue a write in the open transaction; when the saga is handed back, also the
         read of its state, returned as a read to make once the transaction has committed."""
-        read = yield db(
-            "save_txn", write, owner=self.owner, lease_seconds=self.lease_seconds, token=token
+        read = yield from db_txn(
+            StoreOps.save_txn,
+            write,
+            owner=self.owner,
+            lease_seconds=self.lease_seconds,
+            token=token,
         )
         # The caller's answer, read in the last transaction rather than in one more.
         return read if write.release else None
@@ -1001,7 +1011,9 @@ class Flows:
 
         def renew() -> Flow[tuple[float, bool]]:
             sent = time.monotonic()
-            alive = yield db("renew_leases", {held}, owner=self.owner, lease_seconds=lease)
+            alive = yield from db(
+                StoreOps.renew_leases, {held}, owner=self.owner, lease_seconds=lease
+            )
             return sent, held in alive
 
         while not may_start_call(planner.lease_confirmed_at, time.monotonic(), lease):
