@@ -283,7 +283,8 @@ def apply(planner: Planner, outcome: Outcome, now: datetime) -> None:
         ceilings.note_spend(op, outcome.amount)
         _apply_to(planner, op, inner)
         if outcome.refused is not None:
-            ceilings.refuse_spend(planner, op, outcome.refused)
+            planner.event("spend_refused", op, reason=outcome.refused)
+            planner.park(ceilings.refused_spend(op, outcome.refused))
         return
     _apply_to(planner, planner.op(outcome.step, outcome.kind), outcome)
 
