@@ -28,7 +28,8 @@ from saga._core.rows import OpRow, Write
 from saga._db.database import Route, describe_url, prepared_statements_setting, resolve_database_url
 from saga._db.store import new_token, parse_id
 from saga._drivers import faults
-from saga._flows.drive import Flows, RunnerOptions, log_events, retried
+from saga._flows.claim import Flows
+from saga._flows.drive import RunnerOptions, log_events, retried
 from saga._flows.effects import Begin, Commit, Fetch, Flow, Pause, Stopping, db, db_txn
 from saga._flows.started import Started, StartedSagas
 from saga._flows.store_ops import StoreOps

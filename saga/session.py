@@ -25,7 +25,8 @@ from pydantic import BaseModel, ConfigDict
 from saga._core import inputs
 from saga._core.planner import Planner, SagaRow
 from saga._core.rows import Event, OpRow
-from saga._flows.drive import Flows, log_events, retried
+from saga._flows.claim import Flows
+from saga._flows.drive import log_events, retried
 from saga._flows.effects import Flow, Pause, db
 from saga._flows.store_ops import StoreOps
 from saga.codec import ResultCodec

@@ -22,7 +22,8 @@ from saga._db.dbretry import retrying
 from saga._db.store import Conn, Store
 from saga._drivers import abandoned
 from saga._drivers.leases import LeaseKeeper
-from saga._flows.drive import Flows, RunnerOptions, describe_error, log_event, log_events
+from saga._flows.claim import Flows
+from saga._flows.drive import RunnerOptions, describe_error, log_event, log_events
 from saga._flows.effects import (
     AttemptTimedOut,
     AwaitAbandoned,

@@ -20,7 +20,8 @@ from typing import Any, TypeVar
 from saga._core.planner import Next, OpRow, Planner, SagaRow
 from saga._db.store_async import AConn, AsyncStore
 from saga._drivers import abandoned
-from saga._flows.drive import Flows, RunnerOptions, describe_error, retried
+from saga._flows.claim import Flows
+from saga._flows.drive import RunnerOptions, describe_error, retried
 from saga._flows.effects import (
     AttemptTimedOut,
     AwaitAbandoned,
