@@ -12,7 +12,7 @@ beside it (`saga._core.ceilings`, `saga._core.confirmations`), and an operator's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 # they had a module of their own.
 __all__ = [
     "AskReconcile",
+    "Attempt",
     "ConfirmationChange",
     "ConfirmationRow",
     "Event",
@@ -60,10 +61,29 @@ __all__ = [
 
 
 @dataclass(frozen=True, slots=True)
+class Attempt:
+    """The call of an attempt, built by the planner as it starts the attempt: all the
+    flow hands the driver beside the context's own fields (saga, step, key, attempt)."""
+
+    # The step or compensation called: its function, codec, retry policy and timeout.
+    spec: OperationSpec
+    # What the function receives after the context: the input, and for a compensation
+    # its step's result as the step returned it.
+    arguments: tuple[Any, ...]
+    # ctx.results: the results of the succeeded steps, as they returned them.
+    results: dict[str, Any]
+    # ctx.request: the prepared request, when the operation has a prepare hook.
+    request: Any
+
+
+@dataclass(frozen=True, slots=True)
 class Invoke:
-    """Call the operation's function; its attempt is already recorded as running."""
+    """Call the operation's function; its attempt is already recorded as running. `call`
+    is the call, or the error that kept it from being built (the attempt is then
+    recorded as not called: nothing of it ran)."""
 
     op: OpRow
+    call: Attempt | Exception = field(compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -430,7 +450,20 @@ class Planner:
         self.saga.side_effects += 1 if spec.guards.side_effect else 0
         self.saga.spent += cost or 0.0
         self.event("attempt_started", op)
-        return Invoke(op)
+        return self.invoke(op)
+
+    def invoke(self, op: OpRow) -> Invoke:
+        """The move that calls `op`'s attempt, recorded as running: with its call built
+        here, so that the caller asks nothing more of the planner (or with the error that
+        kept the call from being built)."""
+        try:
+            spec = self.spec_of(op)
+            results = self.results()
+            request = self.request_of(op) if spec.prepare_fn else None
+            call = Attempt(spec, self.arguments(op), results, request)
+        except Exception as exc:
+            return Invoke(op, exc)
+        return Invoke(op, call)
 
     def _deadline_passed(self, op: OpRow) -> None:
         reason = f"deadline of {describe(op)} passed at {op.deadline_at:%Y-%m-%d %H:%M:%S%z}"

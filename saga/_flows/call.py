@@ -10,18 +10,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from saga._core import inputs
-from saga._core.planner import (
-    OpRow,
-    Planner,
-    SagaRow,
-)
+from saga._core.inputs import describe_error
+from saga._core.planner import Invoke, OpRow, Planner, SagaRow
 from saga._core.rows import describe
 from saga._core.selffence import may_start_call
 from saga._db.dbretry import is_transient
 from saga._drivers import faults
-from saga._flows.common import describe_error, retried, traceback_of
+from saga._flows.common import retried, traceback_of
 from saga._flows.effects import (
     AttemptTimedOut,
     AwaitAbandoned,
@@ -64,8 +62,13 @@ class Calls:
         self.reporter = reporter
 
     def context(self, planner: Planner, op: OpRow) -> StepContext:
-        """What the attempt of `op` is handed first: its `StepContext`."""
-        saga = planner.saga
+        """What a hook of `op` is handed first: its `StepContext`."""
+        request = planner.request_of(op) if planner.spec_of(op).prepare_fn else None
+        return self._context(planner.saga, op, planner.results(), request)
+
+    def _context(
+        self, saga: SagaRow, op: OpRow, results: dict[str, Any], request: Any
+    ) -> StepContext:
         return StepContext(
             saga_id=saga.id,
             tenant_id=saga.tenant_id,
@@ -74,8 +77,8 @@ class Calls:
             idempotency_key=op.idempotency_key,
             attempt=op.attempts,
             fence=saga.fence,
-            results=planner.results(),
-            request=planner.request_of(op) if planner.spec_of(op).prepare_fn else None,
+            results=results,
+            request=request,
             _report=(self.reporter(saga, op) if op.status == OperationStatus.RUNNING else None),
             # Bound lazily, on the step's first log call.
             log=step_logger(
@@ -134,18 +137,21 @@ class Calls:
         # Nothing has been called yet: a retried transaction may simply prepare again.
         return outcome
 
-    def invoke(self, planner: Planner, op: OpRow) -> Flow[Answer]:
-        """Call the attempt of `op` (its step or compensation); what came of it, to record."""
-        spec = planner.spec_of(op)
-        codec, policy = spec.codec, spec.retry
+    def invoke(self, planner: Planner, invoke: Invoke) -> Flow[Answer]:
+        """Make the call of `invoke` (an attempt of its step or compensation, built by
+        the planner); what came of it, to record."""
+        op, call = invoke.op, invoke.call
         where = {"step": op.step, "kind": op.kind}
         outcome: inputs.OpOutcome
         try:
             # What the step is handed (its context, the earlier results, its arguments) is
             # built by our machinery: a failure here is no outcome of the step, which
             # has not been called.
-            ctx = self.context(planner, op)
-            arguments = (ctx, *planner.arguments(op))
+            if isinstance(call, Exception):
+                raise call
+            spec = call.spec
+            ctx = self._context(planner.saga, op, call.results, call.request)
+            arguments = (ctx, *call.arguments)
         except Exception as exc:
             if is_transient(exc):
                 raise
@@ -182,38 +188,9 @@ class Calls:
             )
             outcome = inputs.MachineryFailed(op.step, op.kind, reason, traceback_of(exc))
         except Exception as exc:
-            error = describe_error(exc)
-            verdict = policy.classify(exc)
-            if verdict == "unknown":
-                # Not a verdict: the exception may come after the effect (discipline 7).
-                if is_ambiguous(exc):
-                    # The reply was cut off, the provider may have acted: settled as unknown
-                    # (a reconcile hook, a same-key retry of an idempotent operation, else a
-                    # park), a retry only after the policy's backoff.
-                    why = (
-                        "an ambiguous error (the provider may have acted before the reply "
-                        "was cut off)"
-                    )
-                    delay = policy.delay_after(op.attempts)
-                else:
-                    why = "which is neither a PermanentError nor listed in fail_on or retry_on"
-                    delay = 0.0
-                reason = f"attempt {op.attempts} raised {error}, {why}: its outcome is unknown"
-                outcome = inputs.Raised(
-                    op.step, op.kind, reason, "unknown", delay, traceback=traceback_of(exc)
-                )
-            else:
-                retryable = verdict == "retry"
-                delay = policy.delay_after(op.attempts) if retryable else 0.0
-                outcome = inputs.Raised(op.step, op.kind, error, verdict, delay)
+            outcome = inputs.outcome_of(spec, op, raised=exc, trace=traceback_of)
         else:
-            try:
-                stored = codec.encode(value)
-            except TypeError as exc:
-                reason = f"TypeError: {exc}; the effect may have happened, so a human decides"
-                outcome = inputs.NotJson(op.step, op.kind, reason)
-            else:
-                outcome = inputs.Returned(op.step, op.kind, stored)
+            outcome = inputs.outcome_of(spec, op, returned=value, trace=traceback_of)
         recorded: inputs.Outcome = outcome
         if ctx.spent or ctx._refused:
             refused = ctx._refused[0] if ctx._refused else None

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from saga._core.inputs import describe_error
 from saga._core.planner import (
     Invoke,
     Next,
@@ -19,7 +20,7 @@ from saga._core.planner import (
 from saga._db.dbretry import is_transient
 from saga._db.store import Loaded, new_token
 from saga._drivers import faults
-from saga._flows.common import describe_error, input_time, retried
+from saga._flows.common import input_time, retried
 from saga._flows.drive import Loop, log_events
 from saga._flows.effects import (
     Begin,
@@ -353,7 +354,7 @@ class Flows(Loop):
         if started:
             # Every attempt running before the claim was marked unknown by its first move:
             # a running one now is the attempt that move started.
-            return planner, Invoke(started[0])
+            return planner, planner.invoke(started[0])
         try:
             return (yield from self._transact(planner, None))
         except LeaseLost:

@@ -11,8 +11,9 @@ from typing import TypeVar
 
 import tenacity
 
+from saga._core.inputs import StepExited
 from saga._db.dbretry import DEFAULT_RETRY_SECONDS, is_transient, log_retry
-from saga._flows.effects import Flow, Pause, StepExited, Stopping
+from saga._flows.effects import Flow, Pause, Stopping
 
 T = TypeVar("T")
 
@@ -66,12 +67,3 @@ def traceback_of(exc: BaseException) -> str:
 def input_time() -> datetime:
     """The time of an input to the core (which reads no clock itself)."""
     return datetime.now().astimezone()
-
-
-def describe_error(exc: BaseException) -> str:
-    """`Type: message` of an exception (the type alone when the message is empty); what
-    a step raised for a `StepExited`."""
-    if isinstance(exc, StepExited):  # named as the step raised it
-        exc = exc.raised
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

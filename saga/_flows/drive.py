@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from saga import telemetry
 from saga._core import inputs
+from saga._core.inputs import describe_error
 from saga._core.planner import (
     AskReconcile,
     ConfirmationRow,
@@ -41,7 +42,7 @@ from saga._db.dbretry import is_transient, log_retry
 from saga._db.store import Loaded, new_token
 from saga._drivers import faults
 from saga._flows.call import Answer, Calls, SpendReporter
-from saga._flows.common import describe_error, input_time, retried, traceback_of
+from saga._flows.common import input_time, retried, traceback_of
 from saga._flows.effects import (
     Begin,
     Commit,
@@ -165,7 +166,7 @@ class Loop:
                 planner, nxt = yield from self._transact(planner, None)
             elif isinstance(nxt, Invoke):
                 planner, nxt = yield from telemetry.traced_call(
-                    self._call(planner, self.calls.invoke(planner, nxt.op), nxt.op),
+                    self._call(planner, self.calls.invoke(planner, nxt), nxt.op),
                     planner,
                     nxt.op,
                     keys=self.options.telemetry_keys,

@@ -13,6 +13,8 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
+from saga._core.inputs import StepExited
+
 if TYPE_CHECKING:
     from saga._flows.store_ops import StoreOps
 
@@ -147,18 +149,6 @@ class NotCalledError(MachineryError):
 class MachineryFailedError(MachineryError):
     """The machinery failed after the user function may have started: its outcome is
     unknown."""
-
-
-class StepExited(Exception):
-    """User code raised a `BaseException` that is not an `Exception` (`SystemExit` from a
-    library calling `sys.exit()`, `KeyboardInterrupt` raised by code rather than by a
-    signal): carried into the flow as the attempt's outcome, which is unknown, so that it
-    ends that attempt and not the worker driving it. `raised` is what the code raised;
-    messages and tracebacks name it."""
-
-    def __init__(self, raised: BaseException) -> None:
-        super().__init__(str(raised))
-        self.raised = raised
 
 
 def step_exited(exc: BaseException) -> BaseException:
