@@ -10,14 +10,14 @@ does no I/O, reads no clock and imports no driver.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
 from saga._core import ceilings
 from saga._core import requests as interventions
-from saga._core.planner import OpRow, Planner
+from saga._core.planner import Next, OpRow, Planner, Stop, Write
 from saga.definition import OperationSpec
 from saga.retry import is_ambiguous
 from saga.state import OperationStatus, SagaStatus
@@ -330,6 +330,57 @@ def outcome_of(
         delay = 0.0
     reason = f"attempt {op.attempts} raised {error}, {why}: its outcome is unknown"
     return Raised(op.step, op.kind, reason, "unknown", delay, traceback=trace(raised))
+
+
+def reported(outcome: OpOutcome, spent: Sequence[float], refused: Sequence[str]) -> Outcome:
+    """`outcome`, with what the attempt reported with `ctx.spend()` (`spent`, each
+    report) and the reports refused (`refused`, why; the first is recorded), when any."""
+    if not spent and not refused:
+        return outcome
+    return Spent(outcome, sum(spent), refused[0] if refused else None)
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """What an input did to a saga: its next move, the write that records all of it, and
+    the error that kept the saga from being planned (it is parked then), if one did."""
+
+    next: Next
+    write: Write
+    unplannable: Exception | None = None
+
+
+def transition(
+    planner: Planner,
+    outcome: Outcome | None,
+    now: datetime,
+    *,
+    may_call: bool,
+    owner: str | None,
+    max_inline_sleep: float,
+) -> Transition:
+    """Apply `outcome` (None: none, only the moves that need no call) at time `now`,
+    plan the moves that follow (`Planner.advance`, nothing new started unless
+    `may_call`), and make the write of all of it for the lease holder `owner`
+    (`Planner.write`). A saga that cannot be planned (an operation its definition no
+    longer declares, user code in a cost function, confirm rule or input model that
+    raises) is parked with the reason instead: the planner calls user code before it
+    changes the operation concerned, so what it recorded before the error are whole
+    transitions, kept with the park."""
+    if outcome is not None:
+        apply(planner, outcome, now)
+    unplannable: Exception | None = None
+    try:
+        nxt = planner.advance(now, may_call=may_call)
+    except Exception as exc:
+        saga = planner.saga
+        planner.park(
+            f"cannot plan saga {saga.name!r} v{saga.version} under its registered "
+            f"definition: {describe_error(exc)}"
+        )
+        nxt, unplannable = Stop(planner.saga.status), exc
+    write = planner.write(nxt, owner=owner, max_inline_sleep=max_inline_sleep)
+    return Transition(nxt, write, unplannable)
 
 
 def apply(planner: Planner, outcome: Outcome, now: datetime) -> None:

@@ -191,10 +191,7 @@ class Calls:
             outcome = inputs.outcome_of(spec, op, raised=exc, trace=traceback_of)
         else:
             outcome = inputs.outcome_of(spec, op, returned=value, trace=traceback_of)
-        recorded: inputs.Outcome = outcome
-        if ctx.spent or ctx._refused:
-            refused = ctx._refused[0] if ctx._refused else None
-            recorded = inputs.Spent(outcome, ctx.spent, refused)
+        recorded = inputs.reported(outcome, ctx._spent, ctx._refused)
         faults.point("after_call", **where)
         return Answer(recorded)
 

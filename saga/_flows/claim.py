@@ -18,9 +18,9 @@ from saga._core.planner import (
     Write,
 )
 from saga._db.dbretry import is_transient
-from saga._db.store import Loaded, new_token
+from saga._db.store import Loaded
 from saga._drivers import faults
-from saga._flows.common import input_time, retried
+from saga._flows.common import input_time, new_token, retried
 from saga._flows.drive import Loop, log_events
 from saga._flows.effects import (
     Begin,
@@ -78,8 +78,7 @@ class Flows(Loop):
         row = started.row
         row.fence, row.lease_owner = 1, self.owner
         planner = self._new_planner(lookup(row.name, row.version), row, started.ops, [])
-        nxt = yield from self._advance(planner)
-        write = self._write(planner, nxt)
+        nxt, write = yield from self._plan(planner)
         token = new_token()
         tried = [False]
 
@@ -291,8 +290,8 @@ class Flows(Loop):
                 unplanned.append(row)
                 continue
             planner = self._new_planner(definition, *loaded)
-            nxt = yield from self._advance(planner)
-            planned.append((planner, nxt, self._write(planner, nxt), token))
+            nxt, write = yield from self._plan(planner)
+            planned.append((planner, nxt, write, token))
         read = None
         if planned:
             read = yield from db_txn(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+import uuid
 from collections.abc import Callable
 from datetime import datetime
 from typing import TypeVar
@@ -62,6 +63,11 @@ def traceback_of(exc: BaseException) -> str:
         exc = exc.raised
     text = "".join(traceback.format_exception(exc))
     return text if len(text) <= _MAX_TRACEBACK_CHARS else "..." + text[-_MAX_TRACEBACK_CHARS:]
+
+
+def new_token() -> str:
+    """A fresh write token: each write of a saga carries its own (see `Store.write_token`)."""
+    return str(uuid.uuid4())
 
 
 def input_time() -> datetime:

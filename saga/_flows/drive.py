@@ -39,10 +39,10 @@ from saga._core.planner import (
     Yield,
 )
 from saga._db.dbretry import is_transient, log_retry
-from saga._db.store import Loaded, new_token
+from saga._db.store import Loaded
 from saga._drivers import faults
 from saga._flows.call import Answer, Calls, SpendReporter
-from saga._flows.common import input_time, retried, traceback_of
+from saga._flows.common import input_time, new_token, retried, traceback_of
 from saga._flows.effects import (
     Begin,
     Commit,
@@ -256,8 +256,7 @@ class Loop:
         self, definition: Saga[Any], loaded: Loaded, token: str
     ) -> Flow[tuple[Planner, Next, list[Event], Callable[[], Any] | None]]:
         planner = self._new_planner(definition, *loaded)
-        nxt = yield from self._advance(planner)
-        write = self._write(planner, nxt)
+        nxt, write = yield from self._plan(planner)
         read = yield from self._persist_txn(write, token)
         if isinstance(nxt, Invoke):
             faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
@@ -277,24 +276,25 @@ class Loop:
         )
         return planner
 
-    def _advance(self, planner: Planner) -> Flow[Next]:
-        """The planner's next move; a saga it cannot plan (an operation its definition no
-        longer declares, user code in a cost function, confirm rule or input model that
-        raises) is parked with the reason instead, so that it never takes a worker down.
-
-        The planner calls user code before it changes the operation concerned: what it
-        recorded before the error are whole transitions, kept with the park."""
+    def _plan(
+        self, planner: Planner, outcome: inputs.Outcome | None = None
+    ) -> Flow[tuple[Next, Write]]:
+        """Apply `outcome` to `planner` and plan the moves that follow, in one call of the
+        core (`inputs.transition`): the next move and the write of all of it. A saga the
+        core cannot plan is parked with the reason, so that it never takes a worker down."""
         stopping = yield Stopping()
-        try:
-            return planner.advance(input_time(), may_call=not stopping)
-        except Exception as exc:
+        done = inputs.transition(
+            planner,
+            outcome,
+            input_time(),
+            may_call=not stopping,
+            owner=self.owner,
+            max_inline_sleep=self.options.max_inline_sleep,
+        )
+        if done.unplannable is not None:
+            exc, saga = done.unplannable, planner.saga
             if is_transient(exc):
-                raise
-            saga = planner.saga
-            reason = (
-                f"cannot plan saga {saga.name!r} v{saga.version} under its registered "
-                f"definition: {describe_error(exc)}"
-            )
+                raise exc
             _log.error(
                 "saga_unplannable",
                 saga_id=saga.id,
@@ -303,8 +303,7 @@ class Loop:
                 error=describe_error(exc),
                 traceback="".join(traceback.format_exception(exc)),
             )
-            planner.park(reason)
-            return Stop(planner.saga.status)
+        return done.next, done.write
 
     def _transact(
         self, planner: Planner, outcome: inputs.Outcome | None
@@ -341,11 +340,8 @@ class Loop:
     def _record(self, planner: Planner, outcome: inputs.Outcome | None) -> Flow[Next]:
         """Apply `outcome` and the moves that follow to `planner`, and write them; `_Unsure`
         when a transient error leaves it open whether the write landed."""
-        if outcome is not None:
-            inputs.apply(planner, outcome, input_time())
-        nxt = yield from self._advance(planner)
+        nxt, write = yield from self._plan(planner, outcome)
         token = new_token()
-        write = self._write(planner, nxt)
         if isinstance(nxt, Invoke):
             faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
         sent = time.monotonic()
