@@ -27,12 +27,15 @@ from saga._core.live_calls import RunningCall, claimed_refusal, leased_refusal, 
 from saga._core.planner import Event, Next, Planner, SagaRow, new_action_rows
 from saga._core.requests import check_actor
 from saga._core.rows import OpRow, Write
-from saga._db._store_base import new_token, parse_id
+from saga._db._store_base import parse_id
 from saga._db.database import Route, describe_url, prepared_statements_setting, resolve_database_url
 from saga._drivers import faults
-from saga._flows.drive import Flows, RunnerOptions, log_events, retried
-from saga._flows.effects import Begin, Commit, Fetch, Flow, Pause, Stopping, db
+from saga._flows.claim import Flows
+from saga._flows.common import new_token
+from saga._flows.drive import RunnerOptions, log_events, retried
+from saga._flows.effects import Begin, Commit, Fetch, Flow, Pause, Stopping, db, db_txn
 from saga._flows.started import Started, StartedSagas
+from saga._flows.store_ops import StoreOps
 from saga.definition import Saga
 from saga.errors import (
     IdempotencyConflict,
@@ -381,8 +384,8 @@ class Engine:
         def once() -> Flow[dict[str, Any]]:
             if not sent:
                 sent.append(time.monotonic())
-            outcome: dict[str, Any] = yield db(
-                "start_saga",
+            outcome: dict[str, Any] = yield from db(
+                StoreOps.start_saga,
                 row,
                 ops,
                 events,
@@ -427,7 +430,7 @@ class Engine:
     def _get_flow(self, saga_id: str) -> Flow[SagaState]:
         if parse_id(saga_id) is None:
             raise SagaNotFound(saga_id)
-        state: SagaState | None = yield db("get_state", str(saga_id))
+        state: SagaState | None = yield from db(StoreOps.get_state, str(saga_id))
         if state is None:
             raise SagaNotFound(saga_id)
         return state
@@ -494,9 +497,9 @@ class Engine:
 
         def once() -> Flow[SagaState]:
             if tried[0]:
-                written = yield db("write_token", saga_id)
+                written = yield from db(StoreOps.write_token, saga_id)
                 if written is not None and written[0] == token:
-                    landed: SagaState | None = yield db("get_state", saga_id)
+                    landed: SagaState | None = yield from db(StoreOps.get_state, saga_id)
                     assert landed is not None
                     return landed
             tried[0] = True
@@ -519,7 +522,7 @@ class Engine:
         token: str,
     ) -> Flow[SagaState]:
         yield Begin(pipelined=False)
-        locked = yield db("lock_saga_txn", saga_id)
+        locked = yield from db_txn(StoreOps.lock_saga_txn, saga_id)
         if locked is None:
             raise SagaNotFound(saga_id)
         row, live = locked
@@ -529,7 +532,7 @@ class Engine:
                 raise NotRegistered(row.name, row.version)
             definition = _opaque(row.name, row.version)
         broken: list[Event] = []
-        running: list[RunningCall] = yield db("running_calls_txn", saga_id)
+        running: list[RunningCall] = yield from db_txn(StoreOps.running_calls_txn, saga_id)
         if live and not force:
             raise StepStateError(
                 leased_refusal(saga_id, row.lease_owner, row.lease_expires_at, running)
@@ -540,7 +543,9 @@ class Engine:
         if claimed:
             # Each holder's next write fails its fence check; its call, still running,
             # is treated as unknown by whoever settles it next.
-            fences = yield db("break_claims_txn", saga_id, [c.step for c in claimed])
+            fences = yield from db_txn(
+                StoreOps.break_claims_txn, saga_id, [c.step for c in claimed]
+            )
             broken.extend(
                 Event(
                     "lease_broken",
@@ -558,7 +563,7 @@ class Engine:
         if live:
             # The holder's next write fails its fence check; its running attempt, if
             # any, is treated as unknown by whoever drives the saga next.
-            fence = yield db("break_lease_txn", saga_id)
+            fence = yield from db_txn(StoreOps.break_lease_txn, saga_id)
             broken.append(
                 Event(
                     "lease_broken",
@@ -568,13 +573,13 @@ class Engine:
             row.fence, row.lease_owner, row.lease_expires_at = fence, None, None
         if isinstance(change, inputs.Resolve) and change.outcome == "succeeded":
             # Whether the step's result is an operator's, which they may amend.
-            resolved: set[str] = yield db("operator_resolved_steps_txn", saga_id)
+            resolved: set[str] = yield from db_txn(StoreOps.operator_resolved_steps_txn, saga_id)
             change = dataclasses.replace(change, operator_resolved=frozenset(resolved))
         planner = Planner(
             definition,
             row,
-            (yield db("operations_txn", saga_id)),
-            (yield db("confirmations_txn", saga_id)),
+            (yield from db_txn(StoreOps.operations_txn, saga_id)),
+            (yield from db_txn(StoreOps.confirmations_txn, saga_id)),
             now=datetime.now().astimezone(),
         )
         planner.events.extend(broken)
@@ -584,15 +589,15 @@ class Engine:
         if changed is False and not events:
             # The change found the saga already where it asks for: nothing is
             # written, and the saga is returned as it is.
-            state = yield db("get_state_txn", saga_id)
+            state = yield from db_txn(StoreOps.get_state_txn, saga_id)
             yield Commit()
         else:
-            read = yield db("save_txn", write, owner=None, token=token)
+            read = yield from db_txn(StoreOps.save_txn, write, owner=None, token=token)
             state = yield Fetch(read)
             yield Commit()
         log_events(planner, events)
         assert state is not None  # the row is locked in this transaction
-        return state  # type: ignore[no-any-return]
+        return state
 
     def _upgrade_flow(
         self,
@@ -614,9 +619,9 @@ class Engine:
 
         def once() -> Flow[tuple[UpgradePlan, SagaState]]:
             if made:
-                written = yield db("write_token", saga_id)
+                written = yield from db(StoreOps.write_token, saga_id)
                 if written is not None and written[0] == token:
-                    landed: SagaState | None = yield db("get_state", saga_id)
+                    landed: SagaState | None = yield from db(StoreOps.get_state, saga_id)
                     assert landed is not None
                     return made[0], landed
             return (
@@ -638,11 +643,11 @@ class Engine:
         made: list[UpgradePlan],
     ) -> Flow[tuple[UpgradePlan, SagaState]]:
         yield Begin(pipelined=False)
-        locked = yield db("lock_saga_txn", saga_id)
+        locked = yield from db_txn(StoreOps.lock_saga_txn, saga_id)
         if locked is None:
             raise SagaNotFound(saga_id)
         row, live = locked
-        ops: list[OpRow] = yield db("operations_txn", saga_id)
+        ops: list[OpRow] = yield from db_txn(StoreOps.operations_txn, saga_id)
         upgrade = plan_upgrade(
             row,
             ops,
@@ -654,11 +659,14 @@ class Engine:
         )
         plan = upgrade.plan
         if not write or not plan.allowed:
-            state = yield db("get_state_txn", saga_id)
+            state = yield from db_txn(StoreOps.get_state_txn, saga_id)
             yield Commit()
+            assert state is not None  # the row is locked in this transaction
             return plan, state
         from_version = row.version
-        row.fence = yield db("upgrade_saga_txn", saga_id, to_version, upgrade.drop, upgrade.renames)
+        row.fence = yield from db_txn(
+            StoreOps.upgrade_saga_txn, saga_id, to_version, upgrade.drop, upgrade.renames
+        )
         row.version, row.lease_owner, row.lease_expires_at = to_version, None, None
         event = Event(
             "saga_upgraded",
@@ -683,7 +691,7 @@ class Engine:
             return_state=True,
         )
         made.append(plan)
-        read = yield db("save_txn", changes, owner=None, token=token)
+        read = yield from db_txn(StoreOps.save_txn, changes, owner=None, token=token)
         state = yield Fetch(read)
         yield Commit()
         _log.info(
@@ -714,7 +722,7 @@ class Engine:
 
         def once() -> Flow[SagaHandle]:
             if tried[0]:
-                written = yield db("write_token", saga_id)
+                written = yield from db(StoreOps.write_token, saga_id)
                 if written is not None and written[0] == token:
                     return (yield from self._existing_fork(fork_id, created=True))
             tried[0] = True
@@ -723,7 +731,7 @@ class Engine:
         return (yield from retried("fork_saga", once))
 
     def _existing_fork(self, fork_id: str, *, created: bool) -> Flow[SagaHandle]:
-        state: SagaState | None = yield db("get_state", fork_id)
+        state: SagaState | None = yield from db(StoreOps.get_state, fork_id)
         if state is None:
             raise StepStateError(
                 f"the fork {fork_id} was purged after the retention period; there is nothing "
@@ -748,7 +756,7 @@ class Engine:
         token: str,
     ) -> Flow[SagaHandle]:
         yield Begin(pipelined=False)
-        locked = yield db("lock_saga_txn", saga_id)
+        locked = yield from db_txn(StoreOps.lock_saga_txn, saga_id)
         if locked is None:
             raise SagaNotFound(saga_id)
         row, live = locked
@@ -758,14 +766,14 @@ class Engine:
                 "so there is nothing to fork"
             )
         session = row.name.startswith(SESSION_PREFIX)
-        ops: list[OpRow] = yield db("operations_txn", saga_id)
+        ops: list[OpRow] = yield from db_txn(StoreOps.operations_txn, saga_id)
         if session:
             from_step = _session_fork_point(row, ops, from_step)
         fork_key = key if key is not None else f"{row.key}:fork:{from_step}"
         if row.status == SagaStatus.FORKED and row.forked_to is not None:
             yield Commit()
             existing = yield from self._existing_fork(row.forked_to, created=False)
-            history: list[HistoryEvent] = yield db("history", saga_id)
+            history: list[HistoryEvent] = yield from db(StoreOps.history, saga_id)
             step = next(
                 (e.detail.get("from_step") for e in reversed(history) if e.event == "saga_forked"),
                 None,
@@ -791,7 +799,9 @@ class Engine:
                 "wait for it to stop or for the lease to expire"
             )
         now = datetime.now().astimezone()
-        planner = Planner(definition, row, ops, (yield db("confirmations_txn", saga_id)), now=now)
+        planner = Planner(
+            definition, row, ops, (yield from db_txn(StoreOps.confirmations_txn, saga_id)), now=now
+        )
         deadline = definition.ceilings.deadline_seconds
         plan = interventions.fork(
             planner,
@@ -802,8 +812,8 @@ class Engine:
             deadline_at=None if deadline is None else now + timedelta(seconds=deadline),
             now=now,
         )
-        outcome = yield db(
-            "start_saga_txn",
+        outcome = yield from db_txn(
+            StoreOps.start_saga_txn,
             plan.saga,
             plan.ops,
             plan.events,
@@ -816,8 +826,8 @@ class Engine:
                 "another key for the fork"
             )
         write = planner.write(None, owner=None)  # an operator's change, under the row lock
-        yield db("save_txn", write, owner=None, token=token)
-        yield db("record_fork_txn", saga_id, fork_id)
+        yield from db_txn(StoreOps.save_txn, write, owner=None, token=token)
+        yield from db_txn(StoreOps.record_fork_txn, saga_id, fork_id)
         yield Commit()
         log_events(planner, write.events)
         _log.info(

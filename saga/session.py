@@ -24,8 +24,10 @@ from saga._codefirst import SessionSaga as SessionSaga  # re-exported: named by 
 from saga._core import inputs
 from saga._core.planner import Planner, SagaRow
 from saga._core.rows import Event, OpRow
-from saga._flows.drive import Flows, log_events, retried
+from saga._flows.claim import Flows
+from saga._flows.drive import log_events, retried
 from saga._flows.effects import Flow, Pause, db
+from saga._flows.store_ops import StoreOps
 from saga.durable import DurableStep, session_scope
 from saga.errors import (
     IdempotencyConflict,
@@ -120,8 +122,8 @@ class SessionFlows:
         row = planner.saga
 
         def start() -> Flow[dict[str, Any]]:
-            outcome: dict[str, Any] = yield db(
-                "start_saga", row, [], events, lease_seconds=self.lease_seconds, notify=False
+            outcome: dict[str, Any] = yield from db(
+                StoreOps.start_saga, row, [], events, lease_seconds=self.lease_seconds, notify=False
             )
             return outcome
 
@@ -172,10 +174,10 @@ class SessionFlows:
                 # compensations short. The claim has planned (and recorded) the next one;
                 # they are finished here, and the session is returned closed.
                 yield from self.flows.carry_on(planner, nxt)
-                closed: SagaState | None = yield db("get_state", saga_id)
+                closed: SagaState | None = yield from db(StoreOps.get_state, saga_id)
                 assert closed is not None
                 return None, closed
-            state: SagaState | None = yield db("get_state", saga_id)
+            state: SagaState | None = yield from db(StoreOps.get_state, saga_id)
             if state is None:
                 raise StepStateError(f"session {self.run_id!r} was deleted while it was opened")
             if not state.status.is_runnable:
@@ -221,7 +223,7 @@ class SessionFlows:
         if planner.final_state is not None:
             # Read by the statement of the last write, which gave the lease back.
             return planner.final_state
-        state: SagaState | None = yield db("get_state", planner.saga.id)
+        state: SagaState | None = yield from db(StoreOps.get_state, planner.saga.id)
         return state
 
 

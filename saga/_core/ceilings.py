@@ -4,28 +4,30 @@ Before each attempt the planner checks its declared cost (`declared_cost`) and t
 saga's ceilings and the step's cost limit (`ceiling_breach`); what the attempt spent,
 declared or reported with `ctx.spend()`, is counted into the operation and the saga
 once its outcome is recorded. Like the rest of the core, this module does no I/O and
-reads no clock: the time is the planner's `now`.
+reads no clock: the time is the planner's `now`. The checks take rows and values, never
+the planner: they answer verdicts (a cost, a breach, why the saga must park), and the
+planner applies them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
 
-from saga._core.rows import OpRow, describe
+from saga._core.rows import OpRow, SagaRow, describe
 from saga.amounts import finite_amount
 from saga.definition import OperationSpec
 from saga.state import OperationStatus
 
-if TYPE_CHECKING:
-    from saga._core.planner import Planner
-
 
 def declared_cost(
-    planner: Planner, op: OpRow, spec: OperationSpec
+    op: OpRow, spec: OperationSpec, arguments: Callable[[], tuple[Any, ...]]
 ) -> tuple[float | None, str | None]:
     """The declared cost of the operation's next attempt, and why it cannot be used
     (a cost function that raises, or a cost that is not a finite, non-negative
-    number); the reason parks the saga before anything is called."""
+    number); the reason parks the saga before anything is called. `arguments` gives
+    what a cost function receives (asked only when the cost is a function)."""
     declared = spec.guards.cost
     if declared is None:
         return None, None
@@ -34,7 +36,7 @@ def declared_cost(
         value: object = declared
     else:
         try:
-            value = declared(*planner.arguments(op))
+            value = declared(*arguments())
         except Exception as exc:
             return None, (
                 f"the cost function of {what} raised {type(exc).__name__}: {exc}; "
@@ -60,15 +62,14 @@ def _expected_spend(op: OpRow, spec: OperationSpec, cost: float | None) -> float
 
 
 def ceiling_breach(
-    planner: Planner, op: OpRow, spec: OperationSpec, cost: float | None
+    saga: SagaRow, now: datetime, op: OpRow, spec: OperationSpec, cost: float | None
 ) -> dict[str, Any] | None:
     """The ceiling the attempt of `op` about to start (of declared `cost`) would go past,
     as the detail recorded when the saga parks for it (`reason` says it in words), or
     None when the attempt may start: the saga's deadline, max_operations and
-    max_side_effects, the step's max_cost, then the spend budget."""
-    saga = planner.saga
+    max_side_effects, the step's max_cost, then the spend budget, at time `now`."""
     what = describe(op)
-    if saga.deadline_at is not None and planner.now >= saga.deadline_at:
+    if saga.deadline_at is not None and now >= saga.deadline_at:
         return {
             "ceiling": "deadline",
             "deadline_at": str(saga.deadline_at),
@@ -128,46 +129,51 @@ def note_spend(op: OpRow, amount: float) -> None:
         op.dirty = True
 
 
-def refuse_spend(planner: Planner, op: OpRow, reason: str) -> None:
-    """Step code reported a spend that is not a finite, non-negative number: it was
-    refused and not counted. The attempt's outcome is recorded as it is; the saga
-    parks for a human to count what was spent."""
-    planner.event("spend_refused", op, reason=reason)
-    planner.park(
+def refused_spend(op: OpRow, reason: str) -> str:
+    """Why the saga parks when step code reported a spend that is not a finite,
+    non-negative number (`reason`): it was refused and not counted; the attempt's
+    outcome is recorded as it is, and a human counts what was spent."""
+    return (
         f"{describe(op)} attempt {op.attempts} reported a spend that was refused ("
         f"{reason}); its outcome is recorded, the spend is not counted: check what it "
         "spent, then retry, resolve or compensate"
     )
 
 
-def count_spend(planner: Planner, op: OpRow, amount: float) -> None:
-    """Count what an attempt of `op` reported into the operation and the saga, once."""
+def count_spend(saga: SagaRow, op: OpRow, amount: float) -> None:
+    """Count what an attempt of `op` reported into the operation and `saga`, once."""
     if amount <= 0:
         return
-    planner.saga.spent += amount
+    saga.spent += amount
     op.spent += amount
     op.peak_spend = max(op.peak_spend, amount)
     op.attempt_spend = 0.0
     op.dirty = True
 
 
-def count_unknown_spend(planner: Planner, op: OpRow) -> str | None:
+def unknown_spend_counted(op: OpRow) -> bool:
+    """Whether the spend of `op`'s attempt of unknown outcome was counted already: when
+    it became unknown (a reconcile answer now)."""
+    return op.status == OperationStatus.UNKNOWN and op.attempt_spend == 0
+
+
+def count_unknown_spend(saga: SagaRow, op: OpRow, spec: OperationSpec | None) -> str | None:
     """Count the spend of an attempt whose outcome is unknown (lost to a crash, past its
     timeout, or ended by an exception that is not a verdict), once: what it reported,
     raised to its declared max_cost when it declared no cost (a declared cost was
     counted as it started). Returns why the saga must park instead, when a spend budget
-    is set and the step declares neither cost nor max_cost."""
-    if op.status == OperationStatus.UNKNOWN and op.attempt_spend == 0:
-        return None  # counted when it became unknown (a reconcile answer now)
-    spec = planner.declared(op)
+    is set and the step (`spec`; None for a compensation not declared) declares neither
+    cost nor max_cost."""
+    if unknown_spend_counted(op):
+        return None
     reported = op.attempt_spend
     max_cost = spec.guards.max_cost if spec is not None else None
     declares_cost = op.cost is not None  # counted as the attempt started
     if not declares_cost and max_cost is not None:
-        count_spend(planner, op, max(reported, max_cost))
+        count_spend(saga, op, max(reported, max_cost))
         return None
-    count_spend(planner, op, reported)
-    if declares_cost or planner.saga.spend_budget is None:
+    count_spend(saga, op, reported)
+    if declares_cost or saga.spend_budget is None:
         return None
     return (
         f"what attempt {op.attempts} of {describe(op)} spent is unknown ({reported:g} "

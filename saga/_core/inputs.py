@@ -9,13 +9,17 @@ does no I/O, reads no clock and imports no driver.
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
 from saga._core import ceilings
 from saga._core import requests as interventions
-from saga._core.planner import OpRow, Planner
+from saga._core.planner import Next, OpRow, Planner, Stop, Write
+from saga.definition import OperationSpec
+from saga.retry import is_ambiguous
 from saga.state import OperationStatus, SagaStatus
 
 Verdict = Literal["retry", "failed", "unknown"]
@@ -264,6 +268,121 @@ class SessionClosed:
 Outcome = OpOutcome | Parked | Spent | CallAsked | SessionClosed
 
 
+class StepExited(Exception):
+    """User code raised a `BaseException` that is not an `Exception` (`SystemExit` from a
+    library calling `sys.exit()`, `KeyboardInterrupt` raised by code rather than by a
+    signal): carried into the flow as the attempt's outcome, which is unknown, so that it
+    ends that attempt and not the worker driving it. `raised` is what the code raised;
+    messages and tracebacks name it."""
+
+    def __init__(self, raised: BaseException) -> None:
+        super().__init__(str(raised))
+        self.raised = raised
+
+
+def describe_error(exc: BaseException) -> str:
+    """`Type: message` of an exception (the type alone when the message is empty); what
+    a step raised for a `StepExited`."""
+    if isinstance(exc, StepExited):  # named as the step raised it
+        exc = exc.raised
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def outcome_of(
+    spec: OperationSpec,
+    op: OpRow,
+    *,
+    returned: Any = None,
+    raised: Exception | None = None,
+    trace: Callable[[BaseException], str],
+    rng: random.Random | None = None,
+) -> Returned | NotJson | Raised:
+    """What the attempt of `op` (declared by `spec`) came to, as the value the core
+    applies: what it `returned`, encoded by the step's codec (`Returned`; `NotJson` when
+    it cannot be stored, the effect may have happened), or what it `raised`, classified
+    by its retry policy (`Raised`): `failed`, `retry` after the policy's backoff (drawn
+    with `rng`), or `unknown` when the exception is no verdict, with its traceback as
+    `trace` renders it (the caller's: that reads source files)."""
+    if raised is None:
+        try:
+            stored = spec.codec.encode(returned)
+        except TypeError as exc:
+            reason = f"TypeError: {exc}; the effect may have happened, so a human decides"
+            return NotJson(op.step, op.kind, reason)
+        return Returned(op.step, op.kind, stored)
+    policy = spec.retry
+    error = describe_error(raised)
+    verdict = policy.classify(raised)
+    if verdict != "unknown":
+        retryable = verdict == "retry"
+        delay = policy.delay_after(op.attempts, rng=rng) if retryable else 0.0
+        return Raised(op.step, op.kind, error, verdict, delay)
+    # Not a verdict: the exception may come after the effect (discipline 7).
+    if is_ambiguous(raised):
+        # The reply was cut off, the provider may have acted: settled as unknown (a
+        # reconcile hook, a same-key retry of an idempotent operation, else a park), a
+        # retry only after the policy's backoff.
+        why = "an ambiguous error (the provider may have acted before the reply was cut off)"
+        delay = policy.delay_after(op.attempts, rng=rng)
+    else:
+        why = "which is neither a PermanentError nor listed in fail_on or retry_on"
+        delay = 0.0
+    reason = f"attempt {op.attempts} raised {error}, {why}: its outcome is unknown"
+    return Raised(op.step, op.kind, reason, "unknown", delay, traceback=trace(raised))
+
+
+def reported(outcome: OpOutcome, spent: Sequence[float], refused: Sequence[str]) -> Outcome:
+    """`outcome`, with what the attempt reported with `ctx.spend()` (`spent`, each
+    report) and the reports refused (`refused`, why; the first is recorded), when any."""
+    if not spent and not refused:
+        return outcome
+    return Spent(outcome, sum(spent), refused[0] if refused else None)
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """What an input did to a saga: its next move, the write that records all of it, and
+    the error that kept the saga from being planned (it is parked then), if one did."""
+
+    next: Next
+    write: Write
+    unplannable: Exception | None = None
+
+
+def transition(
+    planner: Planner,
+    outcome: Outcome | None,
+    now: datetime,
+    *,
+    may_call: bool,
+    owner: str | None,
+    max_inline_sleep: float,
+) -> Transition:
+    """Apply `outcome` (None: none, only the moves that need no call) at time `now`,
+    plan the moves that follow (`Planner.advance`, nothing new started unless
+    `may_call`), and make the write of all of it for the lease holder `owner`
+    (`Planner.write`). A saga that cannot be planned (an operation its definition no
+    longer declares, user code in a cost function, confirm rule or input model that
+    raises) is parked with the reason instead: the planner calls user code before it
+    changes the operation concerned, so what it recorded before the error are whole
+    transitions, kept with the park."""
+    if outcome is not None:
+        apply(planner, outcome, now)
+    unplannable: Exception | None = None
+    try:
+        nxt = planner.advance(now, may_call=may_call)
+    except Exception as exc:
+        saga = planner.saga
+        planner.park(
+            f"cannot plan saga {saga.name!r} v{saga.version} under its registered "
+            f"definition: {describe_error(exc)}"
+        )
+        nxt, unplannable = Stop(planner.saga.status), exc
+    write = planner.write(nxt, owner=owner, max_inline_sleep=max_inline_sleep)
+    return Transition(nxt, write, unplannable)
+
+
 def apply(planner: Planner, outcome: Outcome, now: datetime) -> None:
     """Record `outcome`, which happened at `now`, on `planner`'s snapshot (the next move
     is planned after it)."""
@@ -283,7 +402,8 @@ def apply(planner: Planner, outcome: Outcome, now: datetime) -> None:
         ceilings.note_spend(op, outcome.amount)
         _apply_to(planner, op, inner)
         if outcome.refused is not None:
-            ceilings.refuse_spend(planner, op, outcome.refused)
+            planner.event("spend_refused", op, reason=outcome.refused)
+            planner.park(ceilings.refused_spend(op, outcome.refused))
         return
     _apply_to(planner, planner.op(outcome.step, outcome.kind), outcome)
 

@@ -12,7 +12,7 @@ beside it (`saga._core.ceilings`, `saga._core.confirmations`), and an operator's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 # they had a module of their own.
 __all__ = [
     "AskReconcile",
+    "Attempt",
     "ConfirmationChange",
     "ConfirmationRow",
     "Event",
@@ -60,10 +61,29 @@ __all__ = [
 
 
 @dataclass(frozen=True, slots=True)
+class Attempt:
+    """The call of an attempt, built by the planner as it starts the attempt: all the
+    flow hands the driver beside the context's own fields (saga, step, key, attempt)."""
+
+    # The step or compensation called: its function, codec, retry policy and timeout.
+    spec: OperationSpec
+    # What the function receives after the context: the input, and for a compensation
+    # its step's result as the step returned it.
+    arguments: tuple[Any, ...]
+    # ctx.results: the results of the succeeded steps, as they returned them.
+    results: dict[str, Any]
+    # ctx.request: the prepared request, when the operation has a prepare hook.
+    request: Any
+
+
+@dataclass(frozen=True, slots=True)
 class Invoke:
-    """Call the operation's function; its attempt is already recorded as running."""
+    """Call the operation's function; its attempt is already recorded as running. `call`
+    is the call, or the error that kept it from being built (the attempt is then
+    recorded as not called: nothing of it ran)."""
 
     op: OpRow
+    call: Attempt | Exception = field(compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,7 +327,7 @@ class Planner:
             if op.status == OperationStatus.RUNNING:
                 # Only a previous owner's attempt can still be running when we decide.
                 self.mark_unknown(op, f"attempt {op.attempts} was running when its lease expired")
-                uncounted = ceilings.count_unknown_spend(self, op)
+                uncounted = self._count_unknown_spend(op)
                 if uncounted is not None:
                     self.park(uncounted)
         while True:
@@ -404,15 +424,15 @@ class Planner:
         spec = self.spec_of(op)
         if spec.prepare_fn is not None and (op.step, op.kind) not in self.prepared:
             return Prepare(op)
-        cost, unusable = ceilings.declared_cost(self, op, spec)
+        cost, unusable = ceilings.declared_cost(op, spec, lambda: self.arguments(op))
         if unusable is not None:
             self.park(unusable)
             return None
-        breach = ceilings.ceiling_breach(self, op, spec, cost)
+        breach = ceilings.ceiling_breach(self.saga, self.now, op, spec, cost)
         if breach is not None:
             self.park(breach["reason"], ceiling=breach)
             return None
-        if confirmations.holds_back(self, op, spec, cost):
+        if self._held_back(op, spec, cost):
             return None
         self.prepared.discard((op.step, op.kind))
         if op.status == OperationStatus.UNKNOWN:
@@ -430,7 +450,20 @@ class Planner:
         self.saga.side_effects += 1 if spec.guards.side_effect else 0
         self.saga.spent += cost or 0.0
         self.event("attempt_started", op)
-        return Invoke(op)
+        return self.invoke(op)
+
+    def invoke(self, op: OpRow) -> Invoke:
+        """The move that calls `op`'s attempt, recorded as running: with its call built
+        here, so that the caller asks nothing more of the planner (or with the error that
+        kept the call from being built)."""
+        try:
+            spec = self.spec_of(op)
+            results = self.results()
+            request = self.request_of(op) if spec.prepare_fn else None
+            call = Attempt(spec, self.arguments(op), results, request)
+        except Exception as exc:
+            return Invoke(op, exc)
+        return Invoke(op, call)
 
     def _deadline_passed(self, op: OpRow) -> None:
         reason = f"deadline of {describe(op)} passed at {op.deadline_at:%Y-%m-%d %H:%M:%S%z}"
@@ -488,13 +521,13 @@ class Planner:
         self, op: OpRow, result: Any, *, provider_reference: str | None = None
     ) -> None:
         """The attempt returned `result` (already encoded as JSON)."""
-        ceilings.count_spend(self, op, op.attempt_spend)
+        ceilings.count_spend(self.saga, op, op.attempt_spend)
         self._succeed(op, result, provider_reference)
         self.event("attempt_succeeded", op)
 
     def record_failure(self, op: OpRow, error: str, *, retryable: bool, delay: float) -> None:
         """The attempt raised; retry after `delay` seconds if allowed, else fail the operation."""
-        ceilings.count_spend(self, op, op.attempt_spend)
+        ceilings.count_spend(self.saga, op, op.attempt_spend)
         op.error = error
         op.finished_at = self.now
         if (
@@ -554,10 +587,10 @@ class Planner:
         cannot be stored: what it reported is what it spent).
         """
         if spend_known:
-            ceilings.count_spend(self, op, op.attempt_spend)
+            ceilings.count_spend(self.saga, op, op.attempt_spend)
             uncounted = None
         else:
-            uncounted = ceilings.count_unknown_spend(self, op)
+            uncounted = self._count_unknown_spend(op)
         if uncounted is not None and not park:
             park, reason = True, f"{reason}; {uncounted}"
         op.finished_at = self.now
@@ -803,6 +836,34 @@ class Planner:
         """Set the status of `op` and mark the row changed."""
         op.status = status
         op.dirty = True
+
+    def _held_back(self, op: OpRow, spec: OperationSpec, cost: float | None) -> bool:
+        """Apply the confirmation check before an attempt (`confirmations.holds_back`):
+        its events, the confirmation it asks for, and the wait; whether it holds back."""
+        gate = confirmations.Gate(
+            self.saga,
+            self.ops,
+            self.confirmations,
+            self.now,
+            self.approval_verifier,
+            request=lambda: self.request_of(op),
+            given=self.input_model,
+        )
+        verdict = confirmations.holds_back(gate, op, spec, cost)
+        if verdict.asked is not None:
+            self.confirmations.append(verdict.asked)
+        if verdict.held:
+            self.set_status(SagaStatus.AWAITING_CONFIRMATION)
+            self.saga.error = verdict.error
+        self.events.extend(verdict.events)
+        return verdict.held
+
+    def _count_unknown_spend(self, op: OpRow) -> str | None:
+        """Count the spend of `op`'s attempt of unknown outcome (`ceilings.count_unknown_spend`);
+        why the saga must park instead, or None."""
+        if ceilings.unknown_spend_counted(op):
+            return None
+        return ceilings.count_unknown_spend(self.saga, op, self.declared(op))
 
     def event(self, name: str, op: OpRow, **detail: Any) -> None:
         """Record audit event `name` about `op` (and its current attempt)."""

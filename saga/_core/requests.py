@@ -396,7 +396,7 @@ def approve_confirmation(
 def reopen_expired_confirmation(planner: Planner, *, now: datetime) -> bool:
     """Make a saga whose pending confirmation expired runnable, to preview again."""
     planner.now = now
-    pending = pending_confirmation(planner)
+    pending = pending_confirmation(planner.confirmations)
     if planner.saga.status != SagaStatus.AWAITING_CONFIRMATION or pending is None:
         return False
     if pending.expires_at > now:

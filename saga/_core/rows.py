@@ -151,3 +151,7 @@ class Write:
 def describe(op: OpRow) -> str:
     """How messages name an operation: its step, or the compensation of its step."""
     return f"step {op.step!r}" if op.kind == "action" else f"compensation of step {op.step!r}"
+
+
+# One saga as read for the core: its row, its operations and its confirmations.
+Loaded = tuple[SagaRow, list[OpRow], list[ConfirmationRow]]

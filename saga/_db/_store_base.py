@@ -20,6 +20,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from saga._core.planner import ConfirmationChange, ConfirmationRow, Event, OpRow, SagaRow, Write
+from saga._core.rows import Loaded
 from saga._db.database import describe_url
 from saga._db.dbretry import is_transient
 from saga._db.sqlfiles import load_queries
@@ -35,8 +36,6 @@ from saga.errors import (
 from saga.redact import scrub
 from saga.state import OperationState, OperationStatus, SagaState, SagaStatus
 
-# A saga as read for its lease holder: its row, operations and confirmations.
-Loaded = tuple[SagaRow, list[OpRow], list[ConfirmationRow]]
 # SQLSTATE raised by saga.assert_fence and saga.write_saga when the lease is no longer
 # the caller's.
 FENCE_SQLSTATE = "SG001"
@@ -123,11 +122,6 @@ def refused(exc: psycopg.Error) -> LeaseLost | StepStateError | None:
     if exc.sqlstate == CONFIRMATION_SQLSTATE:
         return StepStateError(message)
     return None
-
-
-def new_token() -> str:
-    """A fresh write token: each write of a saga carries its own (see `write_token`)."""
-    return str(uuid.uuid4())
 
 
 def id_bounds(prefix: str) -> tuple[str, str]:

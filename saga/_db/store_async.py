@@ -21,9 +21,9 @@ from psycopg_pool import AsyncConnectionPool
 
 from saga._core.live_calls import RunningCall
 from saga._core.planner import ConfirmationRow, Event, OpRow, SagaRow, Write
+from saga._core.rows import Loaded
 from saga._db._store_base import (
     DatabaseGauges,
-    Loaded,
     approval_params,
     batch_answers,
     batch_params,

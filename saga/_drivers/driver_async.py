@@ -32,8 +32,9 @@ from saga._db.store_async import AConn, AsyncStore
 from saga._drivers import abandoned
 from saga._drivers.leases_async import AsyncLeaseKeeper
 from saga._drivers.ownloop import run_in_own_loop
-from saga._flows.drive import Flows, describe_error, retried
+from saga._flows.claim import Flows
 from saga._flows.drive import RunnerOptions as RunnerOptions
+from saga._flows.drive import describe_error, retried
 from saga._flows.effects import (
     AttemptTimedOut,
     AwaitAbandoned,
@@ -49,8 +50,10 @@ from saga._flows.effects import (
     Pause,
     Stopping,
     Wait,
+    db,
     step_exited,
 )
+from saga._flows.store_ops import StoreOps
 from saga.context import StepContext
 from saga.definition import Saga
 from saga.logs import get_logger
@@ -215,19 +218,18 @@ class _SpendReporter:
         saga, op = self.saga, self.op
 
         def write() -> Flow[bool]:
-            written: bool = yield Db(
-                "report_spend",
-                (saga.id,),
-                {
-                    "step": op.step,
-                    "kind": op.kind,
-                    "attempt": op.attempts,
-                    "total": total,
-                    "owner": self.runner.owner,
-                    "fence": saga.fence,
-                },
+            return (
+                yield from db(
+                    StoreOps.report_spend,
+                    saga.id,
+                    step=op.step,
+                    kind=op.kind,
+                    attempt=op.attempts,
+                    total=total,
+                    owner=self.runner.owner,
+                    fence=saga.fence,
+                )
             )
-            return written
 
         try:
             written = await self.runner.run(retried("report_spend", write, interruptible=True))

@@ -11,9 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+
+from saga._core.inputs import StepExited
+
+if TYPE_CHECKING:
+    from saga._flows.store_ops import StoreOps
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 # The lease kept alive (saga id, fence) while an effect waits or user code runs.
 Hold = tuple[str, int]
@@ -35,8 +41,9 @@ class Commit:
 
 @dataclass(frozen=True, slots=True)
 class Db:
-    """Call the store's method `method` (its async twin in the async driver); a `_txn`
-    method receives the open transaction's connection first. Answers its result."""
+    """Call the store's method named `method` (its async twin in the async driver); a
+    `_txn` method receives the open transaction's connection first. Answers its result.
+    Flows build it with `db` or `db_txn` from a typed reference to a `StoreOps` method."""
 
     method: str
     args: tuple[Any, ...] = ()
@@ -100,9 +107,20 @@ Effect = Begin | Commit | Db | Fetch | Call | Wait | Pause | Stopping | AwaitAba
 Flow = Generator[Effect, Any, T]
 
 
-def db(method: str, *args: Any, **kwargs: Any) -> Db:
-    """The `Db` effect of `store.method(*args, **kwargs)`."""
-    return Db(method, args, kwargs)
+def db(method: Callable[Concatenate[StoreOps, P], T], *args: P.args, **kwargs: P.kwargs) -> Flow[T]:
+    """Yield the `Db` effect of `store.method(*args, **kwargs)` and return its answer,
+    typed as `method` answers: `state = yield from db(StoreOps.get_state, saga_id)`."""
+    answer: T = yield Db(method.__name__, args, kwargs)
+    return answer
+
+
+def db_txn(
+    method: Callable[Concatenate[StoreOps, Any, P], T], *args: P.args, **kwargs: P.kwargs
+) -> Flow[T]:
+    """As `db`, for a `_txn` method, which runs in the open transaction (its connection,
+    the first parameter, comes from the driver)."""
+    answer: T = yield Db(method.__name__, args, kwargs)
+    return answer
 
 
 class AttemptTimedOut(Exception):
@@ -131,18 +149,6 @@ class NotCalledError(MachineryError):
 class MachineryFailedError(MachineryError):
     """The machinery failed after the user function may have started: its outcome is
     unknown."""
-
-
-class StepExited(Exception):
-    """User code raised a `BaseException` that is not an `Exception` (`SystemExit` from a
-    library calling `sys.exit()`, `KeyboardInterrupt` raised by code rather than by a
-    signal): carried into the flow as the attempt's outcome, which is unknown, so that it
-    ends that attempt and not the worker driving it. `raised` is what the code raised;
-    messages and tracebacks name it."""
-
-    def __init__(self, raised: BaseException) -> None:
-        super().__init__(str(raised))
-        self.raised = raised
 
 
 def step_exited(exc: BaseException) -> BaseException:

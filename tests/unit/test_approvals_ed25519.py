@@ -305,7 +305,7 @@ def _planner(verifier: ApprovalVerifier | None) -> Planner:
 def _waiting(planner: Planner) -> ConfirmationRow:
     nxt = planner.advance()
     assert isinstance(nxt, Stop) and nxt.status == SagaStatus.AWAITING_CONFIRMATION, nxt
-    pending = confirmations.pending_confirmation(planner)
+    pending = confirmations.pending_confirmation(planner.confirmations)
     assert pending is not None
     planner.take_events()
     return pending

@@ -86,7 +86,7 @@ def _later(seconds: float = 1.0) -> datetime:
 def _waits(planner: Planner, now: datetime | None = None) -> ConfirmationRow:
     nxt: Next = planner.advance(now)
     assert isinstance(nxt, Stop) and nxt.status == SagaStatus.AWAITING_CONFIRMATION, nxt
-    pending = confirmations.pending_confirmation(planner)
+    pending = confirmations.pending_confirmation(planner.confirmations)
     assert pending is not None
     return pending
 
