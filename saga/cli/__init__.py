@@ -12,7 +12,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from saga import _entry
+from saga import _early
 from saga._app import UsageError, error_line
 from saga._db.database import ENV_URL, default_embedded_dir
 from saga.cli import format as fmt
@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     urls = (getattr(args, "database_url", None),)
     try:
         if args.command not in {"worker", "dashboard"}:  # they handle signals themselves
-            _entry.release()
+            _early.release()
         return COMMANDS[args.command](args)
     except UsageError as exc:
         return _fail(f"{args.command}: {exc}", EXIT_USAGE, urls)

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-from saga import _entry
+from saga import _early
 from saga._app import UsageError, load_app
 from saga._db.database import describe_url
 from saga.cli.console import announce, stdlib_formatter
@@ -36,12 +36,12 @@ class _StopSignals:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _StopSignals:
-        early = _entry.installed()
+        early = _early.installed()
         for signum in (signal.SIGTERM, signal.SIGINT):
             self._previous[signum] = signal.signal(signum, self._on_signal)
-        # One that came while the command itself was being imported (see saga/_entry.py).
-        if early and _entry.received is not None:
-            self._on_signal(_entry.received, None)
+        # One that came while the command itself was being imported (see saga/_early.py).
+        if early and _early.received is not None:
+            self._on_signal(_early.received, None)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -191,7 +191,7 @@ def run_dashboard(args: argparse.Namespace) -> int:
             f"the dashboard needs the web extra, and {missing} is not installed: {WEB_EXTRA}"
         ) from None
     # A signal while the command and the web framework were imported stops it cleanly.
-    early = _entry.take()
+    early = _early.take()
     if early is not None:
         announce(f"saga dashboard: stopped ({early.name})", "dashboard_stopped")
         return EXIT_OK

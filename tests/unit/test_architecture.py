@@ -32,7 +32,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("vocabulary", ("saga.errors", "saga.keys", "saga.state", "saga.amounts", "saga.outcomes",
                     "saga.redact", "saga.logs", "saga.retry", "saga.signatures", "saga.codec",
                     "saga.context", "saga.definition", "saga.approvals", "saga.remedies",
-                    "saga._acompat")),
+                    "saga._acompat", "saga._early")),
     ("core",       ("saga._core.*",)),
     ("code-first", ("saga.durable", "saga._codefirst", "saga.telemetry", "saga.upgrade",
                     "saga._actors")),
@@ -74,8 +74,6 @@ _PSYCOPG = "its own connection (LISTEN, a pool) to be opened by a `_db` helper"
 _TRANSIENTS = "transient errors are to be seen as DatabaseInterrupted, the retry policy in _flows"
 _FAULTS = "fault points move to the drivers, at the effect boundary"
 KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
-    ("saga.cli", "saga._entry"): "the command reads the early SIGTERM the entry caught",
-    ("saga.cli.serve", "saga._entry"): "the worker reads the early SIGTERM the entry caught",
     ("saga._flows.drive", "saga._db.dbretry"): _TRANSIENTS,
     ("saga._flows.call", "saga._db.dbretry"): _TRANSIENTS,
     ("saga._flows.claim", "saga._db.dbretry"): _TRANSIENTS,
