@@ -47,9 +47,13 @@ $(BIN)/.installed-agent-openai: pyproject.toml
 demo-agent-openai: $(BIN)/.installed-agent-openai
 	env -u SAGA_DATABASE_URL SAGA_EMBEDDED_DIR='$(DEMO_PGDATA)' $(BIN)/python examples/openai_agents_agent.py --ticket '$(TICKET)'
 
+# The sync twins of the asyncio sources are generated (tools/async_to_sync.py): a hand
+# edit, or a source changed without regenerating, fails here.
 lint: $(BIN)/.installed-test
-	$(BIN)/ruff check saga tests examples
-	$(BIN)/mypy saga examples
+	$(BIN)/ruff check saga tests examples bench tools
+	$(BIN)/ruff format --check saga tests examples bench tools
+	$(BIN)/mypy saga examples tools
+	$(BIN)/python tools/async_to_sync.py --check
 
 # The suite in two phases: first the few tests marked `serial`, which read or change what
 # the whole server or machine shares, one at a time; then all the others in TEST_WORKERS

@@ -159,7 +159,7 @@ class Server:
         if url:
             self.source = "SAGA_DATABASE_URL"
         else:
-            from saga.database import embedded_database_url
+            from saga._db.database import embedded_database_url
 
             self._tmp = tempfile.TemporaryDirectory(prefix="saga-bench-")
             # The embedded server runs as another user when we are root: let it in.
@@ -258,7 +258,7 @@ class Server:
             self.drop_all()
         finally:
             if self._tmp is not None:
-                from saga import embedded
+                from saga._db import embedded
 
                 embedded.detach(self._pgdata)  # stops the server: no other client
                 self._tmp.cleanup()

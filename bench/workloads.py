@@ -895,7 +895,7 @@ def claim_latency(args: Result) -> Result:
             for tag in ("empty", "full") if i % 2 == 0 else ("full", "empty"):
                 claim(tag)
         try:
-            from saga.store import QUERIES
+            from saga._db._store_base import QUERIES
 
             with orchs["full"].store.transaction() as conn:
                 plan = conn.execute(

@@ -9,9 +9,7 @@
 # The `typing.TYPE_CHECKING` convention without importing `typing` (which takes time).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from saga.aorchestrator import AsyncOrchestrator
     from saga.approvals import ApprovalRejected
-    from saga.aworker import AsyncWorker
     from saga.context import StepContext
     from saga.definition import Ceilings, Compensation, Saga, Step
     from saga.durable import DurableStep, current_context, durable_step
@@ -38,6 +36,7 @@ if TYPE_CHECKING:
     )
     from saga.ledger import AsyncLedger, Claim, Ledger
     from saga.orchestrator import Orchestrator
+    from saga.orchestrator_async import AsyncOrchestrator
     from saga.outcomes import Absent, Found, Inconclusive
     from saga.retry import RetryPolicy
     from saga.session import AsyncSession, Session
@@ -53,15 +52,16 @@ if TYPE_CHECKING:
     )
     from saga.upgrade import UpgradePlan, UpgradeRefused
     from saga.worker import Worker
+    from saga.worker_async import AsyncWorker
 
 # Where each public name is defined: `saga.X` imports that module on first use.
 _LAZY = {
     "Absent": "saga.outcomes",
     "ApprovalRejected": "saga.approvals",
     "AsyncLedger": "saga.ledger",
-    "AsyncOrchestrator": "saga.aorchestrator",
+    "AsyncOrchestrator": "saga.orchestrator_async",
     "AsyncSession": "saga.session",
-    "AsyncWorker": "saga.aworker",
+    "AsyncWorker": "saga.worker_async",
     "Ceilings": "saga.definition",
     "Claim": "saga.ledger",
     "Compensation": "saga.definition",

@@ -177,8 +177,7 @@ class DurableStep(Generic[P, R]):
         if "__name__" not in vars(self):
             self.__name__ = self.__qualname__ = self.name
         self.where = f"durable step {self.name!r}"
-        if retry is not None and not isinstance(retry, RetryPolicy):
-            raise SagaDefinitionError(f"{self.where}: retry must be a RetryPolicy, got {retry!r}")
+        _check_retry(retry, self.where)
         try:
             Guards(timeout_seconds=timeout_seconds)
         except SagaDefinitionError as exc:
@@ -258,17 +257,10 @@ class DurableStep(Generic[P, R]):
             idempotent: The provider dedupes on `ctx.idempotency_key`, so an attempt
                 whose outcome is unknown may be retried with the same key.
         """
-        if retry is not None and not isinstance(retry, RetryPolicy):
-            raise SagaDefinitionError(
-                f"compensation of {self.where}: retry must be a RetryPolicy, got {retry!r}"
-            )
+        _check_retry(retry, f"compensation of {self.where}")
 
         def register(func: Fn) -> Fn:
-            if self.compensation_fn is not None:
-                raise SagaDefinitionError(
-                    f"{self.where} already has a compensation "
-                    f"({describe_callable(self.compensation_fn)})"
-                )
+            self._check_unset(self.compensation_fn, "a compensation")
             self._check_takes(func, "compensation", ("ctx", "result"))
             codec = ResultCodec(func, where=f"compensation of {self.where}")
             self.compensation_fn = func
@@ -315,17 +307,10 @@ class DurableStep(Generic[P, R]):
             raise SagaDefinitionError(
                 f"reconcile of {self.where}: window_seconds must be >= 0, got {window_seconds!r}"
             )
-        if retry is not None and not isinstance(retry, RetryPolicy):
-            raise SagaDefinitionError(
-                f"reconcile of {self.where}: retry must be a RetryPolicy, got {retry!r}"
-            )
+        _check_retry(retry, f"reconcile of {self.where}")
 
         def register(func: Fn) -> Fn:
-            if self.reconcile_fn is not None:
-                raise SagaDefinitionError(
-                    f"{self.where} already has a reconcile function "
-                    f"({describe_callable(self.reconcile_fn)})"
-                )
+            self._check_unset(self.reconcile_fn, "a reconcile function")
             self._check_takes(func, "reconcile", ("ctx",))
             self.reconcile_fn = func
             self.reconcile_is_async = is_async(func)
@@ -342,17 +327,20 @@ class DurableStep(Generic[P, R]):
         It is called as `(ctx, *args, **kwargs)` before every attempt, sync or async; the
         attempt reads the request as `ctx.request`. Returns the function unchanged.
         """
-        if self.prepare_fn is not None:
-            raise SagaDefinitionError(
-                f"{self.where} already has a prepare function "
-                f"({describe_callable(self.prepare_fn)})"
-            )
+        self._check_unset(self.prepare_fn, "a prepare function")
         self._check_takes(fn, "prepare", ("ctx",))
         codec = ResultCodec(fn, where=f"request of {self.where}")
         self.prepare_fn = fn
         self.prepare_is_async = is_async(fn)
         self.request_codec = codec
         return fn
+
+    def _check_unset(self, hook: Callable[..., Any] | None, what: str) -> None:
+        """Refuse a second hook of a kind (`what`) the step has one of already (`hook`)."""
+        if hook is not None:
+            raise SagaDefinitionError(
+                f"{self.where} already has {what} ({describe_callable(hook)})"
+            )
 
     def _check_takes(self, fn: object, what: str, leading: tuple[str, ...]) -> None:
         """Refuse `fn` unless it can be called with `leading` then the step's arguments,
@@ -523,6 +511,11 @@ class DurableStep(Generic[P, R]):
                 f"{self.signature}: {exc}"
             ) from None
         return tuple(args), kwargs
+
+
+def _check_retry(retry: object, where: str) -> None:
+    if retry is not None and not isinstance(retry, RetryPolicy):
+        raise SagaDefinitionError(f"{where}: retry must be a RetryPolicy, got {retry!r}")
 
 
 def _not_json(arguments: dict[str, Any]) -> tuple[str, str] | None:

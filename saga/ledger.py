@@ -20,11 +20,12 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
-from saga.dbretry import DEFAULT_RETRY_SECONDS, aretrying, retrying
+from saga._actors import actor_or_os_user
+from saga._db.dbretry import DEFAULT_RETRY_SECONDS, aretrying, retrying
 from saga.errors import (
     IdempotencyConflict,
     LeaseLost,
@@ -41,13 +42,11 @@ from saga.keys import (
     request_hash,
     same_request,
 )
-from saga.operator import actor_or_os_user
-from saga.remedies import resolve_commands
-from saga.session import LEDGER_PREFIX
+from saga.remedies import LEDGER_PREFIX, resolve_commands
 
 if TYPE_CHECKING:
-    from saga.aorchestrator import AsyncOrchestrator
-    from saga.orchestrator import Orchestrator
+    from saga._db.store import Store
+    from saga._db.store_async import AsyncStore
 
 # The saga row of every channel is named so (its key is the channel).
 CHANNEL_SAGA = LEDGER_PREFIX + "channel"
@@ -139,69 +138,6 @@ class _Asked(BaseModel):
     owner: str
     lease_seconds: float
     max_attempts: int
-
-
-def _asked(
-    owner: str,
-    channel: str,
-    key: str,
-    tool: str,
-    params: Mapping[str, Any],
-    *,
-    dedup_fields: Sequence[str] | None,
-    lease_seconds: float,
-    tenant: str,
-    max_attempts: int,
-) -> _Asked:
-    """Check a claim's arguments and compute its key, fingerprint and stored request;
-    `ValueError`/`TypeError` naming what is wrong, before anything is written."""
-    for name, value in (("channel", channel), ("key", key), ("tool", tool)):
-        if not isinstance(value, str) or not value.strip():
-            raise ValueError(f"ledger claim: {name} must be a non-empty string, got {value!r}")
-    if not isinstance(tenant, str):
-        raise ValueError(f"ledger claim: tenant must be a string, got {tenant!r}")
-    if not isinstance(params, Mapping):
-        raise TypeError(
-            f"ledger claim of {tool!r}: params must be a mapping of field names to JSON "
-            f"values, got {type(params).__name__}"
-        )
-    if not lease_seconds > 0:
-        raise ValueError(f"ledger claim of {tool!r}: lease_seconds must be positive")
-    if not (isinstance(max_attempts, int) and max_attempts > 0):
-        raise ValueError(f"ledger claim of {tool!r}: max_attempts must be a positive int")
-    request = dict(params)
-    check_json(request, where=f"ledger claim of {tool!r} under key {key!r}: params")
-    if dedup_fields is None:
-        fields = request
-    else:
-        if isinstance(dedup_fields, str):
-            raise TypeError(
-                f"ledger claim of {tool!r}: dedup_fields must be a sequence of field names, "
-                f"not the string {dedup_fields!r} (write ({dedup_fields!r},))"
-            )
-        missing = [f for f in dedup_fields if f not in request]
-        if missing:
-            raise ValueError(
-                f"ledger claim of {tool!r}: dedup_fields {missing} are not in params "
-                f"(which has {sorted(request)})"
-            )
-        fields = {f: request[f] for f in dedup_fields}
-    fingerprint: dict[str, JsonValue] = {"tool": tool, "key": key, "fields": fields}
-    return _Asked(
-        channel=channel,
-        tenant=tenant,
-        key=key,
-        tool=tool,
-        step=call_operation_name(tool, key),
-        long_step=call_operation_long_name(tool, key),
-        idempotency_key=operation_key(CHANNEL_SAGA, 1, tenant, channel, key, "action"),
-        request_hash=request_hash(fingerprint),
-        fingerprint=fingerprint,
-        request=request,
-        owner=f"{owner}/{uuid.uuid4().hex[:12]}",
-        lease_seconds=float(lease_seconds),
-        max_attempts=max_attempts,
-    )
 
 
 def _claim_params(asked: _Asked) -> dict[str, Any]:
@@ -377,6 +313,27 @@ def _non_json(claim: Claim, exc: TypeError) -> str:
     )
 
 
+class LedgerEngine(Protocol):
+    """What a `Ledger` needs of its orchestrator: its owner's name and the store (an
+    `Orchestrator` is one)."""
+
+    @property
+    def owner(self) -> str: ...
+
+    @property
+    def store(self) -> Store: ...
+
+
+class AsyncLedgerEngine(Protocol):
+    """What an `AsyncLedger` needs of its orchestrator: its owner's name and the store on
+    the running loop (an `AsyncOrchestrator` is one)."""
+
+    @property
+    def owner(self) -> str: ...
+
+    async def store(self) -> AsyncStore: ...
+
+
 class _LedgerDoor:
     """What both doors' ledgers share: their settings, and each write's parameters."""
 
@@ -397,15 +354,56 @@ class _LedgerDoor:
         tenant: str,
         max_attempts: int,
     ) -> _Asked:
-        return _asked(
-            owner,
-            channel,
-            key,
-            tool,
-            params,
-            dedup_fields=dedup_fields,
-            lease_seconds=self.lease_seconds if lease_seconds is None else lease_seconds,
+        """Check a claim's arguments (`lease_seconds`: the door's own when None) and
+        compute its key, fingerprint and stored request; `ValueError`/`TypeError` naming
+        what is wrong, before anything is written."""
+        if lease_seconds is None:
+            lease_seconds = self.lease_seconds
+        for name, value in (("channel", channel), ("key", key), ("tool", tool)):
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"ledger claim: {name} must be a non-empty string, got {value!r}")
+        if not isinstance(tenant, str):
+            raise ValueError(f"ledger claim: tenant must be a string, got {tenant!r}")
+        if not isinstance(params, Mapping):
+            raise TypeError(
+                f"ledger claim of {tool!r}: params must be a mapping of field names to JSON "
+                f"values, got {type(params).__name__}"
+            )
+        if not lease_seconds > 0:
+            raise ValueError(f"ledger claim of {tool!r}: lease_seconds must be positive")
+        if not (isinstance(max_attempts, int) and max_attempts > 0):
+            raise ValueError(f"ledger claim of {tool!r}: max_attempts must be a positive int")
+        request = dict(params)
+        check_json(request, where=f"ledger claim of {tool!r} under key {key!r}: params")
+        if dedup_fields is None:
+            fields = request
+        else:
+            if isinstance(dedup_fields, str):
+                raise TypeError(
+                    f"ledger claim of {tool!r}: dedup_fields must be a sequence of field names, "
+                    f"not the string {dedup_fields!r} (write ({dedup_fields!r},))"
+                )
+            missing = [f for f in dedup_fields if f not in request]
+            if missing:
+                raise ValueError(
+                    f"ledger claim of {tool!r}: dedup_fields {missing} are not in params "
+                    f"(which has {sorted(request)})"
+                )
+            fields = {f: request[f] for f in dedup_fields}
+        fingerprint: dict[str, JsonValue] = {"tool": tool, "key": key, "fields": fields}
+        return _Asked(
+            channel=channel,
             tenant=tenant,
+            key=key,
+            tool=tool,
+            step=call_operation_name(tool, key),
+            long_step=call_operation_long_name(tool, key),
+            idempotency_key=operation_key(CHANNEL_SAGA, 1, tenant, channel, key, "action"),
+            request_hash=request_hash(fingerprint),
+            fingerprint=fingerprint,
+            request=request,
+            owner=f"{owner}/{uuid.uuid4().hex[:12]}",
+            lease_seconds=float(lease_seconds),
             max_attempts=max_attempts,
         )
 
@@ -457,7 +455,7 @@ class Ledger(_LedgerDoor):
 
     def __init__(
         self,
-        orch: Orchestrator,
+        orch: LedgerEngine,
         *,
         lease_seconds: float = 60.0,
         retry_seconds: float = DEFAULT_RETRY_SECONDS,
@@ -592,7 +590,7 @@ class AsyncLedger(_LedgerDoor):
 
     def __init__(
         self,
-        orch: AsyncOrchestrator,
+        orch: AsyncLedgerEngine,
         *,
         lease_seconds: float = 60.0,
         retry_seconds: float = DEFAULT_RETRY_SECONDS,

@@ -1,4 +1,12 @@
-"""The Orchestrator: start, run, inspect, compensate and resolve sagas on PostgreSQL."""
+# WARNING: generated from saga/orchestrator_async.py by tools/async_to_sync.py:
+# edit the source, then run `python tools/async_to_sync.py`. CI fails on any difference.
+"""The orchestrators: start, run, inspect, compensate and resolve sagas on PostgreSQL.
+
+`AsyncOrchestrator` has every verb as a coroutine; `Orchestrator` has the same verbs, and
+blocks. `saga/orchestrator_async.py` is the source of both: `saga/orchestrator.py` is
+generated from it by `tools/async_to_sync.py`, which keeps the `else:` branch of each
+`if True:  # ASYNC` block, where the few lines that differ sit.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +15,7 @@ import math
 import os
 import threading
 from datetime import timedelta
+from threading import Event
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -14,10 +23,16 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 from pydantic import BaseModel
 
-from saga import inputs
-from saga.database import Route, check_connection, prepare_threshold, unavailable
-from saga.definition import Saga
-from saga.engine import (
+from saga._actors import actor_or_os_user
+from saga._core import inputs
+from saga._core.requests import check_actor
+from saga._db.database import Route, check_connection, prepare_threshold, unavailable
+from saga._db.migrate import migrate_database
+from saga._db.store import Store
+from saga._drivers.driver import Runner
+from saga._drivers.leases import LeaseKeeper
+from saga._drivers.loopguard import sync_only
+from saga._engine import (
     ENV_APPROVAL_PUBLIC_KEY,
     ENV_CONFIRMATION_KEY,
     Engine,
@@ -26,24 +41,12 @@ from saga.engine import (
     resolve_arguments,
     upgraded,
 )
+from saga.definition import Saga
 from saga.keys import HASH_VERSION
-from saga.leases import LeaseKeeper
 from saga.ledger import Ledger
 from saga.logs import get_logger
-from saga.loopguard import sync_only
-from saga.migrate import migrate_database
-from saga.operator import actor_or_os_user, check_actor
-from saga.runner import Runner
 from saga.session import Session
-from saga.state import (
-    Confirmation,
-    HistoryEvent,
-    SagaHandle,
-    SagaState,
-    SagaStatus,
-    WorkerInfo,
-)
-from saga.store import Store
+from saga.state import Confirmation, HistoryEvent, SagaHandle, SagaState, SagaStatus, WorkerInfo
 from saga.upgrade import UpgradePlan, check_upgrade_arguments
 
 if TYPE_CHECKING:
@@ -54,21 +57,29 @@ _log = get_logger("saga")
 __all__ = [
     "ENV_APPROVAL_PUBLIC_KEY",
     "ENV_CONFIRMATION_KEY",
-    "Orchestrator",
     "connection_kwargs",
     "session_options",
     "transaction_settings",
 ]
+__all__ += ["Orchestrator"]
 
 
 class Orchestrator(Engine):
     """Runs registered sagas against one PostgreSQL database.
 
-    Its methods block while they wait for the database and run steps (an async step in
-    an event loop of its own). From async code, call them in a thread (`await
-    asyncio.to_thread(orch.execute, ...)`): called from a running event loop, every
-    method that reads, writes or runs steps raises `SyncCallInEventLoop` before doing
-    anything.
+    An `Orchestrator`'s methods block while they wait for the database and run steps (an
+    async step in an event loop of its own). From async code, call them in a thread
+    (`await asyncio.to_thread(orch.execute, ...)`): called from a running event loop,
+    every method that reads, writes or runs steps raises `SyncCallInEventLoop` before
+    doing anything.
+
+    An `AsyncOrchestrator` takes the same arguments, and has every one of those methods
+    as a coroutine with the same name, arguments and results; both write the same rows
+    and events for the same saga (one protocol, two drivers). Async steps, compensations
+    and hooks are awaited on the caller's event loop, so they can share the application's
+    clients; sync ones run in a thread and never block the loop. A step's timeout
+    cancels an async step. Use it as `async with AsyncOrchestrator(...) as orch:`, or
+    `await orch.close()` when done.
 
     Args:
         database_url: PostgreSQL URL; else `SAGA_DATABASE_URL`; else an embedded
@@ -116,11 +127,11 @@ class Orchestrator(Engine):
     """
 
     def _unconnected(self) -> None:
-        self._lock = threading.Lock()
         self._pool: ConnectionPool[Any] | None = None
-        self._keeper: LeaseKeeper | None = None
         self._store: Store | None = None
         self._ledger: Ledger | None = None
+        self._keeper: LeaseKeeper | None = None
+        self._lock = threading.Lock()
 
     # ----- set-up ------------------------------------------------------------------------
 
@@ -133,18 +144,37 @@ class Orchestrator(Engine):
                     self._store = self._connect()
         return self._store
 
+    @property
+    def lease_keeper(self) -> LeaseKeeper:
+        """The heartbeat that keeps this orchestrator's leases alive while steps run."""
+        store = self.store
+        with self._lock:
+            if self._keeper is None:
+                self._keeper = LeaseKeeper(
+                    store,
+                    owner=self.owner,
+                    lease_seconds=self.lease_seconds,
+                    heartbeat_seconds=self.heartbeat_seconds,
+                )
+            return self._keeper
+
+    def _connected(self) -> Store:
+        """The storage layer (`store`), connected on first use."""
+        return self.store
+
     def _connect(self) -> Store:
         url = self.database_url
         self.route = route = check_connection(url)
         if self.auto_migrate:
             migrate_database(url)
+        name = f"saga-{self.owner}"
         pool: ConnectionPool[Any] = ConnectionPool(
             url,
             min_size=1,
             max_size=self._pool_size,
             kwargs=connection_kwargs(url, self.lease_seconds, route, self.prepared_statements),
             open=False,
-            name=f"saga-{self.owner}",
+            name=name,
         )
         try:
             pool.open(wait=True, timeout=10.0)
@@ -158,8 +188,27 @@ class Orchestrator(Engine):
     def ensure_pool_size(self, connections: int) -> None:
         """Size the connection pool for a worker that needs `connections` (workers call
         this): to exactly that when `pool_size` was not given, else at least that."""
-        pool = self.store.pool
+        store = self._connected()
+        pool = store.pool
         pool.resize(min_size=pool.min_size, max_size=self.pool_size_for(connections, pool.max_size))
+
+    def runner(
+        self, *, stopping: Event | None = None, max_inline_sleep: float | None = None
+    ) -> Runner:
+        """A driver of this orchestrator's flows (for an `AsyncOrchestrator`, on the
+        running loop)."""
+        options = (
+            self.runner_options()
+            if max_inline_sleep is None
+            else self.runner_options(max_inline_sleep=max_inline_sleep)
+        )
+        store = self._connected()
+        keeper = self.lease_keeper
+        return Runner(store, options, keeper=keeper, stopping=stopping)
+
+    def _runner(self) -> Runner:
+        """A driver of this orchestrator's flows with the default options."""
+        return self.runner()
 
     def close(self) -> None:
         """Stop the heartbeat and close the connection pool."""
@@ -192,8 +241,9 @@ class Orchestrator(Engine):
         request (business fields) raises `IdempotencyConflict` and stores nothing.
         Invalid input raises pydantic's `ValidationError` before anything is written.
         """
-        runner = self._runner()
-        return runner.run(self._start_flow(runner.flows, saga, data, claim=False))[0]
+        runner = self.runner()
+        handle, _ = runner.run(self._start_flow(runner.flows, saga, data, claim=False))
+        return handle
 
     @sync_only(runs_steps=True)
     def execute(self, saga: Saga[Any], data: BaseModel | dict[str, Any]) -> SagaState:
@@ -203,7 +253,7 @@ class Orchestrator(Engine):
         attempt recorded, in one transaction. When the saga already exists (the
         same request again), this is `run` on it.
         """
-        runner = self._runner()
+        runner = self.runner()
         handle, claimed = runner.run(self._start_flow(runner.flows, saga, data, claim=True))
         if claimed is None:
             return self.run(handle.id)
@@ -227,7 +277,7 @@ class Orchestrator(Engine):
         wrote, while the saga is still exactly as started; any other is read as it is
         claimed.
         """
-        runner = self._runner()
+        runner = self.runner()
         return runner.run(self._run_flow(runner.flows, saga_id, wait_seconds))
 
     @sync_only()
@@ -271,7 +321,8 @@ class Orchestrator(Engine):
     def confirmations(self, saga_id: str) -> builtins.list[Confirmation]:
         """Every confirmation a saga asked for, pending and approved, oldest first."""
         self.get(saga_id)
-        return self.store.confirmations(saga_id)
+        store = self._connected()
+        return store.confirmations(saga_id)
 
     @sync_only()
     def preview(self, saga_id: str) -> Confirmation | None:
@@ -285,7 +336,8 @@ class Orchestrator(Engine):
         state = self.get(saga_id)
         if state.status != SagaStatus.AWAITING_CONFIRMATION:
             return None
-        pending = [c for c in self.store.confirmations(saga_id) if c.approved_at is None]
+        store = self._connected()
+        pending = [c for c in store.confirmations(saga_id) if c.approved_at is None]
         return max(pending, key=lambda c: c.requested_at) if pending else None
 
     def approval(
@@ -353,11 +405,10 @@ class Orchestrator(Engine):
         days = self.purge_cutoff_days(older_than_days)
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
+        store = self._connected()
         total = 0
         while True:
-            deleted = self.store.purge_finished(
-                retention_seconds=days * 86400.0, batch_size=batch_size
-            )
+            deleted = store.purge_finished(retention_seconds=days * 86400.0, batch_size=batch_size)
             total += deleted
             if deleted < batch_size:
                 break
@@ -465,7 +516,8 @@ class Orchestrator(Engine):
     def session(
         self, run_id: str, *, tenant: str = "", name: str = "session", wait_seconds: float = 0.0
     ) -> Session:
-        """A session of durable steps: `with orch.session("ticket-4821") as run:`.
+        """A session of durable steps: `with orch.session("ticket-4821") as run:` (`async
+        with`, from an `AsyncOrchestrator`: each durable step call inside is awaited).
 
         Inside the block, each call of a `@durable_step` function is an operation of the
         session: the first call under a key runs (`running` committed before, the outcome
@@ -480,7 +532,8 @@ class Orchestrator(Engine):
     @property
     def ledger(self) -> Ledger:
         """The ledger of calls claimed one by one: `claim`, `heartbeat`, `complete`,
-        `fail`, `unknown` (see `saga.Ledger`)."""
+        `fail`, `unknown` (see `saga.Ledger`, and `saga.AsyncLedger` for an
+        `AsyncOrchestrator`)."""
         if self._ledger is None:
             self._ledger = Ledger(self)
         return self._ledger
@@ -512,7 +565,8 @@ class Orchestrator(Engine):
         inherited as failed.
         """
         actor = actor_or_os_user("fork", actor)
-        return self._runner().run(self._fork_flow(saga_id, from_step, key=key, actor=actor))
+        runner = self.runner()
+        return runner.run(self._fork_flow(saga_id, from_step, key=key, actor=actor))
 
     @sync_only()
     def upgrade(
@@ -545,8 +599,9 @@ class Orchestrator(Engine):
         """
         step_map = check_upgrade_arguments(to_version, step_map)
         actor = check_actor("upgrade", actor)
+        runner = self.runner()
         flow = self._upgrade_flow(saga_id, to_version, step_map=step_map, actor=actor, write=True)
-        plan, state = self._runner().run(flow)
+        plan, state = runner.run(flow)
         return upgraded(plan, state)
 
     @sync_only()
@@ -556,8 +611,9 @@ class Orchestrator(Engine):
         """What `upgrade` would do with the saga now, and whether it would be refused
         (`plan.reasons`); nothing is written."""
         step_map = check_upgrade_arguments(to_version, step_map)
+        runner = self.runner()
         flow = self._upgrade_flow(saga_id, to_version, step_map=step_map, actor="", write=False)
-        plan, _ = self._runner().run(flow)
+        plan, _ = runner.run(flow)
         return plan
 
     @sync_only()
@@ -603,32 +659,17 @@ class Orchestrator(Engine):
         registered: bool = True,
     ) -> SagaState:
         """Apply an operator's change in one transaction (see `Engine._operator_flow`)."""
+        runner = self.runner()
         flow = self._operator_flow(saga_id, change, force=force, actor=actor, registered=registered)
-        return self._runner().run(flow)
-
-    def _runner(self) -> Runner:
-        return Runner(self.store, self.runner_options(), keeper=self.lease_keeper)
-
-    @property
-    def lease_keeper(self) -> LeaseKeeper:
-        """The heartbeat that keeps this orchestrator's leases alive while steps run."""
-        store = self.store
-        with self._lock:
-            if self._keeper is None:
-                self._keeper = LeaseKeeper(
-                    store,
-                    owner=self.owner,
-                    lease_seconds=self.lease_seconds,
-                    heartbeat_seconds=self.heartbeat_seconds,
-                )
-            return self._keeper
+        return runner.run(flow)
 
     # ----- reading -----------------------------------------------------------------------
 
     @sync_only()
     def get(self, saga_id: str) -> SagaState:
         """The saga and its operations; `SagaNotFound` when there is none."""
-        return self._runner().run(self._get_flow(saga_id))
+        runner = self.runner()
+        return runner.run(self._get_flow(saga_id))
 
     @sync_only()
     def list(
@@ -650,7 +691,8 @@ class Orchestrator(Engine):
         lookup does not read the finished history.
         """
         status, seconds = list_filters(status, limit, older_than)
-        return self.store.list_states(
+        store = self._connected()
+        return store.list_states(
             status=status,
             name=saga,
             tenant_id=tenant,
@@ -662,13 +704,15 @@ class Orchestrator(Engine):
     @sync_only()
     def workers(self) -> builtins.list[WorkerInfo]:
         """Live workers of this database and the saga kinds (name:version) each runs."""
-        return self.store.live_workers()
+        store = self._connected()
+        return store.live_workers()
 
     @sync_only()
     def history(self, saga_id: str) -> builtins.list[HistoryEvent]:
         """The audit trail of a saga, oldest first."""
         self.get(saga_id)
-        return self.store.history(saga_id)
+        store = self._connected()
+        return store.history(saga_id)
 
     # ----- workers -----------------------------------------------------------------------
 
@@ -681,9 +725,11 @@ class Orchestrator(Engine):
         short_wait_seconds: float = 1.0,
         listen_url: str | None = None,
     ) -> Worker:
-        """A worker that claims and drives this orchestrator's registered sagas.
+        """A worker that claims and drives this orchestrator's registered sagas: a
+        `Worker`, or, from an `AsyncOrchestrator`, an `AsyncWorker` that drives them as
+        tasks on the loop that runs it.
 
-        See `Worker` for the meaning of each setting.
+        See `Worker` (`AsyncWorker`) for the meaning of each setting.
         """
         from saga.worker import Worker
 

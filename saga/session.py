@@ -15,18 +15,20 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from pydantic import BaseModel, ConfigDict
-
-from saga import inputs
-from saga.codec import ResultCodec
-from saga.definition import Guards, Saga, Step
-from saga.durable import DurableStep, context_scope, registered_step, session_scope
-from saga.effects import Flow, Pause, db
+from saga._codefirst import SessionSaga as SessionSaga  # re-exported: named by saga.session
+from saga._core import inputs
+from saga._core.planner import Planner, SagaRow
+from saga._core.rows import Event, OpRow
+from saga._flows.claim import Flows
+from saga._flows.drive import log_events, retried
+from saga._flows.effects import Flow, Pause, db
+from saga._flows.store_ops import StoreOps
+from saga.durable import DurableStep, session_scope
 from saga.errors import (
     IdempotencyConflict,
     PermanentError,
@@ -35,269 +37,51 @@ from saga.errors import (
     SessionParked,
     StepStateError,
 )
-from saga.flow import Flows, log_events, retried
 from saga.keys import call_operation_long_name, call_operation_name, operation_key
 from saga.keys import request_hash as hash_fields
-from saga.outcomes import Found
-from saga.protocol import Planner, SagaRow
 from saga.remedies import LEDGER_PREFIX as LEDGER_PREFIX  # re-exported: named by saga.session
 from saga.remedies import SESSION_PREFIX as SESSION_PREFIX
 from saga.remedies import resolve_commands
-from saga.retry import RetryPolicy
-from saga.rows import Event, OpRow
-from saga.signatures import is_async
 from saga.state import HistoryEvent, OperationState, OperationStatus, SagaState, SagaStatus
 
 if TYPE_CHECKING:
-    from saga.adriver import AsyncRunner
-    from saga.aorchestrator import AsyncOrchestrator
-    from saga.orchestrator import Orchestrator
-    from saga.runner import Runner
+    from saga._drivers.driver import Runner
+    from saga._drivers.driver_async import AsyncRunner
+    from saga._drivers.leases import LeaseKeeper
+    from saga._drivers.leases_async import AsyncLeaseKeeper
+
+
+class SessionEngine(Protocol):
+    """What a `Session` needs of its orchestrator: a driver of its flows, the heartbeat
+    that keeps its lease alive, and the audit trail (an `Orchestrator` is one)."""
+
+    @property
+    def lease_seconds(self) -> float: ...
+
+    @property
+    def lease_keeper(self) -> LeaseKeeper: ...
+
+    def _runner(self) -> Runner: ...
+
+    def history(self, saga_id: str) -> list[HistoryEvent]: ...
+
+
+class AsyncSessionEngine(Protocol):
+    """What an `AsyncSession` needs of its orchestrator: a driver of its flows on the
+    running loop, the heartbeat task, and the audit trail (an `AsyncOrchestrator` is one)."""
+
+    @property
+    def lease_seconds(self) -> float: ...
+
+    async def runner(self) -> AsyncRunner: ...
+
+    async def lease_keeper(self) -> AsyncLeaseKeeper: ...
+
+    async def history(self, saga_id: str) -> list[HistoryEvent]: ...
 
 
 # How often a session entry that found a live holder looks again (seconds).
 _BUSY_POLL = 0.1
-
-
-class _NoInput(BaseModel):
-    """A session has no input of its own: its calls carry their arguments."""
-
-    model_config = ConfigDict(extra="allow")
-
-
-def _no_key(_: _NoInput) -> str:
-    return ""
-
-
-class SessionSaga(Saga[_NoInput]):
-    """The definition of one session: a step per call, added as the calls happen."""
-
-    is_session = True
-
-    def __init__(self, name: str, *, prefix: str = SESSION_PREFIX) -> None:
-        super().__init__(name, version=1, input=_NoInput, key=_no_key)  # checks the name
-        self.name = prefix + name
-        # The exception a call raised in this process, by operation: re-raised to the
-        # session's code as it was, rather than as the text the ledger keeps.
-        self.raised: dict[str, BaseException] = {}
-        # Why a call's result could not be stored (its codec's TypeError), by operation:
-        # the session's code gets a TypeError of its own, the session is parked.
-        self.refused: dict[str, TypeError] = {}
-        # The calls whose reconcile hook found their effect in this process: settled
-        # without running, so counted as reconciled, neither executed nor replayed.
-        self.found: set[str] = set()
-
-    def adopt(self, ops: Sequence[Any]) -> None:
-        """Install a step for each call the rows record that this definition does not
-        know yet (made by an earlier process): its durable step as registered here, and
-        its arguments as stored, for the compensations and reconciles that run without
-        the code calling it again."""
-        known = {step.name for step in self.steps}
-        actions = [op for op in ops if op.kind == "action"]
-        for index, op in enumerate(actions):
-            if op.step in known:
-                continue
-            durable = registered_step(op.step.rsplit(".", 1)[0])
-            args = None
-            if durable is not None and op.request is not None:
-                try:
-                    args = durable.arguments_of(op.request)
-                except TypeError:
-                    args = None  # the step's signature changed: its hooks say so if run
-            self.install(op.step, getattr(op, "position", index), durable, args)
-
-    def install(
-        self, name: str, position: int, durable: DurableStep[Any, Any] | None, args: Any
-    ) -> Step:
-        """The step that runs call `name`: `durable`'s function bound to the call's
-        arguments (`args` as `(positional, keywords)`, or None when they are not known
-        here)."""
-        self.steps = [s for s in self.steps if s.name != name]
-        if durable is None:
-            step = Step(
-                self,
-                _not_here(name),
-                name=name,
-                index=position,
-                retry=_ONE_ATTEMPT,
-                idempotent=False,
-                pivot=False,
-                guards=Guards(),
-            )
-            # Whether the step has a compensation is not known here: undoing the session
-            # stops at this call (and parks) rather than passing over it as if it had none.
-            step.compensation(retry=_ONE_ATTEMPT)(_not_here_to_undo(name))
-            self.steps.append(step)
-            return step
-        step = Step(
-            self,
-            _action(durable, args, self.raised, name),
-            name=name,
-            index=position,
-            retry=durable.retry,
-            idempotent=durable.idempotent,
-            pivot=False,
-            guards=Guards(timeout_seconds=durable.timeout_seconds, side_effect=durable.side_effect),
-        )
-        step.codec = _Reported(durable.codec, self.refused, name)
-        if durable.compensation_fn is not None:
-            step.compensation(
-                retry=durable.compensation_retry, idempotent=durable.compensation_idempotent
-            )(_compensation(durable, args, name))
-        if durable.reconcile_fn is not None:
-            step.reconcile(
-                window_seconds=durable.reconcile_window_seconds, retry=durable.reconcile_retry
-            )(_hook(durable.reconcile_fn, args, name, self.found))
-        self.steps.append(step)
-        return step
-
-
-_ONE_ATTEMPT = RetryPolicy(max_attempts=1)
-
-
-class _Reported(ResultCodec):
-    """A call's result codec (`inner`, which does all the encoding and checking) that
-    also keeps the `TypeError` of a result it refuses in `refused[name]`, for the session
-    to tell the call's code why the call parked the session."""
-
-    def __init__(self, inner: ResultCodec, refused: dict[str, TypeError], name: str) -> None:
-        # Nothing of ResultCodec's own set-up: every value goes through `inner`.
-        self.where = inner.where
-        self._inner = inner
-        self._refused = refused
-        self._name = name
-
-    def encode(self, value: object) -> Any:
-        """`inner`'s JSON for `value`; its TypeError is kept, then raised."""
-        try:
-            return self._inner.encode(value)
-        except TypeError as exc:
-            self._refused[self._name] = exc
-            raise
-
-    def decode(self, stored: Any) -> Any:
-        """`inner`'s value for `stored`."""
-        return self._inner.decode(stored)
-
-
-def code_first_definition(name: str) -> SessionSaga | None:
-    """The definition of a session's or a ledger channel's saga row named `name` (their
-    calls' steps are those of the durable steps registered in this process), or None when
-    `name` is a declared saga's."""
-    for prefix in (SESSION_PREFIX, LEDGER_PREFIX):
-        if name.startswith(prefix):
-            return SessionSaga(name.removeprefix(prefix), prefix=prefix)
-    return None
-
-
-def _not_here(name: str) -> Callable[..., Any]:
-    def call(ctx: Any, _input: Any) -> Any:
-        raise PermanentError(
-            f"call {name!r} was made by an earlier process and its durable step is not "
-            "imported here"
-        )
-
-    return call
-
-
-def _not_here_to_undo(name: str) -> Callable[..., Any]:
-    step = name.rsplit(".", 1)[0]
-
-    def call(ctx: Any, _input: Any, result: Any) -> Any:
-        raise PermanentError(
-            f"call {name!r} cannot be undone here: its durable step {step!r} is not imported "
-            "in this process, so whether it has a compensation is not known; run this with "
-            "the module that defines it imported (`--app`), or undo it by hand and settle it "
-            f"with `{resolve_commands('ID', name, 'compensation')[0]}`"
-        )
-
-    return call
-
-
-def _arguments(args: Any, name: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if args is None:
-        raise PermanentError(
-            f"the arguments of call {name!r} were not JSON, so they were not stored: only "
-            "the process that made the call could run this; settle it by hand and resolve it"
-        )
-    return args  # type: ignore[no-any-return]
-
-
-def _action(
-    durable: DurableStep[Any, Any], args: Any, raised: dict[str, BaseException], name: str
-) -> Callable[..., Any]:
-    if durable.is_async:
-
-        async def acall(ctx: Any, _input: Any) -> Any:
-            positional, keywords = _arguments(args, name)
-            with context_scope(ctx):
-                try:
-                    return await durable.fn(*positional, **keywords)
-                except BaseException as exc:
-                    raised[name] = exc
-                    raise
-
-        return acall
-
-    def call(ctx: Any, _input: Any) -> Any:
-        positional, keywords = _arguments(args, name)
-        with context_scope(ctx):
-            try:
-                return durable.fn(*positional, **keywords)
-            except BaseException as exc:
-                raised[name] = exc
-                raise
-
-    return call
-
-
-def _compensation(durable: DurableStep[Any, Any], args: Any, name: str) -> Callable[..., Any]:
-    fn = durable.compensation_fn
-    assert fn is not None
-    if is_async(fn):
-
-        async def acall(ctx: Any, _input: Any, result: Any) -> Any:
-            positional, keywords = _arguments(args, name)
-            with context_scope(ctx):
-                return await fn(ctx, result, *positional, **keywords)
-
-        return acall
-
-    def call(ctx: Any, _input: Any, result: Any) -> Any:
-        positional, keywords = _arguments(args, name)
-        with context_scope(ctx):
-            return fn(ctx, result, *positional, **keywords)
-
-    return call
-
-
-def _hook(
-    fn: Callable[..., Any], args: Any, name: str, found: set[str] | None = None
-) -> Callable[..., Any]:
-    """A durable step's reconcile or prepare hook as its call's step calls it: with the
-    context, then the call's own arguments. With `found`, a reconcile hook's `Found`
-    answer adds the call's name to it."""
-
-    def noted(answer: Any) -> Any:
-        if found is not None and isinstance(answer, Found):
-            found.add(name)
-        return answer
-
-    if is_async(fn):
-
-        async def acall(ctx: Any, _input: Any) -> Any:
-            positional, keywords = _arguments(args, name)
-            with context_scope(ctx):
-                return noted(await fn(ctx, *positional, **keywords))
-
-        return acall
-
-    def call(ctx: Any, _input: Any) -> Any:
-        positional, keywords = _arguments(args, name)
-        with context_scope(ctx):
-            return noted(fn(ctx, *positional, **keywords))
-
-    return call
 
 
 def call_step_name(durable: DurableStep[Any, Any], key: str) -> str:
@@ -338,8 +122,8 @@ class SessionFlows:
         row = planner.saga
 
         def start() -> Flow[dict[str, Any]]:
-            outcome: dict[str, Any] = yield db(
-                "start_saga", row, [], events, lease_seconds=self.lease_seconds, notify=False
+            outcome: dict[str, Any] = yield from db(
+                StoreOps.start_saga, row, [], events, lease_seconds=self.lease_seconds, notify=False
             )
             return outcome
 
@@ -390,10 +174,10 @@ class SessionFlows:
                 # compensations short. The claim has planned (and recorded) the next one;
                 # they are finished here, and the session is returned closed.
                 yield from self.flows.carry_on(planner, nxt)
-                closed: SagaState | None = yield db("get_state", saga_id)
+                closed: SagaState | None = yield from db(StoreOps.get_state, saga_id)
                 assert closed is not None
                 return None, closed
-            state: SagaState | None = yield db("get_state", saga_id)
+            state: SagaState | None = yield from db(StoreOps.get_state, saga_id)
             if state is None:
                 raise StepStateError(f"session {self.run_id!r} was deleted while it was opened")
             if not state.status.is_runnable:
@@ -439,7 +223,7 @@ class SessionFlows:
         if planner.final_state is not None:
             # Read by the statement of the last write, which gave the lease back.
             return planner.final_state
-        state: SagaState | None = yield db("get_state", planner.saga.id)
+        state: SagaState | None = yield from db(StoreOps.get_state, planner.saga.id)
         return state
 
 
@@ -825,7 +609,7 @@ class Session(_SessionBase):
 
     def __init__(
         self,
-        orch: Orchestrator,
+        orch: SessionEngine,
         run_id: str,
         *,
         tenant: str = "",
@@ -893,7 +677,7 @@ class AsyncSession(_SessionBase):
 
     def __init__(
         self,
-        orch: AsyncOrchestrator,
+        orch: AsyncSessionEngine,
         run_id: str,
         *,
         tenant: str = "",

@@ -20,7 +20,7 @@ drivers report:
 Without the API installed, every function here returns at once (a traced flow is the flow
 itself); with the API but no SDK configured (the global providers are still the API's
 placeholders), likewise, checked at each use, so an SDK configured later is picked up.
-The core (`saga.protocol`, `saga.rows`, `saga.inputs`...) never imports this module.
+The core (`saga._core`: the planner, its rows and inputs) never imports this module.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from saga.effects import Call, Flow, NotCalledError
+from saga._flows.effects import Call, Flow, NotCalledError
 from saga.errors import LeaseLost
 from saga.logs import get_logger
 from saga.state import OperationStatus
@@ -45,10 +45,10 @@ if TYPE_CHECKING:
     from opentelemetry.metrics import CallbackOptions, Histogram, Observation
     from opentelemetry.trace import Link, Span, Tracer
 
-    from saga.protocol import Next, OpRow, Planner, SagaRow
-    from saga.rows import Event
+    from saga._core.planner import Next, OpRow, Planner, SagaRow
+    from saga._core.rows import Event
+    from saga._db._store_base import DatabaseGauges
     from saga.state import SagaState
-    from saga.store import DatabaseGauges
 
 try:
     from opentelemetry import context as _context
@@ -157,9 +157,7 @@ if _API:
         _UNSET_METERS = (_metrics.NoOpMeterProvider, _ProxyMeterProvider)
     _PROPAGATOR = TraceContextTextMapPropagator()
 
-_tracer_cache: tuple[object, Tracer] | None = None
-_instruments_cache: tuple[object, _Instruments] | None = None
-_cache_lock = threading.Lock()
+_T = TypeVar("_T")
 
 
 @lru_cache(maxsize=1)
@@ -172,20 +170,42 @@ def _scope_version() -> str | None:
         return None
 
 
+class _PerProvider(Generic[_T]):
+    """What is made from the configured provider (a tracer, the instruments): made on
+    first use, under a lock so that it is made once, and made again when the application
+    configures another provider."""
+
+    def __init__(self, make: Callable[[Any], _T]) -> None:
+        self._make = make
+        self._made: tuple[object, _T] | None = None
+        self._lock = threading.Lock()
+
+    def of(self, provider: object, unset: tuple[type[Any], ...]) -> _T | None:
+        """What `provider` makes; None when it is one of the `unset` placeholders."""
+        if isinstance(provider, unset):
+            return None
+        made = self._made
+        if made is not None and made[0] is provider:
+            return made[1]
+        with self._lock:
+            made = self._made
+            if made is not None and made[0] is provider:
+                return made[1]
+            thing = self._make(provider)
+            self._made = (provider, thing)
+        return thing
+
+
 def _tracer() -> Tracer | None:
     """The tracer of the configured TracerProvider; None when none is configured."""
-    global _tracer_cache
     if not _API:
         return None
-    provider = _trace.get_tracer_provider()
-    if isinstance(provider, _UNSET_TRACERS):
-        return None
-    cached = _tracer_cache
-    if cached is not None and cached[0] is provider:
-        return cached[1]
-    tracer = provider.get_tracer(SCOPE, _scope_version())
-    _tracer_cache = (provider, tracer)
-    return tracer
+    return _tracers.of(_trace.get_tracer_provider(), _UNSET_TRACERS)
+
+
+_tracers: _PerProvider[Tracer] = _PerProvider(
+    lambda provider: provider.get_tracer(SCOPE, _scope_version())
+)
 
 
 class _Tally:
@@ -249,22 +269,14 @@ class _Instruments:
 def _instruments() -> _Instruments | None:
     """The instruments of the configured MeterProvider (made on first use, with the
     database gauges); None when none is configured."""
-    global _instruments_cache
     if not _API:
         return None
-    provider = _metrics.get_meter_provider()
-    if isinstance(provider, _UNSET_METERS):
-        return None
-    cached = _instruments_cache
-    if cached is not None and cached[0] is provider:
-        return cached[1]
-    with _cache_lock:
-        cached = _instruments_cache
-        if cached is not None and cached[0] is provider:
-            return cached[1]
-        made = _make_instruments(provider.get_meter(SCOPE, _scope_version()))
-        _instruments_cache = (provider, made)
-    return made
+    return _instruments_made.of(_metrics.get_meter_provider(), _UNSET_METERS)
+
+
+_instruments_made: _PerProvider[_Instruments] = _PerProvider(
+    lambda provider: _make_instruments(provider.get_meter(SCOPE, _scope_version()))
+)
 
 
 def _make_instruments(meter: Any) -> _Instruments:

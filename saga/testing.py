@@ -60,12 +60,12 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from pydantic import BaseModel
 
-from saga import faults
-from saga.aorchestrator import AsyncOrchestrator
-from saga.cli import load_app
+from saga._app import load_app
+from saga._drivers import faults
 from saga.definition import Saga
 from saga.errors import PermanentError, SessionBusy, SessionParked
 from saga.orchestrator import Orchestrator
+from saga.orchestrator_async import AsyncOrchestrator
 from saga.redact import scrub
 from saga.session import AsyncSession, Session
 from saga.signatures import is_async
@@ -122,7 +122,7 @@ def postgres_server(data_dir: Path | None = None) -> Iterator[str]:
         return
     import tempfile
 
-    from saga.database import embedded_database_url
+    from saga._db.database import embedded_database_url
 
     with contextlib.ExitStack() as stack:
         if data_dir is None:

@@ -34,11 +34,11 @@ from typing import Any, Literal
 
 import pydantic
 
+from saga._core.planner import new_action_rows
+from saga._core.rows import OpRow, SagaRow
 from saga.definition import Saga, Step
 from saga.errors import StepStateError
-from saga.protocol import new_action_rows
-from saga.rows import OpRow, SagaRow
-from saga.session import LEDGER_PREFIX, SESSION_PREFIX
+from saga.remedies import LEDGER_PREFIX, SESSION_PREFIX
 from saga.state import HistoryEvent, OperationStatus, SagaState, SagaStatus
 
 __all__ = [

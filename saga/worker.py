@@ -1,4 +1,12 @@
-"""A worker: claims runnable sagas of its orchestrator's registered kinds and drives them."""
+# WARNING: generated from saga/worker_async.py by tools/async_to_sync.py:
+# edit the source, then run `python tools/async_to_sync.py`. CI fails on any difference.
+"""The workers: claim runnable sagas of their orchestrator's registered kinds and drive them.
+
+`AsyncWorker` drives each saga as a task on one event loop; `Worker` drives each in a
+thread of its own. `saga/worker_async.py` is the source of both: `saga/worker.py` is
+generated from it by `tools/async_to_sync.py`, which keeps the `else:` branch of each
+`if True:  # ASYNC` block, where the few lines that differ sit.
+"""
 
 from __future__ import annotations
 
@@ -11,26 +19,34 @@ import time
 import traceback
 from collections.abc import Iterator
 from datetime import datetime
-from types import FrameType
+from threading import Event, Thread
 from typing import Any, Protocol
 
 import psycopg
 from psycopg import sql
 
 from saga import telemetry
-from saga.database import Route, behind_pooler, describe_url, is_malformed_url
-from saga.dbretry import is_transient, retrying
+from saga._core.planner import Next, Planner
+from saga._db.database import Route, behind_pooler, describe_url, is_malformed_url
+from saga._db.dbretry import is_transient
+from saga._drivers.driver import Runner
+from saga._drivers.loopguard import sync_only
+from saga._flows.drive import describe_error
 from saga.definition import Saga
 from saga.errors import DatabaseRefused, DatabaseUnavailable
-from saga.leases import LeaseKeeper
 from saga.logs import get_logger
-from saga.loopguard import sync_only
-from saga.protocol import Next, Planner
 from saga.redact import scrub
-from saga.runner import Runner, RunnerOptions
-from saga.store import Store
 
 _log = get_logger("saga.worker")
+
+
+def _wait(event: Event, seconds: float) -> None:
+    """Wait until `event` is set, `seconds` at most."""
+    event.wait(seconds)
+
+
+# Connections a saga in flight may hold: its transaction and its heartbeat.
+_CONNECTIONS_PER_SAGA = 2
 
 
 def check_settings(
@@ -49,8 +65,9 @@ def check_settings(
 
 
 class WorkerEngine(Protocol):
-    """What a `Worker` needs of its orchestrator: the registry, the settings, the store
-    and the heartbeat (an `Orchestrator` is one)."""
+    """What a worker needs of its orchestrator: the registry, the settings, the connection
+    pool and a driver (an `AsyncOrchestrator` is one for an `AsyncWorker`, an
+    `Orchestrator` for a `Worker`)."""
 
     @property
     def owner(self) -> str: ...
@@ -58,19 +75,15 @@ class WorkerEngine(Protocol):
     @property
     def database_url(self) -> str: ...
 
-    @property
-    def store(self) -> Store: ...
-
-    @property
-    def lease_keeper(self) -> LeaseKeeper: ...
-
     def registered(self) -> list[Saga[Any]]: ...
 
     def definition(self, name: str, version: int) -> Saga[Any]: ...
 
-    def runner_options(self, *, max_inline_sleep: float = ...) -> RunnerOptions: ...
-
     def ensure_pool_size(self, connections: int) -> None: ...
+
+    def runner(
+        self, *, stopping: Event | None = None, max_inline_sleep: float | None = None
+    ) -> Runner: ...
 
 
 # A worker waiting for its database at start tries again after this long (seconds),
@@ -161,6 +174,16 @@ def warn_polling(url: str, source: str, poll_seconds: float) -> None:
     )
 
 
+def orchestrator_route(orch: object) -> Route | None:
+    """The orchestrator's `route` (what its first connection found), when it has one."""
+    route = getattr(orch, "route", None)
+    return route if isinstance(route, Route) else None
+
+
+# Longest wait (seconds) between two attempts to LISTEN again after the listener failed.
+_LISTEN_RETRY_MAX_SECONDS = 5.0
+
+
 class Worker:
     """Drives up to `concurrency` sagas at once until stopped (or idle).
 
@@ -170,13 +193,19 @@ class Worker:
     earliest retry backoff or expired lease comes due, and otherwise polls every
     `poll_seconds` as a fallback.
 
+    A `Worker` drives each saga in a thread of its own. An `AsyncWorker` drives each as
+    a task on the loop that awaits `run`: async steps are awaited on that loop, sync
+    steps run in threads.
+
     Args:
         orchestrator: Whose registry, database and lease settings to use.
-        concurrency: Most sagas driven at once (one thread each).
+        concurrency: Most sagas driven at once (one thread each in a `Worker`, one task
+            each in an `AsyncWorker`).
         poll_seconds: Longest wait between two looks for claimable sagas.
         grace_seconds: On stop, how long in-flight attempts may take to finish;
             leases still held after it are released (their attempts' outcomes
-            become unknown to the next owner, and their late writes are fenced out).
+            become unknown to the next owner, and their late writes are fenced out;
+            an `AsyncWorker` also cancels their tasks).
         short_wait_seconds: Retry backoffs up to this long are waited out under the
             lease; longer ones are persisted as `run_after` and the lease released.
         listen_url: A direct URL of the same database for `LISTEN` (which needs a
@@ -203,15 +232,21 @@ class Worker:
         self.grace_seconds = grace_seconds
         self.short_wait_seconds = short_wait_seconds
         self.listen_url = listen_url
-        self._stopping = threading.Event()
-        self._wake = threading.Event()
+        self._stopping = Event()
+        self._wake = Event()
+        self._stop_requested = False
         # By (saga id, fence): an attempt fenced out by a newer lease of this worker on the
         # same saga may still be running beside the newer one, and counts as in flight.
-        self._in_flight: dict[tuple[str, int], tuple[threading.Thread, Planner]] = {}
+        self._in_flight: dict[tuple[str, int], tuple[Thread, Planner]] = {}
         self._lock = threading.Lock()
 
     def stop(self) -> None:
-        """Stop claiming; in-flight sagas finish their current attempt and are handed back."""
+        """Stop claiming; in-flight sagas finish their current attempt and are handed back.
+        Safe to call from any thread, any task, or a signal handler."""
+        self._stop_requested = True
+        self._set_stopping()
+
+    def _set_stopping(self) -> None:
         self._stopping.set()
         self._wake.set()
 
@@ -226,74 +261,83 @@ class Worker:
         """Claim and drive sagas until `stop()`, or, with `until_idle`, until none is open.
 
         Open means pending, running or compensating: with `until_idle=True` the
-        worker waits out retry backoffs and expired leases before returning. Called
-        from the main thread, SIGTERM and SIGINT stop the worker gracefully (unless
-        `handle_signals=False`).
+        worker waits out retry backoffs and expired leases before returning. Run in
+        the main thread (for an `AsyncWorker`, on a loop running in the main thread),
+        SIGTERM and SIGINT stop the worker gracefully, unless `handle_signals=False`.
         """
         orch = self.orchestrator
         kinds = [f"{s.name}:{s.version}" for s in orch.registered()]
         if not kinds:
             raise ValueError("the orchestrator has no registered saga; register one first")
+        if self._stop_requested:
+            self._stopping.set()
         if handle_signals is None:
             handle_signals = threading.current_thread() is threading.main_thread()
         with self._signals(handle_signals):
-            if self._reach_database():
-                self._run(kinds, until_idle)
+            runner = self._reach_database()
+            if runner is not None:
+                self._run(runner, kinds, until_idle)
         _log.info("worker_stopped", owner=orch.owner)
 
-    def _reach_database(self) -> bool:
-        """Connect (and migrate), and check the role may drive sagas; False when stopped
-        first. A database it cannot reach yet (a server restarting, a network down) is
-        waited for, with backoff, logged (`worker_database_unreachable`): a worker never
-        exits on its own. A refusal, a malformed URL or a role that may not drive sagas
-        is raised, naming what is wrong, rather than found at the first claim."""
+    def _reach_database(self) -> Runner | None:
+        """Connect (and migrate), and check the role may drive sagas: a driver of the
+        orchestrator's flows, or None when stopped first. A database it cannot reach yet
+        (a server restarting, a network down) is waited for, with backoff, logged
+        (`worker_database_unreachable`): a worker never exits on its own. A refusal, a
+        malformed URL or a role that may not drive sagas is raised, naming what is
+        wrong, rather than found at the first claim."""
         orch = self.orchestrator
         delay, most = START_RETRY_SECONDS
         attempt = 0
         while not self._stopping.is_set():
             attempt += 1
             try:
-                orch.store.check_privileges("worker")
-                return True
+                runner = orch.runner(
+                    stopping=self._stopping, max_inline_sleep=self.short_wait_seconds
+                )
+                runner.store.check_privileges("worker")
+                return runner
             except Exception as exc:
                 if not unreachable(exc, orch.database_url):
                     raise
                 log_unreachable(exc, attempt=attempt, retry_in=delay)
-            self._stopping.wait(delay)
+            _wait(self._stopping, delay)
             delay = min(2 * delay, most)
-        return False
+        return None
 
-    def _run(self, kinds: list[str], until_idle: bool) -> None:
+    def _run(self, runner: Runner, kinds: list[str], until_idle: bool) -> None:
         orch = self.orchestrator
-        # Each saga in flight may hold two connections (its transaction and its heartbeat).
-        orch.ensure_pool_size(2 * self.concurrency + 2)
-        options = orch.runner_options(max_inline_sleep=self.short_wait_seconds)
-        runner = Runner(orch.store, options, keeper=orch.lease_keeper, stopping=self._stopping)
+        store = runner.store
+        # Each saga in flight may hold connections (`_CONNECTIONS_PER_SAGA`); one more for
+        # the heartbeat and one for the claim loop.
+        orch.ensure_pool_size(_CONNECTIONS_PER_SAGA * self.concurrency + 2)
+        _log.info("worker_started", owner=orch.owner, concurrency=self.concurrency, kinds=kinds)
         url, source = listen_target(self.listen_url, orch.database_url, orchestrator_route(orch))
         if url is None:
             warn_polling(orch.database_url, source, self.poll_seconds)
-        listener = threading.Thread(
+        # A daemon thread: it never keeps the process alive.
+        listener = Thread(
             target=self._listen, args=(url, source), name="saga-listener", daemon=True
         )
-        _log.info("worker_started", owner=orch.owner, concurrency=self.concurrency, kinds=kinds)
+        listener.start()
+        gauges = store.database_gauges
         # While it runs, the metrics' gauges read the database this worker drives.
         unwatch = telemetry.watch_database(
-            orch.database_url, orch.store.database_gauges, [s.name for s in orch.registered()]
+            orch.database_url, gauges, [s.name for s in orch.registered()]
         )
-        listener.start()
         try:
-            self._loop(runner, kinds, until_idle)
+            self._claim_loop(runner, kinds, until_idle)
         finally:
             unwatch()
             self._stopping.set()
-            self._drain()
+            self._drain(runner)
             with contextlib.suppress(Exception):
-                orch.store.delete_worker(orch.owner)
+                store.delete_worker(orch.owner)
 
     # ----- the claim loop ------------------------------------------------------------------
 
-    def _loop(self, runner: Runner, kinds: list[str], until_idle: bool) -> None:
-        store = self.orchestrator.store
+    def _claim_loop(self, runner: Runner, kinds: list[str], until_idle: bool) -> None:
+        store = runner.store
         announced = -math.inf
         failures = 0
         while not self._stopping.is_set():
@@ -308,15 +352,10 @@ class Worker:
                     )
                     announced = time.monotonic()
                 while self.in_flight < self.concurrency and not self._stopping.is_set():
-                    # The idle drivers' sagas in one claim: one statement, one commit.
-                    wanted = min(self.concurrency - self.in_flight, MAX_CLAIM_BATCH)
-                    claimed = runner.claim_batch(kinds, self.orchestrator.definition, wanted)
-                    for planner, nxt in claimed:
-                        self._spawn(runner, planner, nxt)
-                    if len(claimed) < wanted:
+                    if not self._claim_some(runner, kinds):
                         break
                 if self.in_flight >= self.concurrency:
-                    self._wake.wait(self.poll_seconds)
+                    _wait(self._wake, self.poll_seconds)
                     continue
                 if until_idle and self.in_flight == 0 and store.count_open(kinds) == 0:
                     return
@@ -326,13 +365,26 @@ class Worker:
                 # One failure never ends the worker: a lost database is waited for, and
                 # anything else is logged with its traceback and tried again, backing off.
                 if is_transient(exc):
-                    _log.warning("worker_database_error", error=f"{type(exc).__name__}: {exc}")
+                    _log.warning("worker_database_error", error=describe_error(exc))
                     timeout = self.poll_seconds
                 else:
                     failures += 1
                     timeout = loop_backoff(self.poll_seconds, failures)
                     log_loop_error(exc, retry_in=timeout)
-            self._wake.wait(timeout)
+            _wait(self._wake, timeout)
+
+    def _claim_some(self, runner: Runner, kinds: list[str]) -> bool:
+        """Claim sagas for the free slots in one statement and one commit (a batch claim,
+        `MAX_CLAIM_BATCH` at most), and start driving each one claimed; whether the claim
+        took all it asked for (there may be more to claim).
+
+        One claim a saga would leave the slots to fill at the pace of one round trip and
+        commit each, slower than short sagas end."""
+        wanted = min(self.concurrency - self.in_flight, MAX_CLAIM_BATCH)
+        claimed = runner.claim_batch(kinds, self.orchestrator.definition, wanted)
+        for planner, nxt in claimed:
+            self._spawn(runner, planner, nxt)
+        return len(claimed) >= wanted
 
     def _until_next(self, at: datetime | None) -> float:
         if at is None:
@@ -356,25 +408,26 @@ class Worker:
 
         # Daemon threads: a step still running after the grace period must not keep the
         # process alive; its lease has been released and its late writes are fenced out.
-        thread = threading.Thread(target=drive, name=f"saga-{saga_id}", daemon=True)
+        thread = Thread(target=drive, name=f"saga-{saga_id}", daemon=True)
         with self._lock:
             self._in_flight[key] = (thread, planner)
         thread.start()
 
-    def _drain(self) -> None:
-        deadline = time.monotonic() + self.grace_seconds
+    def _drain(self, runner: Runner) -> None:
+        """Wait `grace_seconds` for the sagas in flight, then hand back the leases still
+        held (an `AsyncWorker` cancels their tasks)."""
         with self._lock:
-            threads = list(self._in_flight.values())
-        for thread, _ in threads:
+            driving = [each for each, _ in self._in_flight.values()]
+        deadline = time.monotonic() + self.grace_seconds
+        for thread in driving:
             thread.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             left = list(self._in_flight.values())
-        store = self.orchestrator.store
         for _, planner in left:
             saga = planner.saga
             _log.warning("grace_period_exceeded", saga_id=saga.id, fence=saga.fence)
             with contextlib.suppress(Exception):
-                store.release_lease(saga.id, owner=self.orchestrator.owner, fence=saga.fence)
+                runner.store.release_lease(saga.id, owner=self.orchestrator.owner, fence=saga.fence)
 
     # ----- wake-ups --------------------------------------------------------------------------
 
@@ -383,33 +436,43 @@ class Worker:
         Returns at once when there is nowhere to LISTEN (polling finds the work)."""
         if url is None:
             return
-        try:
-            for attempt in retrying("listen", seconds=math.inf, until=self._stopping, url=url):
-                with (
-                    attempt,
-                    psycopg.connect(url, autocommit=True, prepare_threshold=None) as conn,
-                ):
+        delay = 0.05
+        while not self._stopping.is_set():
+            try:
+                conn = psycopg.Connection.connect(url, autocommit=True, prepare_threshold=None)
+                with conn:
                     if behind_pooler(conn):
                         warn_polling(url, source, self.poll_seconds)
                         return
                     conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(CHANNEL)))
                     self._wake.set()  # catch up on anything missed while not listening
+                    delay = 0.05
                     while not self._stopping.is_set():
                         for _ in conn.notifies(timeout=1.0, stop_after=1):
                             self._wake.set()
-        except Exception as exc:
-            if not self._stopping.is_set():
-                # Polling still finds work; only the prompt wake-ups are lost. The URL's
-                # password may be quoted by the driver (a URL that does not parse).
-                _log.error("listener_stopped", error=scrub(f"{type(exc).__name__}: {exc}", url))
+            except Exception as exc:
+                if self._stopping.is_set():
+                    return
+                # The URL's password may be quoted by the driver (a URL that does not parse).
+                error = scrub(describe_error(exc), url)
+                if isinstance(exc, psycopg.ProgrammingError):
+                    # A URL that does not parse never will: said once; polling still finds
+                    # work.
+                    _log.error("listener_stopped", error=error)
+                    return
+                # Polling still finds work; only the prompt wake-ups are delayed.
+                _log.warning("listener_reconnecting", error=error)
+                _wait(self._stopping, delay)
+                delay = min(delay * 2, _LISTEN_RETRY_MAX_SECONDS)
 
     @contextlib.contextmanager
     def _signals(self, install: bool) -> Iterator[None]:
+        """SIGTERM and SIGINT stop the worker while the block runs (with `install`)."""
         if not install:
             yield
             return
 
-        def on_signal(signum: int, frame: FrameType | None) -> None:
+        def on_signal(signum: int, frame: object) -> None:
             _log.info("worker_stopping", signal=signal.Signals(signum).name)
             self.stop()
 
@@ -421,9 +484,3 @@ class Worker:
         finally:
             for number, handler in previous.items():
                 signal.signal(number, handler)
-
-
-def orchestrator_route(orch: object) -> Route | None:
-    """The orchestrator's `route` (what its first connection found), when it has one."""
-    route = getattr(orch, "route", None)
-    return route if isinstance(route, Route) else None

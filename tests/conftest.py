@@ -28,7 +28,7 @@ import structlog
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from saga import embedded
+from saga._db import embedded
 from saga.testing import postgres_server
 
 _INTEGRATION_DIR = Path(__file__).resolve().parent / "integration"
@@ -193,7 +193,7 @@ def server_url(embedded_data_dir: Path) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def template_database(server_url: str) -> Iterator[str]:
     """Name of a database holding the migrated schema, copied by every `database_url`."""
-    from saga.migrate import apply_migrations
+    from saga._db.migrate import apply_migrations
 
     name = _new_database_name("saga_tpl")
     with _connect_autocommit(server_url) as conn:

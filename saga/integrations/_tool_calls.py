@@ -73,6 +73,8 @@ Writing an adapter
    `calls.needs_approval(...)`, shows `calls.approval_request(...)` to the approver, and
    may check a token with `calls.approval_refused(...)` before releasing the call;
    `ToolCalls.call` checks the token again, whatever the framework decided.
+6. An adapter's `fail_on` (run errors that end the session's work for good) is checked
+   with `check_fail_on`; a run error is raised as `run_failure(error, fail_on)` says.
 """
 
 from __future__ import annotations
@@ -839,6 +841,31 @@ def _request(saga_id: str, call: ToolCall, refused: str | None) -> ApprovalReque
         arguments=call.arguments,
         refused=refused,
     )
+
+
+def check_fail_on(fail_on: object, where: str) -> tuple[type[BaseException], ...]:
+    """An adapter's `fail_on`, checked to be a tuple of exception classes."""
+    if not (
+        isinstance(fail_on, tuple)
+        and all(isinstance(e, type) and issubclass(e, BaseException) for e in fail_on)
+    ):
+        raise SagaDefinitionError(
+            f"{where}: fail_on must be a tuple of exception classes, got {fail_on!r}"
+        )
+    return fail_on
+
+
+def run_failure(error: BaseException, fail_on: tuple[type[BaseException], ...]) -> BaseException:
+    """What an agent run's `error` is raised as: a `PermanentError` caused by it when it
+    is one of `fail_on` (the session's calls are then compensated), else `error` itself."""
+    if not (fail_on and isinstance(error, fail_on)) or isinstance(error, PermanentError):
+        return error
+    failed = PermanentError(
+        f"the agent run failed for good ({type(error).__name__}: {error}); the "
+        "session's tool calls are compensated"
+    )
+    failed.__cause__ = error
+    return failed
 
 
 def _in_key_order(value: Any) -> Any:

@@ -108,7 +108,7 @@ from agents.function_schema import function_schema
 from agents.tool_context import ToolContext
 from pydantic import BaseModel, ValidationError
 
-from saga.errors import PermanentError, SagaDefinitionError, SagaError
+from saga.errors import SagaDefinitionError, SagaError
 from saga.integrations._tool_calls import (
     ApprovalKey,
     ApprovalNeeded,
@@ -119,6 +119,8 @@ from saga.integrations._tool_calls import (
     OutsideSession,
     ToolCalls,
     ToolPolicy,
+    check_fail_on,
+    run_failure,
     sign_approval,
 )
 from saga.retry import RetryPolicy
@@ -233,15 +235,8 @@ class DurableTools:
         approval_key: ApprovalKey | None = None,
         fail_on: tuple[type[BaseException], ...] = (),
     ) -> None:
-        if not (
-            isinstance(fail_on, tuple)
-            and all(isinstance(e, type) and issubclass(e, BaseException) for e in fail_on)
-        ):
-            raise SagaDefinitionError(
-                f"DurableTools: fail_on must be a tuple of exception classes, got {fail_on!r}"
-            )
+        self._fail_on = check_fail_on(fail_on, "DurableTools")
         self._policies: dict[str, ToolPolicy] = {}
-        self._fail_on = fail_on
         self._calls = ToolCalls(
             name,
             approval_key=approval_key,
@@ -511,16 +506,7 @@ class DurableTools:
             _caused_by(exc, lambda e: e is raised) or _caused_by(exc, CallNotStarted)
         ):
             return raised  # what the first durable call that failed raised
-        if self._fail_on and isinstance(exc, self._fail_on):
-            if isinstance(exc, PermanentError):
-                return exc
-            failed = PermanentError(
-                f"the agent run failed for good ({type(exc).__name__}: {exc}); the "
-                "session's tool calls are compensated"
-            )
-            failed.__cause__ = exc
-            return failed
-        return exc
+        return run_failure(exc, self._fail_on)
 
 
 class _ToolCall:

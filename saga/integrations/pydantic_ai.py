@@ -101,7 +101,7 @@ from pydantic_ai.messages import ModelMessage, ToolCallPart
 from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.toolsets import AbstractToolset
 
-from saga.errors import PermanentError, SagaDefinitionError, SagaError
+from saga.errors import SagaDefinitionError, SagaError
 from saga.integrations._tool_calls import (
     ApprovalKey,
     ApprovalNeeded,
@@ -112,6 +112,8 @@ from saga.integrations._tool_calls import (
     OutsideSession,
     ToolCalls,
     ToolPolicy,
+    check_fail_on,
+    run_failure,
     sign_approval,
 )
 from saga.retry import RetryPolicy
@@ -264,16 +266,9 @@ class DurableTools(AbstractCapability[Any]):
                     f"DurableTools: the policy of tool {tool!r} must be a ToolPolicy, got "
                     f"{policy!r}"
                 )
-        if not (
-            isinstance(fail_on, tuple)
-            and all(isinstance(e, type) and issubclass(e, BaseException) for e in fail_on)
-        ):
-            raise SagaDefinitionError(
-                f"DurableTools: fail_on must be a tuple of exception classes, got {fail_on!r}"
-            )
+        self._fail_on = check_fail_on(fail_on, "DurableTools")
         self._approval_key = approval_key
         self._policies: dict[str, ToolPolicy] = dict(policies or {})
-        self._fail_on = fail_on
         self._seen: dict[str, ToolPolicy] = {}
         self._agent: AbstractAgent[Any, Any] | None = None
         self._calls: ToolCalls | None = None if name is None else self._tool_calls(name)
@@ -411,14 +406,7 @@ class DurableTools(AbstractCapability[Any]):
         self, ctx: RunContext[Any], *, error: BaseException
     ) -> AgentRunResult[Any]:
         """Run errors in `fail_on` fail the session for good (`PermanentError`)."""
-        if self._fail_on and isinstance(error, self._fail_on):
-            if isinstance(error, PermanentError):
-                raise error
-            raise PermanentError(
-                f"the agent run failed for good ({type(error).__name__}: {error}); the "
-                "session's tool calls are compensated"
-            ) from error
-        raise error
+        raise run_failure(error, self._fail_on)
 
 
 def _policy_in(tool: str, metadata: Mapping[str, Any] | None) -> ToolPolicy:

@@ -21,12 +21,12 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from saga import cli_format as fmt
-from saga.database import describe_url
+from saga._db._store_base import parse_id
+from saga._db.database import describe_url
+from saga.cli import format as fmt
 from saga.errors import SagaError, SagaNotFound
 from saga.orchestrator import Orchestrator
 from saga.state import SagaStatus
-from saga.store import parse_id
 from saga.web import timeline
 from saga.web.live import ChangeFeed
 from saga.web.views import FilterError, Filters, ListPage, PageError, Pages, Reader

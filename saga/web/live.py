@@ -22,7 +22,7 @@ import psycopg
 import structlog
 from psycopg import sql
 
-from saga.database import behind_pooler_async
+from saga._db.database import behind_pooler_async
 from saga.worker import CHANNEL
 
 _log = structlog.get_logger("saga.web")

@@ -17,7 +17,7 @@ from typing import Any
 import uvicorn
 import uvicorn.config
 
-from saga.database import describe_url
+from saga._db.database import describe_url
 from saga.orchestrator import Orchestrator
 from saga.web.app import LOOPBACK_HOSTS, create_app
 

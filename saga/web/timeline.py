@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
-from saga.cli_format import AttemptSpan, Provenance, attempt_spans, cli_wording, one_line
+from saga.cli.format import AttemptSpan, Provenance, attempt_spans, cli_wording, one_line
 from saga.session import LEDGER_PREFIX, SESSION_PREFIX
 from saga.state import HistoryEvent, OperationKind, OperationState, SagaState, SagaStatus
 

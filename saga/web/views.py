@@ -11,13 +11,13 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlencode
 
-from saga import cli_format as fmt
-from saga import operator
+from saga._db._store_base import parse_id
+from saga.cli import admin as operator
+from saga.cli import format as fmt
 from saga.errors import SagaNotFound
 from saga.orchestrator import Orchestrator
 from saga.remedies import parked_commands, saga_kind
 from saga.state import HistoryEvent, OperationState, SagaState, SagaStatus, display_status
-from saga.store import parse_id
 from saga.web import timeline
 
 # Most sagas the list shows, and the needs-review queue.

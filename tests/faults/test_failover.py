@@ -23,7 +23,7 @@ from faults import invariants
 from faults.harness import WorkerProcess, quiesce, start_sagas, wait_for
 from faults.replication import Pair, replicated_pair
 from saga import Absent, Found, Orchestrator, Saga, StepContext
-from saga.migrate import migrate_database
+from saga._db.migrate import migrate_database
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
 

@@ -40,7 +40,7 @@ from faults.pgbouncer import PgBouncer
 from faults.proxy import LostReplyProxy
 from faults.soak import LOST_REPLY_WRITES
 from saga import AsyncOrchestrator, Orchestrator, Saga, SagaStatus, StepContext
-from saga.database import check_connection
+from saga._db.database import check_connection
 from saga.testing import FAULT_POINTS
 from saga.worker import ENV_LISTEN_URL
 

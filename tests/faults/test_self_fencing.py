@@ -20,7 +20,7 @@ import pytest
 from pydantic import BaseModel
 from structlog.testing import capture_logs
 
-import saga.faults as fault_points
+import saga._drivers.faults as fault_points
 from faults.harness import scalar, wait_for
 from saga import (
     Absent,

@@ -10,7 +10,7 @@ import sys
 
 import psycopg
 
-from saga.database import embedded_database_url
+from saga._db.database import embedded_database_url
 
 
 def main() -> int:

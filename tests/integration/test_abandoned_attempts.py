@@ -13,7 +13,8 @@ import psycopg
 import pytest
 from support import OrchestratorFactory, Order, order_saga
 
-from saga import Absent, Found, Saga, Step, StepContext, abandoned
+from saga import Absent, Found, Saga, Step, StepContext
+from saga._drivers import abandoned
 
 
 @pytest.fixture

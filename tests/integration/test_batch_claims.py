@@ -20,7 +20,7 @@ from support import OrchestratorFactory, Order, order_saga, scalar, wait_until
 from test_worker import running
 
 from saga import Orchestrator, Saga, StepContext
-from saga.runner import Runner
+from saga._drivers.driver import Runner
 
 
 def _runner(orch: Orchestrator) -> Runner:

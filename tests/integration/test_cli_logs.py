@@ -140,15 +140,16 @@ def test_a_worker_signalled_while_it_starts_stops_with_exit_0(
 
 
 # Put first on PYTHONPATH, this holds the command while its own code (any `saga.` module
-# but the package and its entry point) is imported: it creates `saga-importing` in
-# CLI_APP_DIR, then waits for `saga-go` there. Python imports `sitecustomize` at start-up.
+# but the package, its entry point and the signal handler it installs first) is imported:
+# it creates `saga-importing` in CLI_APP_DIR, then waits for `saga-go` there. Python
+# imports `sitecustomize` at start-up.
 _HOLD_THE_IMPORT = """
 import os, sys, time
 from pathlib import Path
 
 class Hold:
     def find_spec(self, name, path=None, target=None):
-        if name.startswith("saga.") and name not in {"saga._entry", "saga.__main__"}:
+        if name.startswith("saga.") and name not in {"saga._entry", "saga._early", "saga.__main__"}:
             sys.meta_path.remove(self)
             state = Path(os.environ["CLI_APP_DIR"])
             (state / "saga-importing").touch()

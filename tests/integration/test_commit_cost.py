@@ -13,7 +13,7 @@ from psycopg.conninfo import conninfo_to_dict
 from support import Order, order_saga
 
 from saga import Orchestrator, Saga, SagaState, StepContext, durable_step
-from saga.group import GroupCommit
+from saga._db.group import GroupCommit
 
 
 def _counters(server_url: str, dbname: str) -> tuple[int, int]:

@@ -29,8 +29,8 @@ from saga import (
     StepStateError,
     TransientError,
 )
+from saga._core.planner import Planner, action_request_hash
 from saga.approvals import preview_hash
-from saga.protocol import Planner, action_request_hash
 from saga.state import Confirmation
 
 KEY = "test-confirmation-key"

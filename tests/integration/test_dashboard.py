@@ -870,7 +870,7 @@ def test_without_the_web_extra_the_dashboard_says_what_to_install() -> None:
         [
             sys.executable,
             "-c",
-            "import sys, saga, saga.cli, saga.cli_format; "
+            "import sys, saga, saga.cli, saga.cli.format; "
             "print(sorted(m for m in sys.modules if m.startswith(('saga.web', 'starlette', "
             "'jinja2', 'uvicorn'))))",
         ],

@@ -18,7 +18,7 @@ import psutil
 import psycopg
 import pytest
 
-from saga.embedded import CLIENTS_FILE, Client, read_clients
+from saga._db.embedded import CLIENTS_FILE, Client, read_clients
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
 
@@ -274,7 +274,7 @@ def test_the_last_client_stops_the_server_even_where_pg_ctl_cannot_reach_it() ->
     """Run as root, the server's system user may lose access to the directory's parents
     (another process tightened their mode): pg_ctl stop fails, the postmaster is sent
     the fast-shutdown signal instead and the server stops all the same."""
-    from saga import embedded
+    from saga._db import embedded
 
     root = Path(tempfile.mkdtemp(prefix="saga-test-locked-"))
     pgdata = root / "pgdata"

@@ -32,7 +32,7 @@ from saga import (
     StepContext,
     SyncCallInEventLoop,
 )
-from saga import runner as saga_runner
+from saga._drivers import ownloop as saga_runner
 from saga.state import SagaState
 
 # A policy under which a RuntimeError fails the step at once: if the machinery's

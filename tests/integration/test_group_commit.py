@@ -19,9 +19,10 @@ from async_support import SHAPES, Calls, event_rows, operation_rows
 from faults.proxy import LostReplyProxy
 from support import Order, order_saga
 
-from saga import AsyncOrchestrator, LeaseLost, Orchestrator, Saga, SagaState, StepContext, inputs
-from saga.protocol import Invoke, Next, Planner, Write
-from saga.runner import Runner
+from saga import AsyncOrchestrator, LeaseLost, Orchestrator, Saga, SagaState, StepContext
+from saga._core import inputs
+from saga._core.planner import Invoke, Next, Planner, Write
+from saga._drivers.driver import Runner
 
 HANG_SECONDS = 60.0
 

@@ -9,8 +9,8 @@ from typing import Any, cast
 from support import OrchestratorFactory, Order, order_saga, scalar, wait_until
 
 from saga import StepContext
-from saga.protocol import Planner, Stop
-from saga.runner import Runner
+from saga._core.planner import Planner, Stop
+from saga._drivers.driver import Runner
 from saga.state import SagaStatus
 
 

@@ -13,8 +13,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from saga import Orchestrator, migrate
-from saga.migrate import apply_migrations, load_migrations
+from saga import Orchestrator
+from saga._db import migrate
+from saga._db.migrate import apply_migrations, load_migrations
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +23,7 @@ _MIGRATE_ONCE = textwrap.dedent(
     """
     import os, sys
     import psycopg
-    from saga.migrate import apply_migrations
+    from saga._db.migrate import apply_migrations
 
     with psycopg.connect(os.environ["SAGA_TEST_MIGRATE_URL"], autocommit=True) as conn:
         applied = apply_migrations(conn)
@@ -122,7 +123,7 @@ def test_migrating_on_first_use_retries_a_connection_lost_meanwhile(
 _FROZEN_MIGRATOR = textwrap.dedent(
     """
     import os, time
-    from saga import migrate
+    from saga._db import migrate
 
     def frozen():  # called inside the transaction that holds the migrations' lock
         print("FROZEN", flush=True)

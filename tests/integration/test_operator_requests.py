@@ -153,7 +153,7 @@ def test_dry_run_plan_lists_what_really_runs(
 ) -> None:
     """The compensation plan of a saga parked at refund's ceiling names refund then
     release, changing nothing; the real request then runs exactly those."""
-    from saga import operator
+    from saga.cli import admin
 
     provider = Provider()
     saga = _refund_saga(provider)
@@ -161,7 +161,7 @@ def test_dry_run_plan_lists_what_really_runs(
     saga_id = _parked_on_refund(orch, saga, "o-3")
     before = _rows(database_url)
 
-    plan = operator.plan_compensation(orch, orch.get(saga_id), include_unknown=False)
+    plan = admin.plan_compensation(orch, orch.get(saga_id), include_unknown=False)
 
     assert _rows(database_url) == before
     assert plan.stop is None

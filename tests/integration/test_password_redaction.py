@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from saga import DatabaseRefused, DatabaseUnavailable, Orchestrator
-from saga.database import check_connection, describe_url, unavailable
+from saga._db.database import check_connection, describe_url, unavailable
 from saga.redact import redact, redact_url, scrub
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -199,7 +199,7 @@ def test_log_lines_mask_urls_and_passwords_in_their_fields() -> None:
     """An error quoted into a log field (a retry, a lost listener) shows no password."""
     import structlog.testing
 
-    from saga.dbretry import log_retry
+    from saga._db.dbretry import log_retry
 
     error = OSError(f"cannot use postgresql://app:{MARK}@db/x (host=db password={MARK})")
     with structlog.testing.capture_logs() as logs:
@@ -223,8 +223,8 @@ def _listener_logs(url: str) -> list[str]:
     import structlog.testing
 
     from saga import AsyncOrchestrator
-    from saga.aworker import AsyncWorker
     from saga.worker import Worker
+    from saga.worker_async import AsyncWorker
 
     def failed(logs: list[dict[str, object]]) -> bool:
         return any(e["event"] in _LISTENER_EVENTS for e in logs)

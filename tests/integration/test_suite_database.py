@@ -17,7 +17,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from saga import embedded
+from saga._db import embedded
 
 
 def _pytests_shared_base(config: pytest.Config, factory: pytest.TempPathFactory) -> Path:

@@ -24,8 +24,8 @@ import pytest
 from support import wait_until
 
 from saga import Orchestrator, SchemaTooNew
+from saga._db.migrate import apply_migrations, load_migrations
 from saga.cli import main as saga_main
-from saga.migrate import apply_migrations, load_migrations
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TREES = ("saga", "migrations")

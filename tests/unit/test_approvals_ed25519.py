@@ -26,9 +26,10 @@ from saga import (
     Saga,
     StepContext,
     StepStateError,
-    confirmations,
-    interventions,
 )
+from saga._core import confirmations
+from saga._core import requests as interventions
+from saga._core.planner import ConfirmationRow, Invoke, Planner, SagaRow, Stop, new_action_rows
 from saga.approvals import (
     ENV_APPROVAL_PUBLIC_KEY,
     ApprovalSigner,
@@ -36,7 +37,6 @@ from saga.approvals import (
     is_signed,
     sign,
 )
-from saga.protocol import ConfirmationRow, Invoke, Planner, SagaRow, Stop, new_action_rows
 from saga.state import SagaStatus
 
 SAGA_ID = "saga-1"
@@ -305,7 +305,7 @@ def _planner(verifier: ApprovalVerifier | None) -> Planner:
 def _waiting(planner: Planner) -> ConfirmationRow:
     nxt = planner.advance()
     assert isinstance(nxt, Stop) and nxt.status == SagaStatus.AWAITING_CONFIRMATION, nxt
-    pending = confirmations.pending_confirmation(planner)
+    pending = confirmations.pending_confirmation(planner.confirmations)
     assert pending is not None
     planner.take_events()
     return pending

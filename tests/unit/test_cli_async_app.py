@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from saga import AsyncOrchestrator, Orchestrator
-from saga.cli import AsyncApp, UsageError, blocking, load_app
+from saga._app import AsyncApp, UsageError, blocking, load_app
 
 BODY = """
     from saga import AsyncOrchestrator, Orchestrator, Saga

@@ -11,10 +11,12 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from saga import RetryPolicy, Saga, StepStateError, interventions
-from saga.cli import UsageError, _parser, load_app
-from saga.operator import parse_duration
-from saga.protocol import Invoke, OpRow, Planner, SagaRow, new_action_rows
+from saga import RetryPolicy, Saga, StepStateError
+from saga._app import UsageError, load_app
+from saga._core import requests as interventions
+from saga._core.planner import Invoke, OpRow, Planner, SagaRow, new_action_rows
+from saga.cli.admin import parse_duration
+from saga.cli.parser import build_parser
 from saga.state import OperationStatus, SagaStatus
 
 
@@ -283,7 +285,7 @@ def test_parse_duration_rejects_garbage(text: str) -> None:
 def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     """argparse errors exit 2 with one line on stderr."""
     with pytest.raises(SystemExit) as excinfo:
-        _parser().parse_args(argv)
+        build_parser().parse_args(argv)
     assert excinfo.value.code == 2
     assert capsys.readouterr().err.strip().count("\n") == 0
 
@@ -333,7 +335,7 @@ def test_load_app_finds_the_single_orchestrator_or_explains(
 def test_cli_wording_names_flags_and_never_suggests_one_already_passed() -> None:
     """Library messages become the command's words; a flag the user passed is not
     suggested again as if it had not been."""
-    from saga.cli_format import cli_wording
+    from saga.cli.format import cli_wording
 
     parked = "resolve it first, or compensate with include_unknown=True"
     assert cli_wording(parked) == "resolve it first, or compensate with --include-unknown"

@@ -8,9 +8,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from saga import RetryPolicy, Saga, StepContext, confirmations, interventions
-from saga.approvals import preview_hash
-from saga.protocol import (
+from saga import RetryPolicy, Saga, StepContext
+from saga._core import confirmations
+from saga._core import requests as interventions
+from saga._core.planner import (
     ConfirmationRow,
     Invoke,
     Next,
@@ -19,6 +20,7 @@ from saga.protocol import (
     Stop,
     new_action_rows,
 )
+from saga.approvals import preview_hash
 from saga.state import OperationStatus, SagaStatus
 
 
@@ -84,7 +86,7 @@ def _later(seconds: float = 1.0) -> datetime:
 def _waits(planner: Planner, now: datetime | None = None) -> ConfirmationRow:
     nxt: Next = planner.advance(now)
     assert isinstance(nxt, Stop) and nxt.status == SagaStatus.AWAITING_CONFIRMATION, nxt
-    pending = confirmations.pending_confirmation(planner)
+    pending = confirmations.pending_confirmation(planner.confirmations)
     assert pending is not None
     return pending
 

@@ -3,7 +3,7 @@
 import pytest
 
 from saga import DatabaseUnavailable
-from saga.database import describe_url, resolve_database_url, unavailable
+from saga._db.database import describe_url, resolve_database_url, unavailable
 
 
 def test_unavailable_names_host_and_port_but_not_the_password() -> None:

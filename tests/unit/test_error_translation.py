@@ -16,8 +16,8 @@ from saga import (
     SchemaMissing,
     StepStateError,
 )
-from saga.dbretry import is_transient
-from saga.store import translate
+from saga._db._store_base import translate
+from saga._db.dbretry import is_transient
 
 URL = "postgresql://alice:s3cret@db.example.com:6543/orders"
 

@@ -8,9 +8,9 @@ import psycopg
 import pytest
 from structlog.testing import capture_logs
 
-from saga.effects import Effect, Flow, Pause, Stopping
-from saga.flow import retried
-from saga.runner import carry_out
+from saga._drivers.driver import carry_out
+from saga._flows.drive import retried
+from saga._flows.effects import Effect, Flow, Pause, Stopping
 
 
 def _run(flow: Flow[Any], *, stopping: bool = False) -> tuple[Any, list[Effect]]:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from saga.agroup import GroupCommit
+from saga._db.group_async import GroupCommit
 
 
 class Wire:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from saga.database import (
+from saga._db.database import (
     ENV_PREPARED_STATEMENTS,
     Route,
     prepare_threshold,
@@ -87,7 +87,7 @@ def test_statements_cut_by_the_server_are_transient() -> None:
     retried like a lost connection; a constraint violation is not."""
     from psycopg import errors
 
-    from saga.dbretry import is_transient
+    from saga._db.dbretry import is_transient
 
     for cut in (
         errors.QueryCanceled,

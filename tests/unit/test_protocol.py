@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from saga import RetryPolicy, Saga, StepStateError, inputs, interventions
-from saga.keys import operation_key
-from saga.protocol import (
+from saga import RetryPolicy, Saga, StepStateError
+from saga._core import inputs
+from saga._core import requests as interventions
+from saga._core.planner import (
     AskReconcile,
     Event,
     Invoke,
@@ -25,6 +26,7 @@ from saga.protocol import (
     compensation_request_hash,
     new_action_rows,
 )
+from saga.keys import operation_key
 from saga.state import OperationStatus, SagaStatus
 
 # A step call that takes this long (seconds) is visibly later than the attempt's start.

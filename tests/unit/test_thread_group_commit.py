@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from saga.group import GroupCommit
+from saga._db.group import GroupCommit
 
 WAIT = 10.0  # seconds: far longer than any of these takes, short enough to fail a hang
 

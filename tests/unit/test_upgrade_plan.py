@@ -10,8 +10,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from saga import Saga, StepContext
-from saga.protocol import new_action_rows
-from saga.rows import OpRow, SagaRow
+from saga._core.planner import new_action_rows
+from saga._core.rows import OpRow, SagaRow
 from saga.state import OperationStatus, SagaStatus
 from saga.upgrade import plan_upgrade
 

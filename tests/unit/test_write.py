@@ -10,8 +10,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from saga import RetryPolicy, Saga, inputs
-from saga.protocol import Invoke, Planner, SagaRow, Sleep, Stop, Yield, new_action_rows
+from saga import RetryPolicy, Saga
+from saga._core import inputs
+from saga._core.planner import Invoke, Planner, SagaRow, Sleep, Stop, Yield, new_action_rows
 from saga.state import OperationStatus, SagaStatus
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)

@@ -1,0 +1,1 @@
+"""The drivers: the code that carries effects out, with threads or a loop."""

@@ -1,0 +1,392 @@
+"""Claiming a saga: by id, the next runnable one, a batch, one just started, and a claim
+whose reply was lost found again by its token. `Flows` are the loop of `saga._flows.drive`
+with these entry points: what the drivers run."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from saga._core.inputs import describe_error
+from saga._core.planner import (
+    Invoke,
+    Next,
+    OpRow,
+    Planner,
+    SagaRow,
+    Write,
+)
+from saga._core.rows import Loaded
+from saga._db.dbretry import is_transient
+from saga._drivers import faults
+from saga._flows.common import input_time, new_token, retried
+from saga._flows.drive import Loop, log_events
+from saga._flows.effects import (
+    Begin,
+    Commit,
+    Fetch,
+    Flow,
+    Stopping,
+    db,
+    db_txn,
+)
+from saga._flows.started import Started
+from saga._flows.store_ops import StoreOps
+from saga.definition import Saga
+from saga.errors import LeaseLost
+from saga.logs import get_logger
+from saga.state import OperationStatus, SagaState
+
+_log = get_logger("saga")
+
+Lookup = Callable[[str, int], Saga[Any]]
+
+
+class Flows(Loop):
+    """The flows a driver runs: claim sagas, then drive them (`Loop`)."""
+
+    # ----- entry points ------------------------------------------------------------------
+
+    def claim_and_drive(
+        self, definition: Saga[Any] | Lookup, saga_id: str
+    ) -> Flow[SagaState | None]:
+        """Claim one saga and drive it until it stops; None when it could not be claimed
+        (or was lost to another owner on the way)."""
+        claimed = yield from self.claim(definition, saga_id)
+        if claimed is None:
+            return None
+        return (yield from self.drive(*claimed))
+
+    def claim_started_and_drive(self, lookup: Lookup, started: Started) -> Flow[SagaState | None]:
+        """`claim_started`, then drive the saga until it stops; None when it was not as
+        started (nothing was written) or was lost to another owner on the way."""
+        claimed = yield from self.claim_started(lookup, started)
+        if claimed is None:
+            return None
+        return (yield from self.drive(*claimed))
+
+    def claim_started(self, lookup: Lookup, started: Started) -> Flow[tuple[Planner, Next] | None]:
+        """Claim a saga this orchestrator has just started, with its first move planned
+        from the rows its start wrote, and record both in one statement: nothing is read
+        before the claim. None when the saga is no longer as started (claimed by another
+        owner, changed by an operator): nothing is written then, and the caller claims it
+        the usual way.
+
+        A claim whose reply was lost is recognised by the token of its write, as in
+        `claim`: the retry carries on with the saga it holds."""
+        row = started.row
+        row.fence, row.lease_owner = 1, self.owner
+        planner = self._new_planner(lookup(row.name, row.version), row, started.ops, [])
+        nxt, write = yield from self._plan(planner)
+        token = new_token()
+        tried = [False]
+
+        def once() -> Flow[tuple[Planner, Next] | None]:
+            if tried[0]:
+                reclaimed = yield from self._reclaim(lookup, row.id, token)
+                if reclaimed is not None:
+                    return reclaimed
+            tried[0] = True
+            if isinstance(nxt, Invoke):
+                faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
+            sent = time.monotonic()
+            claimed, state = yield from db(
+                StoreOps.claim_started,
+                write,
+                start_token=started.start_token,
+                owner=self.owner,
+                lease_seconds=self.lease_seconds,
+                token=token,
+            )
+            if not claimed:
+                return None
+            planner.lease_confirmed_at = sent
+            if write.release:
+                planner.final_state = state
+            log_events(planner, write.events)
+            return planner, nxt
+
+        return (yield from retried("claim_saga", once))
+
+    def claim(
+        self, definition: Saga[Any] | Lookup, saga_id: str
+    ) -> Flow[tuple[Planner, Next] | None]:
+        """Claim one saga and plan (and record) its first move; None when it is not
+        runnable or another owner's lease is live.
+
+        `definition` is the saga's definition, or a lookup by the claimed row's name and
+        version (for a caller that has not read the saga before claiming it); an error
+        the lookup raises (`NotRegistered`) rolls the claim back.
+
+        A claim whose reply was lost is recognised by the token of its first write: the
+        retry then carries on with the saga it holds instead of finding it leased (to
+        itself) and giving up."""
+        lookup = _lookup_of(definition)
+        token = new_token()
+        tried = [False]
+
+        def once() -> Flow[tuple[Planner, Next] | None]:
+            claimed = (yield from self._reclaim(lookup, saga_id, token)) if tried[0] else None
+            tried[0] = True
+            if claimed is None:
+                claimed = yield from self._claim_by_id(lookup, saga_id, token)
+            return claimed
+
+        return (yield from retried("claim_saga", once))
+
+    def _claim_by_id(
+        self, lookup: Lookup, saga_id: str, token: str
+    ) -> Flow[tuple[Planner, Next] | None]:
+        sent = time.monotonic()
+        yield Begin()
+        loaded = yield from db_txn(
+            StoreOps.claim_txn, saga_id, owner=self.owner, lease_seconds=self.lease_seconds
+        )
+        if loaded is None:
+            yield Commit()
+            return None
+        row = loaded[0]
+        planner, nxt, events, read = yield from self._begin_txn(
+            lookup(row.name, row.version), loaded, token
+        )
+        yield Commit()
+        planner.lease_confirmed_at = sent
+        if read is not None:
+            planner.final_state = yield Fetch(read)
+        log_events(planner, events)
+        return planner, nxt
+
+    def claim_next(self, kinds: Sequence[str], lookup: Lookup) -> Flow[tuple[Planner, Next] | None]:
+        """Claim the longest-waiting runnable saga of these name:version kinds and plan its
+        first move in the same transaction; None when there is nothing to claim.
+
+        A transient database error is retried; a claim that had landed although its reply
+        was lost is found again by its token and carried on."""
+        token = new_token()
+        tried = [False]
+
+        def once() -> Flow[tuple[Planner, Next] | None]:
+            if tried[0]:
+                own = yield from db(StoreOps.own_claim, owner=self.owner, token=token)
+                if own is not None:
+                    saga_id, _name, _version = own
+                    reclaimed = yield from self._reclaim(lookup, saga_id, token)
+                    if reclaimed is not None:
+                        return reclaimed
+            tried[0] = True
+            return (yield from self._claim_next_once(kinds, lookup, token))
+
+        try:
+            return (yield from retried("claim_next_saga", once, interruptible=True))
+        except Exception as exc:
+            if is_transient(exc) and (yield Stopping()):
+                return None  # stopping while the database was unavailable
+            raise
+
+    def _claim_next_once(
+        self, kinds: Sequence[str], lookup: Lookup, token: str
+    ) -> Flow[tuple[Planner, Next] | None]:
+        sent = time.monotonic()
+        yield Begin()
+        loaded = yield from db_txn(
+            StoreOps.claim_next_txn, kinds=kinds, owner=self.owner, lease_seconds=self.lease_seconds
+        )
+        if loaded is None:
+            yield Commit()
+            return None
+        row = loaded[0]
+        planner, nxt, events, read = yield from self._begin_txn(
+            lookup(row.name, row.version), loaded, token
+        )
+        yield Commit()
+        planner.lease_confirmed_at = sent
+        if read is not None:
+            planner.final_state = yield Fetch(read)
+        log_events(planner, events)
+        return planner, nxt
+
+    def claim_batch(
+        self, kinds: Sequence[str], lookup: Lookup, limit: int
+    ) -> Flow[list[tuple[Planner, Next]]]:
+        """Claim up to `limit` of the longest-waiting runnable sagas of these name:version
+        kinds in one statement, and plan and record the first move of each, all in one
+        transaction and one commit; each saga has its own lease, fence and first write.
+        The sagas claimed, in run_after order, to be driven each by a driver of its own
+        (none when there was nothing to claim). A limit of 1 is `claim_next`.
+
+        A transient database error is retried. A claim that had landed although its reply
+        was lost is found again by the tokens of its first writes (one per saga it could
+        take): every saga it holds is carried on, none is left to its lease's expiry. A
+        saga whose first write alone is refused is parked with the reason; the others of
+        the batch are driven."""
+        if limit <= 1:
+            one = yield from self.claim_next(kinds, lookup)
+            return [] if one is None else [one]
+        tokens = [new_token() for _ in range(limit)]
+        tried = [False]
+        # Sagas of a landed claim carried on so far, by id: a retry after an error in the
+        # middle of carrying them on does not look for them again.
+        carried: dict[str, tuple[Planner, Next] | None] = {}
+
+        def once() -> Flow[list[tuple[Planner, Next]]]:
+            if tried[0]:
+                owned: dict[str, str] = yield from db(
+                    StoreOps.own_claims, owner=self.owner, tokens=tokens
+                )
+                for saga_id, token in sorted(owned.items(), key=lambda item: tokens.index(item[1])):
+                    if saga_id not in carried:
+                        carried[saga_id] = yield from self._reclaim_one(lookup, saga_id, token)
+                reclaimed = [c for c in carried.values() if c is not None]
+                if carried:
+                    return reclaimed
+            tried[0] = True
+            return (yield from self._claim_batch_once(kinds, lookup, tokens))
+
+        try:
+            return (yield from retried("claim_saga_batch", once, interruptible=True))
+        except Exception as exc:
+            if is_transient(exc) and (yield Stopping()):
+                return [c for c in carried.values() if c is not None]
+            raise
+
+    def _reclaim_one(
+        self, lookup: Lookup, saga_id: str, token: str
+    ) -> Flow[tuple[Planner, Next] | None]:
+        """`_reclaim` of one saga of a batch claim: what it raises (other than a transient
+        error, retried) is that saga's alone, which is then left to the next owner once
+        its lease expires; the other sagas of the claim are carried on."""
+        try:
+            return (yield from self._reclaim(lookup, saga_id, token))
+        except Exception as exc:
+            if is_transient(exc):
+                raise
+            _log.error("reclaim_failed", saga_id=saga_id, error=describe_error(exc))
+            return None
+
+    def _claim_batch_once(
+        self, kinds: Sequence[str], lookup: Lookup, tokens: Sequence[str]
+    ) -> Flow[list[tuple[Planner, Next]]]:
+        sent = time.monotonic()
+        yield Begin()
+        batch: list[Loaded] = yield from db_txn(
+            StoreOps.claim_batch_txn,
+            kinds=kinds,
+            owner=self.owner,
+            lease_seconds=self.lease_seconds,
+            limit=len(tokens),
+        )
+        planned: list[tuple[Planner, Next, Write, str]] = []
+        unplanned: list[SagaRow] = []
+        for loaded, token in zip(batch, tokens, strict=False):
+            row = loaded[0]
+            try:
+                definition = lookup(row.name, row.version)
+            except Exception as exc:
+                if is_transient(exc):
+                    raise
+                # The claim reads only registered kinds: a registry changed meanwhile.
+                _log.error("saga_not_plannable", saga_id=row.id, error=describe_error(exc))
+                unplanned.append(row)
+                continue
+            planner = self._new_planner(definition, *loaded)
+            nxt, write = yield from self._plan(planner)
+            planned.append((planner, nxt, write, token))
+        read = None
+        if planned:
+            read = yield from db_txn(
+                StoreOps.save_batch_txn,
+                [(write, token) for _, _, write, token in planned],
+                owner=self.owner,
+                lease_seconds=self.lease_seconds,
+            )
+            for _, nxt, _, _ in planned:
+                if isinstance(nxt, Invoke):
+                    faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
+        yield Commit()
+        for row in unplanned:
+            yield from self.release_after_error(row)
+        if read is None:
+            return []
+        answers: list[SagaState | Exception | None] = yield Fetch(read)
+        claimed: list[tuple[Planner, Next]] = []
+        for (planner, nxt, write, _), answer in zip(planned, answers, strict=True):
+            if isinstance(answer, Exception):
+                # One bad saga never stops the others: it alone is parked, with the reason.
+                try:
+                    yield from self._park_broken(planner, answer)
+                except Exception:
+                    _log.exception("saga_park_failed", saga_id=planner.saga.id)
+                    yield from self.release_after_error(planner.saga)
+                continue
+            planner.lease_confirmed_at = sent
+            if write.release:
+                planner.final_state = answer
+            log_events(planner, write.events)
+            claimed.append((planner, nxt))
+        return claimed
+
+    def _reclaim(
+        self, lookup: Lookup, saga_id: str, token: str
+    ) -> Flow[tuple[Planner, Next] | None]:
+        """The saga our claim took, when that claim landed although its reply was lost
+        (its first write carries `token` and the lease is still ours); None otherwise.
+
+        The claim's first move was committed with it: an attempt it started is ours to
+        call now; any other move is planned again from what was committed."""
+        written = yield from db(StoreOps.write_token, saga_id)
+        if written is None or written[0] != token or written[1] != self.owner:
+            return None
+        loaded = yield from self._load(saga_id)
+        if loaded is None:
+            return None
+        # Still our claim's, as read? Every write (another owner's claim, its reconcile,
+        # the attempt it starts) changes the token: a read that came after one would hand
+        # us the new owner's attempt, under its fence, to call a second time.
+        again = yield from db(StoreOps.write_token, saga_id)
+        if again != written:
+            _log.info("claim_taken_over", saga_id=saga_id, fence=loaded[0].fence)
+            return None
+        planner = self._planner(lookup(loaded[0].name, loaded[0].version), loaded)
+        _log.info("claim_landed", saga_id=saga_id, fence=planner.saga.fence)
+        started = [o for o in planner.ops if o.status == OperationStatus.RUNNING]
+        if started:
+            # Every attempt running before the claim was marked unknown by its first move:
+            # a running one now is the attempt that move started.
+            return planner, planner.invoke(started[0])
+        try:
+            return (yield from self._transact(planner, None))
+        except LeaseLost:
+            # The lease ran out while the lost reply was being recovered (a slow reconnect,
+            # a pooler waiting for its server) and another owner holds the saga now: it is
+            # theirs to drive, and this claim has nothing.
+            _log.info("claim_taken_over", saga_id=saga_id, fence=planner.saga.fence)
+            return None
+
+    def _load(self, saga_id: str) -> Flow[Loaded | None]:
+        yield Begin()
+        loaded: Loaded | None = yield from db_txn(StoreOps.load_txn, saga_id)
+        yield Commit()
+        return loaded
+
+    def plan_new(
+        self, definition: Saga[Any], row: SagaRow, ops: list[OpRow], *, may_call: bool = True
+    ) -> tuple[Planner, Next, Write]:
+        """Plan the first move of a saga about to be created under our lease (nothing is
+        written here); returns the planner, its move, and the write that records it."""
+        # Nothing is stored yet: a definition that cannot plan it raises to the caller.
+        planner = self._new_planner(definition, row, ops, [])
+        nxt = planner.advance(input_time(), may_call=may_call)
+        write = self._write(planner, nxt)
+        if isinstance(nxt, Invoke):
+            faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
+        return planner, nxt, write
+
+
+def _lookup_of(definition: Saga[Any] | Lookup) -> Lookup:
+    """A lookup of definitions by (name, version): `definition` itself, or one that gives
+    the definition whatever the claimed saga's name."""
+    if isinstance(definition, Saga):
+        fixed = definition
+        return lambda name, version: fixed
+    return definition

@@ -1,0 +1,63 @@
+"""Flows name store calls by `StoreOps` methods; both stores must answer every one of them."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+from saga._db.store import Store
+from saga._db.store_async import AsyncStore
+from saga._flows.store_ops import StoreOps
+
+OPS = sorted(
+    name
+    for name, value in vars(StoreOps).items()
+    if inspect.isfunction(value) and not name.startswith("_")
+)
+
+
+def _parameters(fn: object) -> list[tuple[str, object, object]]:
+    """Name, kind and default of each parameter (annotations differ: `Conn`/`AConn`)."""
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]  # type: ignore[arg-type]
+
+
+def test_store_ops_lists_the_methods_the_flows_call() -> None:
+    """Every method named here is called through a typed reference somewhere, and every
+    typed reference names a method here (mypy checks the second; this, the first)."""
+    package = Path(__file__).resolve().parents[2] / "saga"
+    named = {
+        name
+        for path in package.rglob("*.py")
+        for name in re.findall(r"\bStoreOps\.(\w+)", path.read_text(encoding="utf-8"))
+    }
+    assert named == set(OPS)
+    assert all((name.endswith("_txn")) == ("conn" in _names(name)) for name in OPS)
+
+
+def _names(name: str) -> list[str]:
+    return [p[0] for p in _parameters(getattr(StoreOps, name))]
+
+
+@pytest.mark.parametrize("store", [Store, AsyncStore], ids=lambda s: s.__name__)
+@pytest.mark.parametrize("name", OPS)
+def test_both_stores_provide_each_method_with_the_same_parameters(
+    store: type[object], name: str
+) -> None:
+    method = getattr(store, name, None)
+    assert method is not None, f"{store.__name__} has no {name}"
+    assert _parameters(method) == _parameters(getattr(StoreOps, name))
+    assert inspect.iscoroutinefunction(method) == (store is AsyncStore)
+
+
+def test_no_flow_names_a_store_method_by_a_string() -> None:
+    saga = Path(__file__).resolve().parents[2] / "saga"
+    sources = [*saga.glob("_flows/*.py"), saga / "_engine.py", saga / "session.py"]
+    named = [
+        f"{path.name}: {match.group(0)}"
+        for path in sources
+        for match in re.finditer(r"\bdb(_txn)?\(\s*[\"']", path.read_text())
+    ]
+    assert named == []
