@@ -143,19 +143,7 @@ class Flows(Loop):
         loaded = yield from db_txn(
             StoreOps.claim_txn, saga_id, owner=self.owner, lease_seconds=self.lease_seconds
         )
-        if loaded is None:
-            yield Commit()
-            return None
-        row = loaded[0]
-        planner, nxt, events, read = yield from self._begin_txn(
-            lookup(row.name, row.version), loaded, token
-        )
-        yield Commit()
-        planner.lease_confirmed_at = sent
-        if read is not None:
-            planner.final_state = yield Fetch(read)
-        log_events(planner, events)
-        return planner, nxt
+        return (yield from self._claimed(loaded, lookup, token, sent))
 
     def claim_next(self, kinds: Sequence[str], lookup: Lookup) -> Flow[tuple[Planner, Next] | None]:
         """Claim the longest-waiting runnable saga of these name:version kinds and plan its
@@ -192,6 +180,13 @@ class Flows(Loop):
         loaded = yield from db_txn(
             StoreOps.claim_next_txn, kinds=kinds, owner=self.owner, lease_seconds=self.lease_seconds
         )
+        return (yield from self._claimed(loaded, lookup, token, sent))
+
+    def _claimed(
+        self, loaded: Loaded | None, lookup: Lookup, token: str, sent: float
+    ) -> Flow[tuple[Planner, Next] | None]:
+        """Inside a claim's transaction: plan the first move of the saga it took (if any),
+        commit, and log the events the claim recorded."""
         if loaded is None:
             yield Commit()
             return None
