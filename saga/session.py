@@ -24,8 +24,9 @@ from saga._codefirst import SessionSaga as SessionSaga  # re-exported: named by 
 from saga._core import inputs
 from saga._core.planner import Planner, SagaRow
 from saga._core.rows import Event, OpRow
+from saga._drivers.observe import log_events
 from saga._flows.claim import Flows
-from saga._flows.drive import log_events, retried
+from saga._flows.drive import retried
 from saga._flows.effects import Flow, Pause, db
 from saga._flows.store_ops import StoreOps
 from saga.durable import DurableStep, session_scope

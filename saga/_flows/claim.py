@@ -10,7 +10,6 @@ from typing import Any
 
 from saga._core.inputs import describe_error
 from saga._core.planner import (
-    Invoke,
     Next,
     OpRow,
     Planner,
@@ -18,23 +17,24 @@ from saga._core.planner import (
     Write,
 )
 from saga._core.rows import Loaded
-from saga._db.dbretry import is_transient
-from saga._drivers import faults
 from saga._flows.common import input_time, new_token, retried
-from saga._flows.drive import Loop, log_events
+from saga._flows.drive import Loop, before_record
 from saga._flows.effects import (
     Begin,
     Commit,
     Fetch,
     Flow,
+    Observed,
     Stopping,
+    Watch,
     db,
     db_txn,
+    watched,
 )
 from saga._flows.started import Started
 from saga._flows.store_ops import StoreOps
 from saga.definition import Saga
-from saga.errors import LeaseLost
+from saga.errors import DatabaseInterrupted, LeaseLost
 from saga.logs import get_logger
 from saga.state import OperationStatus, SagaState
 
@@ -88,10 +88,9 @@ class Flows(Loop):
                 if reclaimed is not None:
                     return reclaimed
             tried[0] = True
-            if isinstance(nxt, Invoke):
-                faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
             sent = time.monotonic()
-            claimed, state = yield from db(
+            claimed, state = yield from watched(
+                Watch(planner, before=before_record(nxt)),
                 StoreOps.claim_started,
                 write,
                 start_token=started.start_token,
@@ -104,7 +103,7 @@ class Flows(Loop):
             planner.lease_confirmed_at = sent
             if write.release:
                 planner.final_state = state
-            log_events(planner, write.events)
+            yield Observed(Watch(planner, events=write.events))
             return planner, nxt
 
         return (yield from retried("claim_saga", once))
@@ -168,7 +167,7 @@ class Flows(Loop):
         try:
             return (yield from retried("claim_next_saga", once, interruptible=True))
         except Exception as exc:
-            if is_transient(exc) and (yield Stopping()):
+            if isinstance(exc, DatabaseInterrupted) and (yield Stopping()):
                 return None  # stopping while the database was unavailable
             raise
 
@@ -191,14 +190,13 @@ class Flows(Loop):
             yield Commit()
             return None
         row = loaded[0]
-        planner, nxt, events, read = yield from self._begin_txn(
+        planner, nxt, watch, read = yield from self._begin_txn(
             lookup(row.name, row.version), loaded, token
         )
-        yield Commit()
+        yield Commit(watch)
         planner.lease_confirmed_at = sent
         if read is not None:
             planner.final_state = yield Fetch(read)
-        log_events(planner, events)
         return planner, nxt
 
     def claim_batch(
@@ -241,7 +239,7 @@ class Flows(Loop):
         try:
             return (yield from retried("claim_saga_batch", once, interruptible=True))
         except Exception as exc:
-            if is_transient(exc) and (yield Stopping()):
+            if isinstance(exc, DatabaseInterrupted) and (yield Stopping()):
                 return [c for c in carried.values() if c is not None]
             raise
 
@@ -254,7 +252,7 @@ class Flows(Loop):
         try:
             return (yield from self._reclaim(lookup, saga_id, token))
         except Exception as exc:
-            if is_transient(exc):
+            if isinstance(exc, DatabaseInterrupted):
                 raise
             _log.error("reclaim_failed", saga_id=saga_id, error=describe_error(exc))
             return None
@@ -278,7 +276,7 @@ class Flows(Loop):
             try:
                 definition = lookup(row.name, row.version)
             except Exception as exc:
-                if is_transient(exc):
+                if isinstance(exc, DatabaseInterrupted):
                     raise
                 # The claim reads only registered kinds: a registry changed meanwhile.
                 _log.error("saga_not_plannable", saga_id=row.id, error=describe_error(exc))
@@ -295,9 +293,10 @@ class Flows(Loop):
                 owner=self.owner,
                 lease_seconds=self.lease_seconds,
             )
-            for _, nxt, _, _ in planned:
-                if isinstance(nxt, Invoke):
-                    faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
+            for planner, nxt, _, _ in planned:
+                point = before_record(nxt)
+                if point is not None:
+                    yield Observed(Watch(planner, before=point))
         yield Commit()
         for row in unplanned:
             yield from self.release_after_error(row)
@@ -317,7 +316,7 @@ class Flows(Loop):
             planner.lease_confirmed_at = sent
             if write.release:
                 planner.final_state = answer
-            log_events(planner, write.events)
+            yield Observed(Watch(planner, events=write.events))
             claimed.append((planner, nxt))
         return claimed
 
@@ -368,13 +367,12 @@ class Flows(Loop):
         self, definition: Saga[Any], row: SagaRow, ops: list[OpRow], *, may_call: bool = True
     ) -> tuple[Planner, Next, Write]:
         """Plan the first move of a saga about to be created under our lease (nothing is
-        written here); returns the planner, its move, and the write that records it."""
+        written here); returns the planner, its move, and the write that records it (its
+        fault point, `before_record(move)`, is the caller's to watch)."""
         # Nothing is stored yet: a definition that cannot plan it raises to the caller.
         planner = self._new_planner(definition, row, ops, [])
         nxt = planner.advance(input_time(), may_call=may_call)
         write = self._write(planner, nxt)
-        if isinstance(nxt, Invoke):
-            faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
         return planner, nxt, write
 
 

@@ -10,16 +10,14 @@ are the flows the drivers run).
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from saga import telemetry
 from saga._core import inputs
 from saga._core.inputs import describe_error
 from saga._core.planner import (
@@ -39,23 +37,26 @@ from saga._core.planner import (
     Yield,
 )
 from saga._core.rows import Loaded
-from saga._db.dbretry import is_transient, log_retry
-from saga._drivers import faults
 from saga._flows.call import Answer, Calls, SpendReporter
 from saga._flows.common import input_time, new_token, retried, traceback_of
 from saga._flows.effects import (
     Begin,
     Commit,
+    Drive,
     Flow,
+    Observed,
+    Point,
     Stopping,
     Wait,
+    Watch,
     db,
     db_txn,
+    watched,
 )
 from saga._flows.store_ops import StoreOps
 from saga.definition import Saga
-from saga.errors import LeaseLost
-from saga.logs import events_logger, get_logger
+from saga.errors import DatabaseInterrupted, LeaseLost
+from saga.logs import get_logger, log_retry
 from saga.state import SagaState
 
 if TYPE_CHECKING:
@@ -65,14 +66,11 @@ __all__ = [
     "Loop",
     "RunnerOptions",
     "describe_error",
-    "log_event",
-    "log_events",
     "retried",
     "traceback_of",
 ]
 
 _log = get_logger("saga")
-_events = events_logger()
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,11 +119,13 @@ class Loop:
         """Carry out `nxt` and every move after it until the saga stops or is handed back.
 
         Returns the saga's state as the last transaction left it, read in that same
-        transaction; None when the lease was lost to another owner. Traced as `saga.run`
-        when telemetry is configured (`saga.telemetry`).
+        transaction; None when the lease was lost to another owner. The driver traces the
+        drive as `saga.run` (`Drive`) when telemetry is configured (`saga.telemetry`).
         """
-        keys = self.options.telemetry_keys
-        return (yield from telemetry.traced_run(self._drive(planner, nxt), planner.saga, keys=keys))
+        yield Drive(planner.saga)
+        state = yield from self._drive(planner, nxt)
+        yield Drive(planner.saga, ended=True, state=state)
+        return state
 
     def _drive(self, planner: Planner, nxt: Next) -> Flow[SagaState | None]:
         saga = planner.saga
@@ -141,7 +141,7 @@ class Loop:
             _log.warning("lease_lost", saga_id=saga.id, fence=saga.fence, error=str(exc))
             return None
         except Exception as exc:
-            if is_transient(exc):
+            if isinstance(exc, DatabaseInterrupted):
                 yield from self.release_after_error(saga)
                 raise
             # One saga never takes its driver down: the saga is parked with the reason.
@@ -165,19 +165,12 @@ class Loop:
                 yield from self._wait_until(planner, nxt.until)
                 planner, nxt = yield from self._transact(planner, None)
             elif isinstance(nxt, Invoke):
-                planner, nxt = yield from telemetry.traced_call(
-                    self._call(planner, self.calls.invoke(planner, nxt), nxt.op),
-                    planner,
-                    nxt.op,
-                    keys=self.options.telemetry_keys,
+                planner, nxt = yield from self._call(
+                    planner, self.calls.invoke(planner, nxt), nxt.op
                 )
             elif isinstance(nxt, AskReconcile):
-                planner, nxt = yield from telemetry.traced_call(
-                    self._call(planner, self.calls.reconcile(planner, nxt.op), nxt.op),
-                    planner,
-                    nxt.op,
-                    keys=self.options.telemetry_keys,
-                    reconcile=True,
+                planner, nxt = yield from self._call(
+                    planner, self.calls.reconcile(planner, nxt.op), nxt.op
                 )
             elif isinstance(nxt, Prepare):
                 prepared = yield from self.calls.prepare(planner, nxt.op)
@@ -185,12 +178,11 @@ class Loop:
         return planner, nxt
 
     def _call(self, planner: Planner, call: Flow[Answer], op: OpRow) -> Flow[tuple[Planner, Next]]:
-        """Make `call` and record what came of it."""
+        """Make `call` and record what came of it (the write that records the call of user
+        code ends its span, and is the `after_record` fault point)."""
         answer = yield from call
-        result = yield from self._transact(planner, answer.outcome)
-        if answer.after_record:
-            faults.point("after_record", step=op.step, kind=op.kind)
-        return result
+        after = ("after_record", op.step, op.kind) if answer.after_record else None
+        return (yield from self._transact(planner, answer.outcome, after=after, records=True))
 
     def release_after_error(self, saga: SagaRow) -> Flow[None]:
         """Leave the saga to the next owner right away rather than after lease expiry."""
@@ -229,8 +221,9 @@ class Loop:
             fresh = yield from self._reload(planner)
             inputs.apply(fresh, inputs.Parked(reason), input_time())
             write = self._write(fresh, Stop(fresh.saga.status))
-            yield from self._transact_at_once(fresh, write, token)
-            log_events(fresh, write.events)
+            yield from self._transact_at_once(
+                fresh, write, token, Watch(fresh, events=write.events)
+            )
             parked.append(fresh)
             return fresh.final_state
 
@@ -254,13 +247,14 @@ class Loop:
 
     def _begin_txn(
         self, definition: Saga[Any], loaded: Loaded, token: str
-    ) -> Flow[tuple[Planner, Next, list[Event], Callable[[], Any] | None]]:
+    ) -> Flow[tuple[Planner, Next, Watch, Callable[[], Any] | None]]:
+        """Plan the first move of a saga just claimed in the open transaction, and queue its
+        write there; what the commit is to be watched with (`Commit(watch)`)."""
         planner = self._new_planner(definition, *loaded)
         nxt, write = yield from self._plan(planner)
         read = yield from self._persist_txn(write, token)
-        if isinstance(nxt, Invoke):
-            faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
-        return planner, nxt, list(write.events), read
+        watch = Watch(planner, before=before_record(nxt), events=write.events)
+        return planner, nxt, watch, read
 
     def _new_planner(
         self,
@@ -293,7 +287,7 @@ class Loop:
         )
         if done.unplannable is not None:
             exc, saga = done.unplannable, planner.saga
-            if is_transient(exc):
+            if isinstance(exc, DatabaseInterrupted):
                 raise exc
             _log.error(
                 "saga_unplannable",
@@ -306,9 +300,16 @@ class Loop:
         return done.next, done.write
 
     def _transact(
-        self, planner: Planner, outcome: inputs.Outcome | None
+        self,
+        planner: Planner,
+        outcome: inputs.Outcome | None,
+        *,
+        after: Point | None = None,
+        records: bool = False,
     ) -> Flow[tuple[Planner, Next]]:
-        """Record an outcome and plan the next move in one fenced transaction.
+        """Record an outcome and plan the next move in one fenced transaction (`after`: the
+        fault point once it has committed; `records`: the outcome is that of the call of
+        user code just made, whose span the write ends).
 
         A transient database error is retried. Every write carries a token of its own:
         when the error leaves it unclear whether the commit landed (the server committed
@@ -318,7 +319,7 @@ class Loop:
         first try runs without the retry machinery, which only a failure needs.
         """
         try:
-            return planner, (yield from self._record(planner, outcome))
+            return planner, (yield from self._record(planner, outcome, after, records))
         except _Unsure as exc:
             unsure = [exc]
             log_retry("record_transition", exc.cause)
@@ -330,29 +331,29 @@ class Loop:
                 return unsure[0].planner, unsure[0].nxt
             fresh = yield from self._reload(unsure[0].planner)
             try:
-                return fresh, (yield from self._record(fresh, outcome))
+                return fresh, (yield from self._record(fresh, outcome, after, records))
             except _Unsure as exc:
                 unsure[0] = exc
                 raise exc.cause from None
 
         return (yield from retried("record_transition", again))
 
-    def _record(self, planner: Planner, outcome: inputs.Outcome | None) -> Flow[Next]:
+    def _record(
+        self, planner: Planner, outcome: inputs.Outcome | None, after: Point | None, records: bool
+    ) -> Flow[Next]:
         """Apply `outcome` and the moves that follow to `planner`, and write them; `_Unsure`
         when a transient error leaves it open whether the write landed."""
         nxt, write = yield from self._plan(planner, outcome)
         token = new_token()
-        if isinstance(nxt, Invoke):
-            faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
+        watch = Watch(
+            planner, before=before_record(nxt), after=after, events=write.events, records=records
+        )
         sent = time.monotonic()
         try:
-            yield from self._transact_at_once(planner, write, token)
-        except Exception as exc:
-            if not is_transient(exc):
-                raise
-            raise _Unsure(planner, nxt, token, list(write.events), exc, sent) from exc
+            yield from self._transact_at_once(planner, write, token, watch)
+        except DatabaseInterrupted as exc:
+            raise _Unsure(planner, nxt, token, watch, exc, sent) from exc
         planner.lease_confirmed_at = sent
-        log_events(planner, write.events)
         return nxt
 
     def _landed(self, unsure: _Unsure) -> Flow[bool]:
@@ -363,16 +364,23 @@ class Loop:
         if written is None or written[0] != unsure.token:
             return False
         _log.info("write_landed", saga_id=planner.saga.id, fence=planner.saga.fence)
-        log_events(planner, unsure.events)
+        # Observed as the write would have been, had its reply come back.
+        watch = unsure.watch
+        yield Observed(
+            Watch(planner, after=watch.after, events=watch.events, records=watch.records)
+        )
         if written[1] is None:
             # The write gave the lease back (a stop, a shutdown, a long backoff).
             planner.final_state = yield from db(StoreOps.get_state, planner.saga.id)
         return True
 
-    def _transact_at_once(self, planner: Planner, write: Write, token: str) -> Flow[None]:
+    def _transact_at_once(
+        self, planner: Planner, write: Write, token: str, watch: Watch
+    ) -> Flow[None]:
         """A transition: one statement, one round trip (saga.write_saga_v4), which fails
         as a whole when the lease is no longer ours."""
-        state = yield from db(
+        state = yield from watched(
+            watch,
             StoreOps.apply_transition,
             write,
             owner=self.owner,
@@ -435,7 +443,7 @@ class _Unsure(Exception):
         planner: Planner,
         nxt: Next,
         token: str,
-        events: list[Event],
+        watch: Watch,
         cause: Exception,
         sent: float,
     ) -> None:
@@ -443,46 +451,14 @@ class _Unsure(Exception):
         self.planner = planner
         self.nxt = nxt
         self.token = token
-        self.events = events
+        # What the write was to be watched with: observed if it is found to have landed.
+        self.watch = watch
         self.cause = cause
         # When the write was sent (monotonic): if it landed, it confirmed the lease then.
         self.sent = sent
 
 
-def log_events(planner: Planner, events: Sequence[Event]) -> None:
-    """Log audit events once their transaction has committed (skipped, unbuilt, when the
-    configured logger drops info events), and count their outcomes (`saga.telemetry`)."""
-    telemetry.record_events(planner.saga.name, events, session=planner.definition.is_session)
-    if events and _info_enabled():
-        for event in events:
-            log_event(planner.saga, planner, event)
-
-
-def _info_enabled() -> bool:
-    # The logging as configured now; a wrapper class without the check logs everything.
-    return _events.is_enabled_for(logging.INFO)
-
-
-def log_event(saga: SagaRow, planner: Planner, event: Event) -> None:
-    """Log an audit event with structlog, bound with saga id, step, attempt and key (never
-    raises: a failure to log changes nothing)."""
-    try:
-        extra: dict[str, Any] = {}
-        if event.step is not None:
-            op = planner.find(event.step, event.kind or "action")
-            extra = {
-                "step": event.step,
-                "kind": event.kind,
-                "attempt": event.attempt,
-                "idempotency_key": op.idempotency_key if op is not None else None,
-            }
-        _events.info(
-            event.event,
-            saga_id=saga.id,
-            saga=saga.name,
-            tenant_id=saga.tenant_id,
-            **extra,
-            **event.detail,
-        )
-    except Exception:
-        pass  # an event the logger cannot take is still in saga.events
+def before_record(nxt: Next) -> Point | None:
+    """The fault point of a write that plans `nxt`: `before_record` when it starts an
+    attempt, which is called once the write has committed."""
+    return ("before_record", nxt.op.step, nxt.op.kind) if isinstance(nxt, Invoke) else None
