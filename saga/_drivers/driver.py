@@ -26,15 +26,15 @@ from contextlib import (
 from typing import Any, TypeVar
 
 from saga._acompat import Event, ThreadResult, run_blocking, sleep, wait_set
-from saga._core.planner import Next, OpRow, Planner, SagaRow
+from saga._core.planner import OpRow, Planner, SagaRow
 from saga._db.store import Conn, Store
 from saga._drivers import abandoned
 from saga._drivers.boundary import carry_out
 from saga._drivers.leases import LeaseKeeper
 from saga._drivers.ownloop import run_in_own_loop
 from saga._flows.claim import Flows
+from saga._flows.drive import Claimed, Move, describe_error, retried
 from saga._flows.drive import RunnerOptions as RunnerOptions
-from saga._flows.drive import describe_error, retried
 from saga._flows.effects import (
     AttemptTimedOut,
     AwaitAbandoned,
@@ -88,18 +88,18 @@ class Runner:
 
     def claim_next(
         self, kinds: Sequence[str], lookup: Callable[[str, int], Saga[Any]]
-    ) -> tuple[Planner, Next] | None:
+    ) -> Claimed | None:
         """Claim the longest-waiting runnable saga of these kinds and plan its first move."""
         return self.run(self.flows.claim_next(kinds, lookup))
 
     def claim_batch(
         self, kinds: Sequence[str], lookup: Callable[[str, int], Saga[Any]], limit: int
-    ) -> list[tuple[Planner, Next]]:
+    ) -> list[Claimed]:
         """Claim up to `limit` runnable sagas of these kinds in one statement and one commit,
         each with its first move planned and recorded; in run_after order."""
         return self.run(self.flows.claim_batch(kinds, lookup, limit))
 
-    def drive(self, planner: Planner, nxt: Next) -> SagaState | None:
+    def drive(self, planner: Planner, nxt: Move) -> SagaState | None:
         """Carry out `nxt` and every move after it until the saga stops or is handed back."""
         return self.run(self.flows.drive(planner, nxt))
 

@@ -18,7 +18,7 @@ from saga._core.planner import (
 )
 from saga._core.rows import Loaded
 from saga._flows.common import input_time, new_token, retried
-from saga._flows.drive import Loop, before_record
+from saga._flows.drive import Claimed, Loop, Released, before_record
 from saga._flows.effects import (
     Begin,
     Commit,
@@ -66,7 +66,7 @@ class Flows(Loop):
             return None
         return (yield from self.drive(*claimed))
 
-    def claim_started(self, lookup: Lookup, started: Started) -> Flow[tuple[Planner, Next] | None]:
+    def claim_started(self, lookup: Lookup, started: Started) -> Flow[Claimed | None]:
         """Claim a saga this orchestrator has just started, with its first move planned
         from the rows its start wrote, and record both in one statement: nothing is read
         before the claim. None when the saga is no longer as started (claimed by another
@@ -82,7 +82,7 @@ class Flows(Loop):
         token = new_token()
         tried = [False]
 
-        def once() -> Flow[tuple[Planner, Next] | None]:
+        def once() -> Flow[Claimed | None]:
             if tried[0]:
                 reclaimed = yield from self._reclaim(lookup, row.id, token)
                 if reclaimed is not None:
@@ -101,16 +101,12 @@ class Flows(Loop):
             if not claimed:
                 return None
             planner.lease_confirmed_at = sent
-            if write.release:
-                planner.final_state = state
             yield Observed(Watch(planner, events=write.events))
-            return planner, nxt
+            return planner, Released(nxt, state) if write.release else nxt
 
         return (yield from retried("claim_saga", once))
 
-    def claim(
-        self, definition: Saga[Any] | Lookup, saga_id: str
-    ) -> Flow[tuple[Planner, Next] | None]:
+    def claim(self, definition: Saga[Any] | Lookup, saga_id: str) -> Flow[Claimed | None]:
         """Claim one saga and plan (and record) its first move; None when it is not
         runnable or another owner's lease is live.
 
@@ -125,7 +121,7 @@ class Flows(Loop):
         token = new_token()
         tried = [False]
 
-        def once() -> Flow[tuple[Planner, Next] | None]:
+        def once() -> Flow[Claimed | None]:
             claimed = (yield from self._reclaim(lookup, saga_id, token)) if tried[0] else None
             tried[0] = True
             if claimed is None:
@@ -134,9 +130,7 @@ class Flows(Loop):
 
         return (yield from retried("claim_saga", once))
 
-    def _claim_by_id(
-        self, lookup: Lookup, saga_id: str, token: str
-    ) -> Flow[tuple[Planner, Next] | None]:
+    def _claim_by_id(self, lookup: Lookup, saga_id: str, token: str) -> Flow[Claimed | None]:
         sent = time.monotonic()
         yield Begin()
         loaded = yield from db_txn(
@@ -144,7 +138,7 @@ class Flows(Loop):
         )
         return (yield from self._claimed(loaded, lookup, token, sent))
 
-    def claim_next(self, kinds: Sequence[str], lookup: Lookup) -> Flow[tuple[Planner, Next] | None]:
+    def claim_next(self, kinds: Sequence[str], lookup: Lookup) -> Flow[Claimed | None]:
         """Claim the longest-waiting runnable saga of these name:version kinds and plan its
         first move in the same transaction; None when there is nothing to claim.
 
@@ -153,7 +147,7 @@ class Flows(Loop):
         token = new_token()
         tried = [False]
 
-        def once() -> Flow[tuple[Planner, Next] | None]:
+        def once() -> Flow[Claimed | None]:
             if tried[0]:
                 own = yield from db(StoreOps.own_claim, owner=self.owner, token=token)
                 if own is not None:
@@ -173,7 +167,7 @@ class Flows(Loop):
 
     def _claim_next_once(
         self, kinds: Sequence[str], lookup: Lookup, token: str
-    ) -> Flow[tuple[Planner, Next] | None]:
+    ) -> Flow[Claimed | None]:
         sent = time.monotonic()
         yield Begin()
         loaded = yield from db_txn(
@@ -183,7 +177,7 @@ class Flows(Loop):
 
     def _claimed(
         self, loaded: Loaded | None, lookup: Lookup, token: str, sent: float
-    ) -> Flow[tuple[Planner, Next] | None]:
+    ) -> Flow[Claimed | None]:
         """Inside a claim's transaction: plan the first move of the saga it took (if any),
         commit, and log the events the claim recorded."""
         if loaded is None:
@@ -196,12 +190,10 @@ class Flows(Loop):
         yield Commit(watch)
         planner.lease_confirmed_at = sent
         if read is not None:
-            planner.final_state = yield Fetch(read)
+            return planner, Released(nxt, (yield Fetch(read)))
         return planner, nxt
 
-    def claim_batch(
-        self, kinds: Sequence[str], lookup: Lookup, limit: int
-    ) -> Flow[list[tuple[Planner, Next]]]:
+    def claim_batch(self, kinds: Sequence[str], lookup: Lookup, limit: int) -> Flow[list[Claimed]]:
         """Claim up to `limit` of the longest-waiting runnable sagas of these name:version
         kinds in one statement, and plan and record the first move of each, all in one
         transaction and one commit; each saga has its own lease, fence and first write.
@@ -220,9 +212,9 @@ class Flows(Loop):
         tried = [False]
         # Sagas of a landed claim carried on so far, by id: a retry after an error in the
         # middle of carrying them on does not look for them again.
-        carried: dict[str, tuple[Planner, Next] | None] = {}
+        carried: dict[str, Claimed | None] = {}
 
-        def once() -> Flow[list[tuple[Planner, Next]]]:
+        def once() -> Flow[list[Claimed]]:
             if tried[0]:
                 owned: dict[str, str] = yield from db(
                     StoreOps.own_claims, owner=self.owner, tokens=tokens
@@ -243,9 +235,7 @@ class Flows(Loop):
                 return [c for c in carried.values() if c is not None]
             raise
 
-    def _reclaim_one(
-        self, lookup: Lookup, saga_id: str, token: str
-    ) -> Flow[tuple[Planner, Next] | None]:
+    def _reclaim_one(self, lookup: Lookup, saga_id: str, token: str) -> Flow[Claimed | None]:
         """`_reclaim` of one saga of a batch claim: what it raises (other than a transient
         error, retried) is that saga's alone, which is then left to the next owner once
         its lease expires; the other sagas of the claim are carried on."""
@@ -259,7 +249,7 @@ class Flows(Loop):
 
     def _claim_batch_once(
         self, kinds: Sequence[str], lookup: Lookup, tokens: Sequence[str]
-    ) -> Flow[list[tuple[Planner, Next]]]:
+    ) -> Flow[list[Claimed]]:
         sent = time.monotonic()
         yield Begin()
         batch: list[Loaded] = yield from db_txn(
@@ -303,7 +293,7 @@ class Flows(Loop):
         if read is None:
             return []
         answers: list[SagaState | Exception | None] = yield Fetch(read)
-        claimed: list[tuple[Planner, Next]] = []
+        claimed: list[Claimed] = []
         for (planner, nxt, write, _), answer in zip(planned, answers, strict=True):
             if isinstance(answer, Exception):
                 # One bad saga never stops the others: it alone is parked, with the reason.
@@ -314,15 +304,11 @@ class Flows(Loop):
                     yield from self.release_after_error(planner.saga)
                 continue
             planner.lease_confirmed_at = sent
-            if write.release:
-                planner.final_state = answer
             yield Observed(Watch(planner, events=write.events))
-            claimed.append((planner, nxt))
+            claimed.append((planner, Released(nxt, answer) if write.release else nxt))
         return claimed
 
-    def _reclaim(
-        self, lookup: Lookup, saga_id: str, token: str
-    ) -> Flow[tuple[Planner, Next] | None]:
+    def _reclaim(self, lookup: Lookup, saga_id: str, token: str) -> Flow[Claimed | None]:
         """The saga our claim took, when that claim landed although its reply was lost
         (its first write carries `token` and the lease is still ours); None otherwise.
 

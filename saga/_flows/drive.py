@@ -63,7 +63,10 @@ if TYPE_CHECKING:
     from saga.approvals import ApprovalVerifier
 
 __all__ = [
+    "Claimed",
     "Loop",
+    "Move",
+    "Released",
     "RunnerOptions",
     "describe_error",
     "retried",
@@ -97,6 +100,22 @@ class RunnerOptions:
     telemetry_keys: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Released:
+    """The write that planned `next` gave the lease back (a stop, a shutdown, a backoff
+    too long to wait out under the lease), and read the saga's `state` as it left it, in
+    the same statement: the drive ends here, with that state."""
+
+    next: Next
+    state: SagaState | None
+
+
+# A move of a saga held under our lease: the next one to make, or the end of the drive.
+Move = Next | Released
+# A saga held under our lease, and its move.
+Claimed = tuple[Planner, Move]
+
+
 class Loop:
     """Drives claimed sagas under a lease; every write is fenced. Each method is a flow:
     a generator of effects that a driver carries out."""
@@ -108,14 +127,12 @@ class Loop:
         self.reporter = reporter
         self.calls = Calls(self.owner, self.lease_seconds, reporter)
 
-    def transact(
-        self, planner: Planner, outcome: inputs.Outcome | None
-    ) -> Flow[tuple[Planner, Next]]:
+    def transact(self, planner: Planner, outcome: inputs.Outcome | None) -> Flow[Claimed]:
         """Record `outcome` (None: only the moves that need no call) and plan the next
         move, in one fenced write; see `_transact`."""
         return (yield from self._transact(planner, outcome))
 
-    def drive(self, planner: Planner, nxt: Next) -> Flow[SagaState | None]:
+    def drive(self, planner: Planner, nxt: Move) -> Flow[SagaState | None]:
         """Carry out `nxt` and every move after it until the saga stops or is handed back.
 
         Returns the saga's state as the last transaction left it, read in that same
@@ -127,7 +144,7 @@ class Loop:
         yield Drive(planner.saga, ended=True, state=state)
         return state
 
-    def _drive(self, planner: Planner, nxt: Next) -> Flow[SagaState | None]:
+    def _drive(self, planner: Planner, nxt: Move) -> Flow[SagaState | None]:
         saga = planner.saga
         try:
             planner, nxt = yield from self.carry_on(planner, nxt)
@@ -149,19 +166,21 @@ class Loop:
         except BaseException:
             yield from self.release_after_error(saga)
             raise
-        return planner.final_state
+        if isinstance(nxt, Released):
+            return nxt.state
+        # A move that ends the drive is written with the lease given back: not reached.
+        left: SagaState | None = yield from db(StoreOps.get_state, saga.id)  # pragma: no cover
+        return left  # pragma: no cover
 
-    def carry_on(self, planner: Planner, nxt: Next) -> Flow[tuple[Planner, Next]]:
+    def carry_on(self, planner: Planner, nxt: Move) -> Flow[Claimed]:
         """Carry out `nxt` and the moves after it until the saga stops, is handed back
         (a backoff whose write released the lease, a shutdown) or holds (a session's
         call is settled); returns the planner as the last write left it, and that move.
-        Errors are the caller's (`drive` parks a broken saga; a session raises)."""
-        while not isinstance(nxt, Stop | Yield | Hold):
+        Errors are the caller's (`drive` parks a broken saga; a session raises). A backoff
+        whose write gave the lease back (`Planner.write` decided) is `Released`: the next
+        owner makes it once run_after has passed."""
+        while not isinstance(nxt, Stop | Yield | Hold | Released):
             if isinstance(nxt, Sleep):
-                if planner.final_state is not None:
-                    # The transaction that planned this backoff persisted it as run_after
-                    # and released the lease (Planner.write decided).
-                    break
                 yield from self._wait_until(planner, nxt.until)
                 planner, nxt = yield from self._transact(planner, None)
             elif isinstance(nxt, Invoke):
@@ -177,7 +196,7 @@ class Loop:
                 planner, nxt = yield from self._transact(planner, prepared)
         return planner, nxt
 
-    def _call(self, planner: Planner, call: Flow[Answer], op: OpRow) -> Flow[tuple[Planner, Next]]:
+    def _call(self, planner: Planner, call: Flow[Answer], op: OpRow) -> Flow[Claimed]:
         """Make `call` and record what came of it (the write that records the call of user
         code ends its span, and is the `after_record` fault point)."""
         answer = yield from call
@@ -208,7 +227,6 @@ class Loop:
         # As for every write: a retry that finds the park's token knows it landed.
         token = new_token()
         tried = [False]
-        parked: list[Planner] = []
 
         def once() -> Flow[SagaState | None]:
             if tried[0]:
@@ -221,11 +239,8 @@ class Loop:
             fresh = yield from self._reload(planner)
             inputs.apply(fresh, inputs.Parked(reason), input_time())
             write = self._write(fresh, Stop(fresh.saga.status))
-            yield from self._transact_at_once(
-                fresh, write, token, Watch(fresh, events=write.events)
-            )
-            parked.append(fresh)
-            return fresh.final_state
+            watch = Watch(fresh, events=write.events)
+            return (yield from self._transact_at_once(fresh, write, token, watch))
 
         try:
             return (yield from retried("park_saga", once))
@@ -306,7 +321,7 @@ class Loop:
         *,
         after: Point | None = None,
         records: bool = False,
-    ) -> Flow[tuple[Planner, Next]]:
+    ) -> Flow[Claimed]:
         """Record an outcome and plan the next move in one fenced transaction (`after`: the
         fault point once it has committed; `records`: the outcome is that of the call of
         user code just made, whose span the write ends).
@@ -324,11 +339,12 @@ class Loop:
             unsure = [exc]
             log_retry("record_transition", exc.cause)
 
-        def again() -> Flow[tuple[Planner, Next]]:
-            if (yield from self._landed(unsure[0])):
+        def again() -> Flow[Claimed]:
+            landed = yield from self._landed(unsure[0])
+            if landed is not None:
                 # Confirmed when that write was sent, however long finding it out took.
                 unsure[0].planner.lease_confirmed_at = unsure[0].sent
-                return unsure[0].planner, unsure[0].nxt
+                return unsure[0].planner, landed
             fresh = yield from self._reload(unsure[0].planner)
             try:
                 return fresh, (yield from self._record(fresh, outcome, after, records))
@@ -340,7 +356,7 @@ class Loop:
 
     def _record(
         self, planner: Planner, outcome: inputs.Outcome | None, after: Point | None, records: bool
-    ) -> Flow[Next]:
+    ) -> Flow[Move]:
         """Apply `outcome` and the moves that follow to `planner`, and write them; `_Unsure`
         when a transient error leaves it open whether the write landed."""
         nxt, write = yield from self._plan(planner, outcome)
@@ -350,19 +366,20 @@ class Loop:
         )
         sent = time.monotonic()
         try:
-            yield from self._transact_at_once(planner, write, token, watch)
+            state = yield from self._transact_at_once(planner, write, token, watch)
         except DatabaseInterrupted as exc:
             raise _Unsure(planner, nxt, token, watch, exc, sent) from exc
         planner.lease_confirmed_at = sent
-        return nxt
+        return Released(nxt, state) if write.release else nxt
 
-    def _landed(self, unsure: _Unsure) -> Flow[bool]:
-        """Whether the write of `unsure` landed (its token is the saga's); if so, its events
-        are logged and, when it gave the lease back, the saga's state is read."""
+    def _landed(self, unsure: _Unsure) -> Flow[Move | None]:
+        """The move the write of `unsure` planned, if it landed (its token is the saga's),
+        else None; its events are logged then and, when it gave the lease back, the saga's
+        state is read."""
         planner = unsure.planner
         written = yield from db(StoreOps.write_token, planner.saga.id)
         if written is None or written[0] != unsure.token:
-            return False
+            return None
         _log.info("write_landed", saga_id=planner.saga.id, fence=planner.saga.fence)
         # Observed as the write would have been, had its reply come back.
         watch = unsure.watch
@@ -371,14 +388,16 @@ class Loop:
         )
         if written[1] is None:
             # The write gave the lease back (a stop, a shutdown, a long backoff).
-            planner.final_state = yield from db(StoreOps.get_state, planner.saga.id)
-        return True
+            state = yield from db(StoreOps.get_state, planner.saga.id)
+            return Released(unsure.nxt, state)
+        return unsure.nxt
 
     def _transact_at_once(
         self, planner: Planner, write: Write, token: str, watch: Watch
-    ) -> Flow[None]:
+    ) -> Flow[SagaState | None]:
         """A transition: one statement, one round trip (saga.write_saga_v4), which fails
-        as a whole when the lease is no longer ours."""
+        as a whole when the lease is no longer ours. When the write gives the lease back,
+        the saga's state as it left it (read by the same statement)."""
         state = yield from watched(
             watch,
             StoreOps.apply_transition,
@@ -387,8 +406,7 @@ class Loop:
             lease_seconds=self.lease_seconds,
             token=token,
         )
-        if write.release:
-            planner.final_state = state
+        return state if write.release else None
 
     def _reload(self, planner: Planner) -> Flow[Planner]:
         """A fresh planner from the database, once the lease is checked to be still ours
