@@ -58,21 +58,27 @@ async def acarry_out(
             seen.ended(exc)
             raise
         value, error = None, None
-        watch = step.watch if isinstance(step, _WATCHED) else None
+        # Dispatched on the exact class (no effect is subclassed): no call per branch.
+        kind = type(step)
+        watch = None
+        if type(step) is Db or type(step) is Call or type(step) is Commit:
+            watch = step.watch
         try:
             if watch is not None:
                 seen.before(step, watch)
-            if isinstance(step, Begin):
+            if type(step) is Begin:
                 assert txn is None, "transactions do not nest"
                 txn = AsyncExitStack()
                 conn = await txn.enter_async_context(open_transaction(step.pipelined))
-            elif isinstance(step, Commit):
+            elif kind is Commit:
                 assert txn is not None, "Commit without Begin"
                 done, txn, conn = txn, None, None
                 await done.aclose()
-            elif isinstance(step, Observed):
-                watch = step.watch
-            elif isinstance(step, Drive):
+            elif type(step) is Observed:
+                for each in step.watches:
+                    seen.before(step, each)
+                    seen.done(step, each)
+            elif type(step) is Drive:
                 seen.drive(step)
             else:
                 value = await effect(step, conn)
@@ -85,7 +91,7 @@ async def acarry_out(
                 except BaseException as raised:
                     exc = raised
             seen.failed(step, watch, exc)
-            error = exc if isinstance(step, Call) else _interrupted(exc)
+            error = exc if kind is Call else _interrupted(exc)
         else:
             if watch is not None:
                 seen.done(step, watch)

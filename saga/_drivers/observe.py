@@ -41,10 +41,11 @@ class Observer:
 
     def before(self, effect: Any, watch: Watch) -> None:
         """`effect` is about to be carried out."""
-        if watch.before is not None:
+        if watch.before is not None and faults.armed is not None:
             _point(watch.before)
-        if watch.span is not None and isinstance(effect, Call) and watch.op is not None:
-            self._settle(None)  # a call never recorded (a hook's): closed as an error
+        if watch.span is not None and type(effect) is Call and watch.op is not None:
+            if self._call is not None:
+                self._settle(None)  # a call never recorded: closed as an error
             planner = watch.planner
             self._call = telemetry.watch_call(
                 planner.saga,
@@ -57,12 +58,12 @@ class Observer:
 
     def done(self, effect: Any, watch: Watch) -> None:
         """`effect` succeeded (a call returned); for a write, it has committed."""
-        if isinstance(effect, Call):
+        if type(effect) is Call:
             if self._call is not None and watch.span is not None:
                 telemetry.call_returned(self._call)
-        else:
+        elif watch.events:
             log_events(watch.planner, watch.events)
-        if watch.after is not None:
+        if watch.after is not None and faults.armed is not None:
             _point(watch.after)
         if watch.records and self._call is not None:
             call, self._call = self._call, None
@@ -71,11 +72,11 @@ class Observer:
     def failed(self, effect: Any, watch: Watch | None, exc: BaseException) -> None:
         """`effect` raised `exc` into the flow."""
         self._failure = exc
-        if watch is None or not isinstance(effect, Call):
+        if watch is None or type(effect) is not Call:
             return
         if self._call is not None and watch.span is not None:
             telemetry.call_returned(self._call, exc, not_called=isinstance(exc, NotCalledError))
-        if watch.after is not None and isinstance(exc, Exception):
+        if watch.after is not None and faults.armed is not None and isinstance(exc, Exception):
             _point(watch.after)  # the call is done: what it raised is its outcome
 
     def drive(self, effect: Drive) -> None:
@@ -88,12 +89,14 @@ class Observer:
 
     def ended(self, failure: BaseException | None) -> None:
         """The flow returned (`failure` None) or raised `failure`: close what is open."""
-        self._settle(failure or self._failure)
+        if self._call is not None:
+            self._settle(failure or self._failure)
         if self._run is not None:
             run, self._run = self._run, None
             telemetry.end_run(run, None, failure or RuntimeError("the drive ended unfinished"))
 
     def _settle(self, failure: BaseException | None) -> None:
+        """End the span of a call the flow did not record, by how it ended."""
         if self._call is not None:
             call, self._call = self._call, None
             telemetry.settle_call(call, None, failure)

@@ -101,7 +101,7 @@ class Flows(Loop):
             if not claimed:
                 return None
             planner.lease_confirmed_at = sent
-            yield Observed(Watch(planner, events=write.events))
+            yield Observed((Watch(planner, events=write.events),))
             return planner, Released(nxt, state) if write.release else nxt
 
         return (yield from retried("claim_saga", once))
@@ -283,10 +283,9 @@ class Flows(Loop):
                 owner=self.owner,
                 lease_seconds=self.lease_seconds,
             )
-            for planner, nxt, _, _ in planned:
-                point = before_record(nxt)
-                if point is not None:
-                    yield Observed(Watch(planner, before=point))
+            yield Observed(
+                tuple(Watch(planner, before=before_record(nxt)) for planner, nxt, _, _ in planned)
+            )
         yield Commit()
         for row in unplanned:
             yield from self.release_after_error(row)
@@ -294,6 +293,7 @@ class Flows(Loop):
             return []
         answers: list[SagaState | Exception | None] = yield Fetch(read)
         claimed: list[Claimed] = []
+        committed: list[Watch] = []
         for (planner, nxt, write, _), answer in zip(planned, answers, strict=True):
             if isinstance(answer, Exception):
                 # One bad saga never stops the others: it alone is parked, with the reason.
@@ -304,8 +304,9 @@ class Flows(Loop):
                     yield from self.release_after_error(planner.saga)
                 continue
             planner.lease_confirmed_at = sent
-            yield Observed(Watch(planner, events=write.events))
+            committed.append(Watch(planner, events=write.events))
             claimed.append((planner, Released(nxt, answer) if write.release else nxt))
+        yield Observed(tuple(committed))
         return claimed
 
     def _reclaim(self, lookup: Lookup, saga_id: str, token: str) -> Flow[Claimed | None]:

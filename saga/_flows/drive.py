@@ -384,7 +384,7 @@ class Loop:
         # Observed as the write would have been, had its reply come back.
         watch = unsure.watch
         yield Observed(
-            Watch(planner, after=watch.after, events=watch.events, records=watch.records)
+            (Watch(planner, after=watch.after, events=watch.events, records=watch.records),)
         )
         if written[1] is None:
             # The write gave the lease back (a stop, a shutdown, a long backoff).

@@ -63,10 +63,10 @@ class Watch:
 
 @dataclass(frozen=True, slots=True)
 class Observed:
-    """Nothing to do but observe `watch` as done: events a write committed that the flow
-    found had landed, a fault point between effects."""
+    """Nothing to do but observe each of `watches` as done: events a write committed that
+    the flow found had landed, a fault point between effects."""
 
-    watch: Watch
+    watches: tuple[Watch, ...]
 
 
 @dataclass(frozen=True, slots=True)
