@@ -26,6 +26,7 @@ from saga._flows.effects import (
     MachineryError,
     MachineryFailedError,
     NotCalledError,
+    Observed,
     Watch,
     db,
 )
@@ -152,15 +153,12 @@ class Calls:
                 f"could not be built ({describe_error(exc)}); nothing of it ran"
             )
             return Answer(inputs.NotCalled(op.step, op.kind, reason), after_record=False)
+        # The boundary fires the fault points around the call and traces it; the lease is
+        # confirmed last, just before the call (a process stalled at `before_call` finds
+        # out there that its lease lapsed).
+        yield Observed((Watch(planner, before=("before_call", op.step, op.kind)),))
         yield from self.self_fence(planner, op)
-        # The boundary fires the fault points around the call and traces it.
-        watch = Watch(
-            planner,
-            before=("before_call", op.step, op.kind),
-            after=("after_call", op.step, op.kind),
-            span="attempt",
-            op=op,
-        )
+        watch = Watch(planner, after=("after_call", op.step, op.kind), span="attempt", op=op)
         try:
             value = yield Call(
                 spec.fn,
