@@ -30,10 +30,22 @@ from saga._core.rows import OpRow, Write
 from saga._db._store_base import parse_id
 from saga._db.database import Route, describe_url, prepared_statements_setting, resolve_database_url
 from saga._drivers import faults
+from saga._drivers.observe import log_events
 from saga._flows.claim import Flows
 from saga._flows.common import new_token
-from saga._flows.drive import RunnerOptions, log_events, retried
-from saga._flows.effects import Begin, Commit, Fetch, Flow, Pause, Stopping, db, db_txn
+from saga._flows.drive import RunnerOptions, before_record, retried
+from saga._flows.effects import (
+    Begin,
+    Commit,
+    Fetch,
+    Flow,
+    Pause,
+    Stopping,
+    Watch,
+    db,
+    db_txn,
+    watched,
+)
 from saga._flows.started import Started, StartedSagas
 from saga._flows.store_ops import StoreOps
 from saga.definition import Saga
@@ -378,13 +390,18 @@ class Engine:
         # A start whose reply was lost is retried; the retry that finds this very saga
         # (by its new id) knows the first one landed, and goes on as its creator.
         start_token = None if claim else new_token()
+        # A start that starts an attempt is its `before_record` fault point.
+        watch = None
+        if claimed is not None and (point := before_record(claimed[1])) is not None:
+            watch = Watch(claimed[0], before=point)
         # When the first try was sent: a start that claims confirms its lease no earlier.
         sent: list[float] = []
 
         def once() -> Flow[dict[str, Any]]:
             if not sent:
                 sent.append(time.monotonic())
-            outcome: dict[str, Any] = yield from db(
+            outcome: dict[str, Any] = yield from watched(
+                watch,
                 StoreOps.start_saga,
                 row,
                 ops,

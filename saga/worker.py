@@ -26,12 +26,12 @@ import psycopg
 from psycopg import sql
 
 from saga import telemetry
-from saga._core.planner import Next, Planner
+from saga._core.planner import Planner
 from saga._db.database import Route, behind_pooler, describe_url, is_malformed_url
 from saga._db.dbretry import is_transient
 from saga._drivers.driver import Runner
 from saga._drivers.loopguard import sync_only
-from saga._flows.drive import describe_error
+from saga._flows.drive import Move, describe_error
 from saga.definition import Saga
 from saga.errors import DatabaseRefused, DatabaseUnavailable
 from saga.logs import get_logger
@@ -392,7 +392,7 @@ class Worker:
         seconds = (at - datetime.now().astimezone()).total_seconds()
         return min(self.poll_seconds, max(seconds, 0.01))
 
-    def _spawn(self, runner: Runner, planner: Planner, nxt: Next) -> None:
+    def _spawn(self, runner: Runner, planner: Planner, nxt: Move) -> None:
         saga_id = planner.saga.id
         key = (saga_id, planner.saga.fence)
 

@@ -23,13 +23,13 @@ import psycopg
 from psycopg import sql
 
 from saga import telemetry
-from saga._core.planner import Next, Planner
+from saga._core.planner import Planner
 from saga._db._store_base import DatabaseGauges
 from saga._db.database import Route, behind_pooler_async, describe_url, is_malformed_url
 from saga._db.dbretry import is_transient
 from saga._db.store_async import AsyncStore
 from saga._drivers.driver_async import AsyncRunner
-from saga._flows.drive import describe_error
+from saga._flows.drive import Move, describe_error
 from saga.definition import Saga
 from saga.errors import DatabaseRefused, DatabaseUnavailable
 from saga.logs import get_logger
@@ -443,7 +443,7 @@ class AsyncWorker:
         seconds = (at - datetime.now().astimezone()).total_seconds()
         return min(self.poll_seconds, max(seconds, 0.01))
 
-    def _spawn(self, runner: AsyncRunner, planner: Planner, nxt: Next) -> None:
+    def _spawn(self, runner: AsyncRunner, planner: Planner, nxt: Move) -> None:
         saga_id = planner.saga.id
         key = (saga_id, planner.saga.fence)
 

@@ -89,6 +89,11 @@ register(
     },
 )
 register(
+    "saga/_drivers/boundary_async.py",
+    "saga/_drivers/boundary.py",
+    {"boundary_async": "boundary", "acarry_out": "carry_out", "AConn": "Conn"},
+)
+register(
     "saga/_drivers/driver_async.py",
     "saga/_drivers/driver.py",
     {

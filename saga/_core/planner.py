@@ -30,7 +30,7 @@ from saga._core.rows import (
 from saga.definition import Compensation, OperationSpec, Saga, Step
 from saga.errors import StepStateError
 from saga.keys import HASH_VERSION, canonical_json, operation_key, request_hash, same_request
-from saga.state import OperationStatus, SagaState, SagaStatus
+from saga.state import OperationStatus, SagaStatus
 
 if TYPE_CHECKING:
     from saga.approvals import ApprovalVerifier
@@ -194,8 +194,6 @@ class Planner:
         # driver's monotonic clock (set by the flows; the core reads no clock). None: not
         # confirmed by this planner's writes, so it is confirmed again before a call.
         self.lease_confirmed_at: float | None = None
-        # Set by the runner when it hands the saga back: the state its last commit left.
-        self.final_state: SagaState | None = None
         for op in ops:
             if op.status == OperationStatus.PENDING and op.retrying_unknown:
                 # Written by an earlier release, which reset an unknown operation to

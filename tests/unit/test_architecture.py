@@ -71,18 +71,7 @@ ORCHESTRATORS = {"saga.orchestrator", "saga.orchestrator_async"}
 
 # The rules above that the code does not hold yet: (importer, imported) -> why it is still there.
 _PSYCOPG = "its own connection (LISTEN, a pool) to be opened by a `_db` helper"
-_TRANSIENTS = "transient errors are to be seen as DatabaseInterrupted, the retry policy in _flows"
-_FAULTS = "fault points move to the drivers, at the effect boundary"
 KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
-    ("saga._flows.drive", "saga._db.dbretry"): _TRANSIENTS,
-    ("saga._flows.call", "saga._db.dbretry"): _TRANSIENTS,
-    ("saga._flows.claim", "saga._db.dbretry"): _TRANSIENTS,
-    ("saga._flows.common", "saga._db.dbretry"): _TRANSIENTS,
-    ("saga._flows.call", "saga._drivers.faults"): _FAULTS,
-    ("saga._flows.claim", "saga._drivers.faults"): _FAULTS,
-    ("saga._flows.drive", "saga._drivers.faults"): _FAULTS,
-    ("saga._flows.drive", "saga.telemetry"): "spans and event logs move to the drivers' effects",
-    ("saga.telemetry", "saga._flows.effects"): "the flow wrappers move to _flows/traced.py",
     ("saga.telemetry", "saga._db._store_base"): "DatabaseGauges (a type) to live lower",
     ("saga.worker", "psycopg"): _PSYCOPG,
     ("saga.worker_async", "psycopg"): _PSYCOPG,
