@@ -23,7 +23,6 @@ from saga._core.live_calls import RunningCall
 from saga._core.planner import ConfirmationRow, Event, OpRow, SagaRow, Write
 from saga._core.rows import Loaded
 from saga._db._store_base import (
-    DatabaseGauges,
     approval_params,
     batch_answers,
     batch_params,
@@ -51,7 +50,7 @@ from saga._db._store_base import (
 from saga._db.group_async import GroupCommit
 from saga._db.roles import RoleKind, check_privileges, privileges_query
 from saga.errors import SagaError, StepStateError
-from saga.state import Confirmation, HistoryEvent, SagaState, WorkerInfo
+from saga.state import Confirmation, DatabaseGauges, HistoryEvent, SagaState, WorkerInfo
 
 AConn = psycopg.AsyncConnection[dict[str, Any]]
 T = TypeVar("T")

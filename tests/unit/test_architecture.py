@@ -83,7 +83,6 @@ KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
     ("saga._flows.drive", "saga._drivers.faults"): _FAULTS,
     ("saga._flows.drive", "saga.telemetry"): "spans and event logs move to the drivers' effects",
     ("saga.telemetry", "saga._flows.effects"): "the flow wrappers move to _flows/traced.py",
-    ("saga.telemetry", "saga._db._store_base"): "DatabaseGauges (a type) to live lower",
     ("saga.worker", "psycopg"): _PSYCOPG,
     ("saga.worker_async", "psycopg"): _PSYCOPG,
     ("saga.orchestrator", "psycopg"): _PSYCOPG,
