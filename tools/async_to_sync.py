@@ -98,6 +98,27 @@ register(
         "AConn": "Conn",
     },
 )
+# The store's parts (each a base of the store), then the store that puts them together.
+register(
+    "saga/_db/_store_conn_async.py",
+    "saga/_db/_store_conn.py",
+    {"_store_conn_async": "_store_conn", "AsyncStoreConnections": "StoreConnections"},
+)
+register(
+    "saga/_db/_store_drive_async.py",
+    "saga/_db/_store_drive.py",
+    {"_store_drive_async": "_store_drive", "AsyncDriveStore": "DriveStore"},
+)
+register(
+    "saga/_db/_store_verbs_async.py",
+    "saga/_db/_store_verbs.py",
+    {"_store_verbs_async": "_store_verbs", "AsyncVerbStore": "VerbStore"},
+)
+register(
+    "saga/_db/_store_reads_async.py",
+    "saga/_db/_store_reads.py",
+    {"_store_reads_async": "_store_reads", "AsyncReadStore": "ReadStore"},
+)
 register(
     "saga/_db/store_async.py",
     "saga/_db/store.py",

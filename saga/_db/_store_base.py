@@ -2,8 +2,8 @@
 rows to the core's row types and of the core's writes to the SQL functions' arguments, and
 the translation of PostgreSQL's errors into the orchestrator's.
 
-`saga._db.store_async` (the source) and `saga._db.store` (generated from it) import these;
-nothing here opens a connection or waits.
+The store's modules (`saga._db.store_async` and its parts, the sources, and the twins
+generated from them) import these; nothing here opens a connection or waits.
 """
 
 from __future__ import annotations
