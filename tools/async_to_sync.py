@@ -106,26 +106,17 @@ register(
     },
 )
 # The store's parts (each a base of the store), then the store that puts them together.
-register(
-    "saga/_db/_store_conn_async.py",
-    "saga/_db/_store_conn.py",
-    {"_store_conn_async": "_store_conn", "AsyncStoreConnections": "StoreConnections"},
-)
-register(
-    "saga/_db/_store_drive_async.py",
-    "saga/_db/_store_drive.py",
-    {"_store_drive_async": "_store_drive", "AsyncDriveStore": "DriveStore"},
-)
-register(
-    "saga/_db/_store_verbs_async.py",
-    "saga/_db/_store_verbs.py",
-    {"_store_verbs_async": "_store_verbs", "AsyncVerbStore": "VerbStore"},
-)
-register(
-    "saga/_db/_store_reads_async.py",
-    "saga/_db/_store_reads.py",
-    {"_store_reads_async": "_store_reads", "AsyncReadStore": "ReadStore"},
-)
+for part, name in (
+    ("conn", "StoreConnections"),
+    ("drive", "DriveStore"),
+    ("verbs", "VerbStore"),
+    ("reads", "ReadStore"),
+):
+    register(
+        f"saga/_db/_store_{part}_async.py",
+        f"saga/_db/_store_{part}.py",
+        {f"_store_{part}_async": f"_store_{part}", f"Async{name}": name},
+    )
 register(
     "saga/_db/store_async.py",
     "saga/_db/store.py",
