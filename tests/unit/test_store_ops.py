@@ -38,7 +38,10 @@ def _annotations(fn: object) -> list[str]:
 
 def test_store_ops_lists_the_methods_the_flows_call() -> None:
     """Every method named here is called through a typed reference somewhere, and every
-    typed reference names a method here (mypy checks the second; this, the first)."""
+    typed reference names a method here (mypy checks the second; this, the first). The
+    Protocol holds every public method of the store's driving and verb parts: a method the
+    flows do not call belongs to another part (`saga/_db/_store_reads_async.py`, or the
+    store itself)."""
     package = Path(__file__).resolve().parents[2] / "saga"
     named = {
         name
