@@ -46,8 +46,7 @@ if TYPE_CHECKING:
 
     from saga._core.planner import OpRow, Planner, SagaRow
     from saga._core.rows import Event
-    from saga._db._store_base import DatabaseGauges
-    from saga.state import SagaState
+    from saga.state import DatabaseGauges, SagaState
 
 try:
     from opentelemetry import context as _context

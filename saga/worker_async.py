@@ -24,7 +24,6 @@ from psycopg import sql
 
 from saga import telemetry
 from saga._core.planner import Planner
-from saga._db._store_base import DatabaseGauges
 from saga._db.database import Route, behind_pooler_async, describe_url, is_malformed_url
 from saga._db.dbretry import is_transient
 from saga._db.store_async import AsyncStore
@@ -34,6 +33,7 @@ from saga.definition import Saga
 from saga.errors import DatabaseRefused, DatabaseUnavailable
 from saga.logs import get_logger
 from saga.redact import scrub
+from saga.state import DatabaseGauges
 
 if True:  # ASYNC
     import asyncio

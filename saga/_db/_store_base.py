@@ -2,8 +2,8 @@
 rows to the core's row types and of the core's writes to the SQL functions' arguments, and
 the translation of PostgreSQL's errors into the orchestrator's.
 
-`saga._db.store_async` (the source) and `saga._db.store` (generated from it) import these;
-nothing here opens a connection or waits.
+The store's modules (`saga._db.store_async` and its parts, the sources, and the twins
+generated from them) import these; nothing here opens a connection or waits.
 """
 
 from __future__ import annotations
@@ -34,7 +34,13 @@ from saga.errors import (
     StepStateError,
 )
 from saga.redact import scrub
-from saga.state import OperationState, OperationStatus, SagaState, SagaStatus
+from saga.state import (
+    DatabaseGauges,
+    OperationState,
+    OperationStatus,
+    SagaState,
+    SagaStatus,
+)
 
 # SQLSTATE raised by saga.assert_fence and saga.write_saga when the lease is no longer
 # the caller's.
@@ -455,16 +461,6 @@ def state_from(row: dict[str, Any], ops: Sequence[dict[str, Any]]) -> SagaState:
             "operations": [OperationState.model_validate(op) for op in ops],
         }
     )
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class DatabaseGauges:
-    """What the telemetry's gauges report of the sagas of one name (`database_gauges`)."""
-
-    saga: str
-    needs_review: int
-    unknown_outcomes: int
-    oldest_runnable_seconds: float
 
 
 def gauges_of(rows: Sequence[dict[str, Any]]) -> list[DatabaseGauges]:
