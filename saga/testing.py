@@ -54,13 +54,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
 
-import psycopg
 import pytest
-from psycopg import sql
-from psycopg.conninfo import make_conninfo
 from pydantic import BaseModel
 
 from saga._app import load_app
+from saga._db.scratch import throwaway_database
 from saga._drivers import faults
 from saga.definition import Saga
 from saga.errors import PermanentError, SessionBusy, SessionParked
@@ -161,15 +159,8 @@ def postgres_url(postgres_server_url: str) -> Iterator[str]:
     """URL of a fresh, empty database of this test only (the orchestrator migrates it on
     first use), dropped afterwards."""
     name = f"saga_test_{os.getpid()}_{secrets.token_hex(4)}"
-    with psycopg.connect(postgres_server_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        yield make_conninfo(postgres_server_url, dbname=name)
-    finally:
-        with psycopg.connect(postgres_server_url, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
+    with throwaway_database(postgres_server_url, name) as url:
+        yield url
 
 
 # ----- replaying the audit trail ------------------------------------------------------------

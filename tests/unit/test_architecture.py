@@ -84,14 +84,10 @@ KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
     ("saga._flows.drive", "saga.telemetry"): "spans and event logs move to the drivers' effects",
     ("saga.telemetry", "saga._flows.effects"): "the flow wrappers move to _flows/traced.py",
     ("saga.telemetry", "saga._db._store_base"): "DatabaseGauges (a type) to live lower",
-    ("saga.worker", "psycopg"): _PSYCOPG,
-    ("saga.worker_async", "psycopg"): _PSYCOPG,
     ("saga.orchestrator", "psycopg"): _PSYCOPG,
     ("saga.orchestrator", "psycopg_pool"): _PSYCOPG,
     ("saga.orchestrator_async", "psycopg"): _PSYCOPG,
     ("saga.orchestrator_async", "psycopg_pool"): _PSYCOPG,
-    ("saga.web.live", "psycopg"): _PSYCOPG,
-    ("saga.testing", "psycopg"): "the kit's throwaway database is to be made by a `_db` helper",
 }
 
 # Libraries that do I/O, run threads or event loops: none of them is reachable from the core.
