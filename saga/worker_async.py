@@ -37,7 +37,7 @@ if True:  # ASYNC
     import asyncio
     from asyncio import Event, Task
 
-    from saga._acompat import sync_only
+    from saga._acompat import loop_signals, sync_only
 else:
     from threading import Event, Thread
 
@@ -533,24 +533,13 @@ class AsyncWorker:
             yield
             return
         if True:  # ASYNC
-            loop = asyncio.get_running_loop()
 
             def on_signal(signum: signal.Signals) -> None:
                 _log.info("worker_stopping", signal=signum.name)
                 self.stop()
 
-            installed: list[signal.Signals] = []
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                try:
-                    loop.add_signal_handler(signum, on_signal, signum)
-                except (NotImplementedError, RuntimeError, ValueError):
-                    continue
-                installed.append(signum)
-            try:
+            with loop_signals(on_signal):
                 yield
-            finally:
-                for signum in installed:
-                    loop.remove_signal_handler(signum)
         else:
 
             def on_signal(signum: int, frame: object) -> None:
