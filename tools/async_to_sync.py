@@ -127,12 +127,18 @@ register(
     "saga/_db/store.py",
     {"store_async": "store", "AsyncStore": "Store", "AConn": "Conn", "group_async": "group"},
 )
+register(
+    "saga/_db/listen_async.py",
+    "saga/_db/listen.py",
+    {"listen_async": "listen", "AsyncListener": "Listener", "behind_pooler_async": "behind_pooler"},
+)
 # The doors: the workers, then the orchestrators.
 register(
     "saga/worker_async.py",
     "saga/worker.py",
     {
         "AsyncWorker": "Worker",
+        "listen_async": "listen",
         "AsyncWorkerEngine": "WorkerEngine",
         "worker_async": "worker",
         "AsyncRunner": "Runner",

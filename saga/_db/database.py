@@ -247,3 +247,11 @@ def prepare_threshold(setting: bool | None, route: Route) -> int | None:
     `max_prepared_statements`, with psycopg 3.2 and libpq 17) may be given `True`."""
     use = (not route.pooled) if setting is None else setting
     return _PREPARE_THRESHOLD if use else None
+
+
+def garbled_reply(exc: BaseException) -> bool:
+    """Whether `exc` is a reply the client could not make sense of (psycopg's own
+    InternalError, with no SQLSTATE: "received 2 results from command 'COMMIT'" when a
+    server restarts behind a pooler mid-reply): the connection is broken, not the request
+    refused."""
+    return isinstance(exc, psycopg.InternalError) and exc.sqlstate is None

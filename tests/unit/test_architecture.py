@@ -72,14 +72,10 @@ ORCHESTRATORS = {"saga.orchestrator", "saga.orchestrator_async"}
 # The rules above that the code does not hold yet: (importer, imported) -> why it is still there.
 _PSYCOPG = "its own connection (LISTEN, a pool) to be opened by a `_db` helper"
 KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
-    ("saga.worker", "psycopg"): _PSYCOPG,
-    ("saga.worker_async", "psycopg"): _PSYCOPG,
     ("saga.orchestrator", "psycopg"): _PSYCOPG,
     ("saga.orchestrator", "psycopg_pool"): _PSYCOPG,
     ("saga.orchestrator_async", "psycopg"): _PSYCOPG,
     ("saga.orchestrator_async", "psycopg_pool"): _PSYCOPG,
-    ("saga.web.live", "psycopg"): _PSYCOPG,
-    ("saga.testing", "psycopg"): "the kit's throwaway database is to be made by a `_db` helper",
 }
 
 # Libraries that do I/O, run threads or event loops: none of them is reachable from the core.
