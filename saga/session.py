@@ -194,12 +194,12 @@ class SessionFlows:
     def call(self, planner: Planner, asked: inputs.CallAsked | None, step: str) -> Flow[Planner]:
         """Record the call `step` (new when `asked`), run it to a settled outcome (or a
         park), and return the planner as the last write left it."""
-        self.definition.focus = step
+        planner.session_call = step
         try:
             planner, nxt = yield from self.flows.transact(planner, asked)
             planner, _ = yield from self.flows.carry_on(planner, nxt)
         finally:
-            self.definition.focus = None
+            planner.session_call = None
         return planner
 
     def close(self, planner: Planner, failure: str | None) -> Flow[Planner]:

@@ -280,7 +280,7 @@ class Store:
         cur = conn.execute(sql("start_saga"), {"start": start})
         row = cur.fetchone()
         assert row is not None
-        return started(saga, ops, row["outcome"])
+        return started(saga, row["outcome"])
 
     def record_fork_txn(self, conn: Conn, source: str, fork: str) -> None:
         """Make the fork and its source name each other."""

@@ -284,7 +284,7 @@ class AsyncStore:
         cur = await conn.execute(sql("start_saga"), {"start": start})
         row = await cur.fetchone()
         assert row is not None
-        return started(saga, ops, row["outcome"])
+        return started(saga, row["outcome"])
 
     async def record_fork_txn(self, conn: AConn, source: str, fork: str) -> None:
         """Make the fork and its source name each other."""
