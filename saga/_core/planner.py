@@ -319,7 +319,7 @@ class Planner(Outcomes):
         if asked is not None:
             if not any(row is asked for row in self.confirmations):
                 self.confirmations.append(asked)
-            self.changes.asked(asked)
+            self.confirmation_asked(asked)
         if verdict.used is not None:
             self.confirmation_changed(verdict.used)
         if verdict.held:

@@ -208,22 +208,27 @@ class Snapshot:
     def changed(self, op: OpRow) -> None:
         """Note that `op` changed: the next write updates it. Every change to an
         operation row goes through here (or `touch`, `add_op`)."""
-        self.changes.changed(op)
+        self.changes.ops.add(id(op))
 
     def touch(self, op: OpRow, *, status: OperationStatus) -> None:
         """Set the status of `op`, noting the row changed."""
         op.status = status
-        self.changes.changed(op)
+        self.changes.ops.add(id(op))
 
     def add_op(self, op: OpRow) -> None:
         """Add operation `op`, new: the next write creates it."""
         self.ops.append(op)
-        self.changes.added(op)
+        self.changes.added.add(id(op))
+
+    def confirmation_asked(self, row: ConfirmationRow) -> None:
+        """Note that confirmation `row` is asked for (new, or asked again with a new
+        preview): the next write records the request."""
+        self.changes.asked.add(id(row))
 
     def confirmation_changed(self, row: ConfirmationRow) -> None:
         """Note that confirmation `row` was approved, or its approval used up: the next
         write records it."""
-        self.changes.confirmed(row)
+        self.changes.confirmed.add(id(row))
 
     def set_status(self, status: SagaStatus) -> None:
         """Set the saga's status."""

@@ -18,54 +18,46 @@ from saga._core.rows import ConfirmationChange, ConfirmationRow, Event, OpRow, S
 
 
 class Changes:
-    """The rows changed since the last write, each noted once: the operations added and
-    changed, the confirmations asked for and the ones approved or used up. Rows are
-    noted by identity (the snapshot holds each row once), so noting costs a set
-    insertion, and nothing is compared or copied."""
+    """The rows changed since the last write, each noted once: the operations added
+    (`added`) and changed (`ops`), the confirmations asked for (`asked`) and the ones
+    approved or used up (`confirmed`). Rows are noted by identity (`id`: the snapshot
+    holds each row once, for as long as the planner lives), so noting costs a set
+    insertion, and nothing is compared or copied. Only the planner notes rows
+    (`saga._core.snapshot.Snapshot.changed` and its siblings)."""
 
-    __slots__ = ("_added", "_asked", "_confirmations", "_ops")
+    __slots__ = ("added", "asked", "confirmed", "ops")
 
     def __init__(self) -> None:
-        self._added: set[int] = set()
-        self._ops: set[int] = set()
-        self._asked: set[int] = set()
-        self._confirmations: set[int] = set()
-
-    def added(self, op: OpRow) -> None:
-        """`op` is new: the write creates it."""
-        self._added.add(id(op))
-
-    def changed(self, op: OpRow) -> None:
-        """`op` changed: the write updates it (or creates it, when it is new)."""
-        self._ops.add(id(op))
-
-    def asked(self, row: ConfirmationRow) -> None:
-        """Confirmation `row` is asked for (new, or asked again with a new preview)."""
-        self._asked.add(id(row))
-
-    def confirmed(self, row: ConfirmationRow) -> None:
-        """Confirmation `row` was approved, or its approval used up by an attempt."""
-        self._confirmations.add(id(row))
+        self.added: set[int] = set()
+        self.ops: set[int] = set()
+        self.asked: set[int] = set()
+        self.confirmed: set[int] = set()
 
     def take_ops(self, ops: Sequence[OpRow]) -> tuple[tuple[OpRow, ...], tuple[OpRow, ...]]:
         """The operations of `ops` added and changed since the last call, in the order of
         `ops`; the record of them starts afresh."""
-        added, changed = self._added, self._ops
+        added, changed = self.added, self.ops
         if not added and not changed:
             return (), ()
-        self._added, self._ops = set(), set()
-        new = tuple(op for op in ops if id(op) in added)
-        rest = tuple(op for op in ops if id(op) in changed and id(op) not in added)
-        return new, rest
+        self.added, self.ops = set(), set()
+        new: list[OpRow] = []
+        rest: list[OpRow] = []
+        for op in ops:
+            key = id(op)
+            if key in added:
+                new.append(op)
+            elif key in changed:
+                rest.append(op)
+        return tuple(new), tuple(rest)
 
     def take_confirmations(self, rows: Sequence[ConfirmationRow]) -> tuple[ConfirmationChange, ...]:
         """The confirmation changes since the last call, in the order of `rows`: `ask`
         for a row asked for, else `consume` for a row whose approval an attempt used up,
         `approve` for one approved; the record of them starts afresh."""
-        asked, confirmed = self._asked, self._confirmations
+        asked, confirmed = self.asked, self.confirmed
         if not asked and not confirmed:
             return ()
-        self._asked, self._confirmations = set(), set()
+        self.asked, self.confirmed = set(), set()
         changes: list[ConfirmationChange] = []
         for row in rows:
             if id(row) in asked:
