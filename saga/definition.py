@@ -341,8 +341,6 @@ class Saga(Generic[InputT]):
 
     # A session (saga.session) is a saga whose steps are added as its code calls them.
     is_session = False
-    # The step a session's code is calling now (None between calls).
-    focus: str | None = None
 
     def __repr__(self) -> str:
         return f"Saga({self.name!r}, version={self.version})"

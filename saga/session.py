@@ -198,12 +198,12 @@ class SessionFlows:
         """Record the call `step` (new when `asked`), run it to a settled outcome (or a
         park), and return the planner as the last write left it, with the session's state
         when that write gave the lease back (a park)."""
-        self.definition.focus = step
+        planner.session_call = step
         try:
             planner, nxt = yield from self.flows.transact(planner, asked)
             planner, nxt = yield from self.flows.carry_on(planner, nxt)
         finally:
-            self.definition.focus = None
+            planner.session_call = None
         return planner, nxt.state if isinstance(nxt, Released) else None
 
     def close(self, planner: Planner, failure: str | None) -> Flow[SagaState | None]:

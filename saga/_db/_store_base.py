@@ -542,16 +542,14 @@ def claimed_started(outcome: dict[str, Any]) -> tuple[bool, SagaState | None]:
     return True, state_of(outcome["state"])
 
 
-def started(saga: SagaRow, ops: Sequence[OpRow], outcome: dict[str, Any]) -> dict[str, Any]:
-    """What saga.start_saga answered, with the new rows marked as written when it created
-    the saga (see the store's `start_saga`)."""
+def started(saga: SagaRow, outcome: dict[str, Any]) -> dict[str, Any]:
+    """What saga.start_saga answered, with the columns the server set read into `saga`
+    when it created the saga (see the store's `start_saga`)."""
     if not outcome["created"] and str(outcome["id"]) == saga.id:
         # This very start, retried after its reply was lost: it had landed. The saga
         # is ours, created as planned (its id is new to every start).
         outcome = {"created": True}
     if outcome["created"]:
-        for op in ops:
-            op.new = op.dirty = False
         for name in ("run_after", "created_at", "updated_at"):
             if name in outcome:
                 setattr(saga, name, datetime.fromisoformat(outcome[name]))

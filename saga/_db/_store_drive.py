@@ -170,7 +170,7 @@ class DriveStore(StoreConnections):
         cur = conn.execute(sql("start_saga"), {"start": start})
         row = cur.fetchone()
         assert row is not None
-        return started(saga, ops, row["outcome"])
+        return started(saga, row["outcome"])
 
     def start_saga(
         self,

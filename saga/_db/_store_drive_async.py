@@ -172,7 +172,7 @@ class AsyncDriveStore(AsyncStoreConnections):
         cur = await conn.execute(sql("start_saga"), {"start": start})
         row = await cur.fetchone()
         assert row is not None
-        return started(saga, ops, row["outcome"])
+        return started(saga, row["outcome"])
 
     async def start_saga(
         self,

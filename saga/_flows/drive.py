@@ -426,6 +426,7 @@ class Loop:
         assert loaded is not None  # the fence check found the row
         fresh = self._planner(planner.definition, loaded)
         fresh.lease_confirmed_at = sent  # the fence check renewed the lease
+        fresh.session_call = planner.session_call  # the session's call, carried on
         return fresh
 
     def _planner(self, definition: Saga[Any], loaded: Loaded) -> Planner:
