@@ -103,6 +103,11 @@ register(
     "saga/_db/store.py",
     {"store_async": "store", "AsyncStore": "Store", "AConn": "Conn", "group_async": "group"},
 )
+register(
+    "saga/_db/pool_async.py",
+    "saga/_db/pool.py",
+    {"pool_async": "pool", "AsyncStore": "Store", "store_async": "store"},
+)
 # The doors: the workers, then the orchestrators.
 register(
     "saga/worker_async.py",
@@ -121,11 +126,12 @@ register(
     },
 )
 register(
-    "saga/orchestrator_async.py",
-    "saga/orchestrator.py",
+    "saga/_orchestrator_base_async.py",
+    "saga/_orchestrator_base.py",
     {
-        "AsyncOrchestrator": "Orchestrator",
-        "orchestrator_async": "orchestrator",
+        "AsyncOrchestratorBase": "OrchestratorBase",
+        "_orchestrator_base_async": "_orchestrator_base",
+        "pool_async": "pool",
         "AsyncWorker": "Worker",
         "worker_async": "worker",
         "AsyncRunner": "Runner",
@@ -135,6 +141,16 @@ register(
         "AsyncLeaseKeeper": "LeaseKeeper",
         "AsyncLedger": "Ledger",
         "AsyncSession": "Session",
+    },
+)
+register(
+    "saga/orchestrator_async.py",
+    "saga/orchestrator.py",
+    {
+        "AsyncOrchestrator": "Orchestrator",
+        "orchestrator_async": "orchestrator",
+        "AsyncOrchestratorBase": "OrchestratorBase",
+        "_orchestrator_base_async": "_orchestrator_base",
     },
 )
 
