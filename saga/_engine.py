@@ -30,11 +30,11 @@ from saga._drivers import faults
 from saga._flows import verbs
 from saga._flows.claim import Flows
 from saga._flows.drive import RunnerOptions
-from saga._flows.effects import Begin, Commit, Fetch, Flow, db, db_txn
+from saga._flows.effects import Commit, Fetch, Flow, db, db_txn
 from saga._flows.started import StartedSagas
 from saga._flows.store_ops import StoreOps
 from saga.definition import Saga
-from saga.errors import NotRegistered, SagaDefinitionError, SagaNotFound, StepStateError
+from saga.errors import NotRegistered, SagaDefinitionError, StepStateError
 from saga.logs import get_logger
 from saga.state import SagaHandle, SagaState, SagaStatus
 from saga.upgrade import UpgradePlan, UpgradeRefused, plan_upgrade
@@ -354,11 +354,7 @@ class Engine:
         token: str,
         made: list[UpgradePlan],
     ) -> Flow[tuple[UpgradePlan, SagaState]]:
-        yield Begin(pipelined=False)
-        locked = yield from db_txn(StoreOps.lock_saga_txn, saga_id)
-        if locked is None:
-            raise SagaNotFound(saga_id)
-        row, live = locked
+        row, live = yield from verbs.locked(saga_id)
         ops: list[OpRow] = yield from db_txn(StoreOps.operations_txn, saga_id)
         upgrade = plan_upgrade(
             row,

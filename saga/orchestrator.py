@@ -5,7 +5,9 @@
 `AsyncOrchestrator` has every verb as a coroutine; `Orchestrator` has the same verbs, and
 blocks. `saga/orchestrator_async.py` is the source of both: `saga/orchestrator.py` is
 generated from it by `tools/async_to_sync.py`, which keeps the `else:` branch of each
-`if True:  # ASYNC` block, where the few lines that differ sit.
+`if True:  # ASYNC` block, where the few lines that differ sit. Their connection, the
+verbs that read and the doors they make are their base's (`saga._orchestrator_base_async`);
+the flows of their verbs are `saga._flows.verbs`.
 """
 
 from __future__ import annotations
@@ -177,21 +179,14 @@ class Orchestrator(OrchestratorBase):
         the audit trail; an empty or blank one is refused (`ValueError`).
         """
         check_actor("raise_ceilings", actor)
-        return self._drive(
-            verbs.operator_change(
-                self,
-                saga_id,
-                inputs.RaiseCeilings(
-                    actor=actor,
-                    max_operations=max_operations,
-                    spend_budget=spend_budget,
-                    max_side_effects=max_side_effects,
-                    extend_deadline_seconds=extend_deadline_seconds,
-                ),
-                force=force,
-                actor=actor,
-            )
+        request = inputs.RaiseCeilings(
+            actor=actor,
+            max_operations=max_operations,
+            spend_budget=spend_budget,
+            max_side_effects=max_side_effects,
+            extend_deadline_seconds=extend_deadline_seconds,
         )
+        return self._drive(verbs.operator_change(self, saga_id, request, force=force, actor=actor))
 
     # ----- confirmations -----------------------------------------------------------------
 
@@ -240,14 +235,9 @@ class Orchestrator(OrchestratorBase):
         """
         granted = self._verify_approval(saga_id, step, request_hash, approval)
         # Approving runs no step code, so the approvers' tooling need not register the saga.
+        request = inputs.Approve(step, request_hash, actor=granted.actor, approval=approval)
         return self._drive(
-            verbs.operator_change(
-                self,
-                saga_id,
-                inputs.Approve(step, request_hash, actor=granted.actor, approval=approval),
-                actor=granted.actor,
-                registered=False,
-            )
+            verbs.operator_change(self, saga_id, request, actor=granted.actor, registered=False)
         )
 
     # ----- retention ---------------------------------------------------------------------
@@ -293,15 +283,8 @@ class Orchestrator(OrchestratorBase):
         running the call, and an empty or blank one is refused (`ValueError`).
         """
         actor = actor_or_os_user("compensate", actor)
-        state = self._drive(
-            verbs.operator_change(
-                self,
-                saga_id,
-                inputs.RequestCompensation(actor=actor, include_unknown=include_unknown),
-                force=force,
-                actor=actor,
-            )
-        )
+        request = inputs.RequestCompensation(actor=actor, include_unknown=include_unknown)
+        state = self._drive(verbs.operator_change(self, saga_id, request, force=force, actor=actor))
         return self.run(state.id)
 
     @sync_only()
@@ -338,15 +321,7 @@ class Orchestrator(OrchestratorBase):
         request = self._resolution(
             state, step, outcome=outcome, result=result, actor=actor, reason=reason, kind=kind
         )
-        return self._drive(
-            verbs.operator_change(
-                self,
-                state.id,
-                request,
-                force=force,
-                actor=actor,
-            )
-        )
+        return self._drive(verbs.operator_change(self, state.id, request, force=force, actor=actor))
 
     @sync_only()
     def retry(
@@ -370,15 +345,8 @@ class Orchestrator(OrchestratorBase):
         if extra_attempts < 0:
             raise ValueError(f"extra_attempts must not be negative, got {extra_attempts}")
         actor = actor_or_os_user("retry", actor)
-        return self._drive(
-            verbs.operator_change(
-                self,
-                saga_id,
-                inputs.RequestRetry(extra_attempts=extra_attempts, actor=actor),
-                force=force,
-                actor=actor,
-            )
-        )
+        request = inputs.RequestRetry(extra_attempts=extra_attempts, actor=actor)
+        return self._drive(verbs.operator_change(self, saga_id, request, force=force, actor=actor))
 
     @sync_only()
     def fork(
@@ -481,12 +449,5 @@ class Orchestrator(OrchestratorBase):
         if not reason:
             raise ValueError("cancel() needs a reason")
         actor = actor_or_os_user("cancel", actor)
-        return self._drive(
-            verbs.operator_change(
-                self,
-                saga_id,
-                inputs.RequestCancel(reason=reason, actor=actor, include_unknown=include_unknown),
-                force=force,
-                actor=actor,
-            )
-        )
+        request = inputs.RequestCancel(reason=reason, actor=actor, include_unknown=include_unknown)
+        return self._drive(verbs.operator_change(self, saga_id, request, force=force, actor=actor))

@@ -76,6 +76,16 @@ def check_id(saga_id: str) -> str:
         raise SagaNotFound(saga_id) from None
 
 
+def locked(saga_id: str) -> Flow[tuple[SagaRow, bool]]:
+    """Begin a transaction and lock the saga's row: the row, and whether a live lease holds
+    it; `SagaNotFound` when there is no such saga."""
+    yield Begin(pipelined=False)
+    found = yield from db_txn(StoreOps.lock_saga_txn, saga_id)
+    if found is None:
+        raise SagaNotFound(saga_id)
+    return found
+
+
 def changed_once(
     name: str,
     saga_id: str,
@@ -303,11 +313,7 @@ def _change_txn(
     registered: bool,
     token: str,
 ) -> Flow[SagaState]:
-    yield Begin(pipelined=False)
-    locked = yield from db_txn(StoreOps.lock_saga_txn, saga_id)
-    if locked is None:
-        raise SagaNotFound(saga_id)
-    row, live = locked
+    row, live = yield from locked(saga_id)
     definition = engine._definition_or_none(row.name, row.version)
     if definition is None:
         if registered:
@@ -426,11 +432,7 @@ def _fork_txn(
     actor: str | None,
     token: str,
 ) -> Flow[SagaHandle]:
-    yield Begin(pipelined=False)
-    locked = yield from db_txn(StoreOps.lock_saga_txn, saga_id)
-    if locked is None:
-        raise SagaNotFound(saga_id)
-    row, live = locked
+    row, live = yield from locked(saga_id)
     if row.name.startswith(LEDGER_PREFIX):
         raise StepStateError(
             f"saga {saga_id} is a ledger channel: its calls are claimed by their callers, "
