@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from datetime import timedelta
 from threading import Event
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, Self, TypeVar
 
 from saga._db.pool import open_store
 from saga._db.store import Store
@@ -35,15 +35,15 @@ _DOOR = "Orchestrator"
 if TYPE_CHECKING:
     from saga.worker import Worker
 
-T = TypeVar("T")
-_Method = TypeVar("_Method", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-def _named(method: _Method) -> _Method:
-    """`method` named as the orchestrator's (`Orchestrator.get`), not this base's: the
-    name a blocking call refused in an event loop gives (`sync_only`)."""
+def _guarded(method: Callable[P, R]) -> Callable[P, R]:
+    """`sync_only`, with `method` named as the orchestrator's (`Orchestrator.get`), not
+    this base's: the name a blocking call refused in an event loop gives."""
     method.__qualname__ = f"{_DOOR}.{method.__name__}"
-    return method
+    return sync_only()(method)
 
 
 class OrchestratorBase(Engine):
@@ -102,8 +102,7 @@ class OrchestratorBase(Engine):
         )
         return store
 
-    @sync_only()
-    @_named
+    @_guarded
     def ensure_pool_size(self, connections: int) -> None:
         """Size the connection pool for a worker that needs `connections` (workers call
         this): to exactly that when `pool_size` was not given, else at least that."""
@@ -129,7 +128,7 @@ class OrchestratorBase(Engine):
         """A driver of this orchestrator's flows with the default options."""
         return self.runner()
 
-    def _drive(self, flow: Flow[T]) -> T:
+    def _drive(self, flow: Flow[R]) -> R:
         """Carry `flow` out with a driver of this orchestrator's (`runner`)."""
         runner = self.runner()
         return runner.run(flow)
@@ -151,14 +150,12 @@ class OrchestratorBase(Engine):
 
     # ----- reading -----------------------------------------------------------------------
 
-    @sync_only()
-    @_named
+    @_guarded
     def get(self, saga_id: str) -> SagaState:
         """The saga and its operations; `SagaNotFound` when there is none."""
         return self._drive(verbs.get(saga_id))
 
-    @sync_only()
-    @_named
+    @_guarded
     def list(
         self,
         status: str | None = None,
@@ -188,31 +185,27 @@ class OrchestratorBase(Engine):
             key=list_key(key),
         )
 
-    @sync_only()
-    @_named
+    @_guarded
     def workers(self) -> builtins.list[WorkerInfo]:
         """Live workers of this database and the saga kinds (name:version) each runs."""
         store = self._connected()
         return store.live_workers()
 
-    @sync_only()
-    @_named
+    @_guarded
     def history(self, saga_id: str) -> builtins.list[HistoryEvent]:
         """The audit trail of a saga, oldest first."""
         self.get(saga_id)
         store = self._connected()
         return store.history(saga_id)
 
-    @sync_only()
-    @_named
+    @_guarded
     def confirmations(self, saga_id: str) -> builtins.list[Confirmation]:
         """Every confirmation a saga asked for, pending and approved, oldest first."""
         self.get(saga_id)
         store = self._connected()
         return store.confirmations(saga_id)
 
-    @sync_only()
-    @_named
+    @_guarded
     def preview(self, saga_id: str) -> Confirmation | None:
         """The confirmation a saga waits for, or None when it waits for none.
 

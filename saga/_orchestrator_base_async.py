@@ -13,7 +13,7 @@ import builtins
 import threading
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, Self, TypeVar
 
 from saga._db.pool_async import open_store
 from saga._db.store_async import AsyncStore
@@ -43,15 +43,15 @@ else:
 if TYPE_CHECKING:
     from saga.worker_async import AsyncWorker
 
-T = TypeVar("T")
-_Method = TypeVar("_Method", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-def _named(method: _Method) -> _Method:
-    """`method` named as the orchestrator's (`Orchestrator.get`), not this base's: the
-    name a blocking call refused in an event loop gives (`sync_only`)."""
+def _guarded(method: Callable[P, R]) -> Callable[P, R]:
+    """`sync_only`, with `method` named as the orchestrator's (`Orchestrator.get`), not
+    this base's: the name a blocking call refused in an event loop gives."""
     method.__qualname__ = f"{_DOOR}.{method.__name__}"
-    return method
+    return sync_only()(method)
 
 
 class AsyncOrchestratorBase(Engine):
@@ -152,8 +152,7 @@ class AsyncOrchestratorBase(Engine):
         )
         return store
 
-    @sync_only()
-    @_named
+    @_guarded
     async def ensure_pool_size(self, connections: int) -> None:
         """Size the connection pool for a worker that needs `connections` (workers call
         this): to exactly that when `pool_size` was not given, else at least that."""
@@ -184,7 +183,7 @@ class AsyncOrchestratorBase(Engine):
         """A driver of this orchestrator's flows with the default options."""
         return await self.runner()
 
-    async def _drive(self, flow: Flow[T]) -> T:
+    async def _drive(self, flow: Flow[R]) -> R:
         """Carry `flow` out with a driver of this orchestrator's (`runner`)."""
         runner = await self.runner()
         return await runner.run(flow)
@@ -209,14 +208,12 @@ class AsyncOrchestratorBase(Engine):
 
     # ----- reading -----------------------------------------------------------------------
 
-    @sync_only()
-    @_named
+    @_guarded
     async def get(self, saga_id: str) -> SagaState:
         """The saga and its operations; `SagaNotFound` when there is none."""
         return await self._drive(verbs.get(saga_id))
 
-    @sync_only()
-    @_named
+    @_guarded
     async def list(
         self,
         status: str | None = None,
@@ -246,31 +243,27 @@ class AsyncOrchestratorBase(Engine):
             key=list_key(key),
         )
 
-    @sync_only()
-    @_named
+    @_guarded
     async def workers(self) -> builtins.list[WorkerInfo]:
         """Live workers of this database and the saga kinds (name:version) each runs."""
         store = await self._connected()
         return await store.live_workers()
 
-    @sync_only()
-    @_named
+    @_guarded
     async def history(self, saga_id: str) -> builtins.list[HistoryEvent]:
         """The audit trail of a saga, oldest first."""
         await self.get(saga_id)
         store = await self._connected()
         return await store.history(saga_id)
 
-    @sync_only()
-    @_named
+    @_guarded
     async def confirmations(self, saga_id: str) -> builtins.list[Confirmation]:
         """Every confirmation a saga asked for, pending and approved, oldest first."""
         await self.get(saga_id)
         store = await self._connected()
         return await store.confirmations(saga_id)
 
-    @sync_only()
-    @_named
+    @_guarded
     async def preview(self, saga_id: str) -> Confirmation | None:
         """The confirmation a saga waits for, or None when it waits for none.
 
