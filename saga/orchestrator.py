@@ -21,12 +21,7 @@ from saga._core import inputs
 from saga._core.requests import check_actor
 from saga._db.database import connection_kwargs, session_options, transaction_settings
 from saga._drivers.loopguard import sync_only
-from saga._engine import (
-    ENV_APPROVAL_PUBLIC_KEY,
-    ENV_CONFIRMATION_KEY,
-    resolve_arguments,
-    upgraded,
-)
+from saga._engine import ENV_APPROVAL_PUBLIC_KEY, ENV_CONFIRMATION_KEY, resolve_arguments, upgraded
 from saga._flows import verbs
 from saga._orchestrator_base import OrchestratorBase
 from saga.definition import Saga

@@ -18,12 +18,7 @@ from saga._actors import actor_or_os_user
 from saga._core import inputs
 from saga._core.requests import check_actor
 from saga._db.database import connection_kwargs, session_options, transaction_settings
-from saga._engine import (
-    ENV_APPROVAL_PUBLIC_KEY,
-    ENV_CONFIRMATION_KEY,
-    resolve_arguments,
-    upgraded,
-)
+from saga._engine import ENV_APPROVAL_PUBLIC_KEY, ENV_CONFIRMATION_KEY, resolve_arguments, upgraded
 from saga._flows import verbs
 from saga._orchestrator_base_async import AsyncOrchestratorBase
 from saga.definition import Saga
