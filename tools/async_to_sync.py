@@ -132,6 +132,11 @@ register(
     "saga/_db/listen.py",
     {"listen_async": "listen", "AsyncListener": "Listener", "behind_pooler_async": "behind_pooler"},
 )
+register(
+    "saga/_db/pool_async.py",
+    "saga/_db/pool.py",
+    {"pool_async": "pool", "AsyncStore": "Store", "store_async": "store"},
+)
 # The doors: the workers, then the orchestrators.
 register(
     "saga/worker_async.py",
@@ -151,11 +156,12 @@ register(
     },
 )
 register(
-    "saga/orchestrator_async.py",
-    "saga/orchestrator.py",
+    "saga/_orchestrator_base_async.py",
+    "saga/_orchestrator_base.py",
     {
-        "AsyncOrchestrator": "Orchestrator",
-        "orchestrator_async": "orchestrator",
+        "AsyncOrchestratorBase": "OrchestratorBase",
+        "_orchestrator_base_async": "_orchestrator_base",
+        "pool_async": "pool",
         "AsyncWorker": "Worker",
         "worker_async": "worker",
         "AsyncRunner": "Runner",
@@ -165,6 +171,16 @@ register(
         "AsyncLeaseKeeper": "LeaseKeeper",
         "AsyncLedger": "Ledger",
         "AsyncSession": "Session",
+    },
+)
+register(
+    "saga/orchestrator_async.py",
+    "saga/orchestrator.py",
+    {
+        "AsyncOrchestrator": "Orchestrator",
+        "orchestrator_async": "orchestrator",
+        "AsyncOrchestratorBase": "OrchestratorBase",
+        "_orchestrator_base_async": "_orchestrator_base",
     },
 )
 
