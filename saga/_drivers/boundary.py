@@ -22,13 +22,14 @@ from typing import Any, TypeVar
 from saga._db.dbretry import is_transient
 from saga._db.store import Conn
 from saga._drivers.observe import Observer
-from saga._flows.effects import Begin, Call, Commit, Db, Drive, Effect, Flow, Observed
+from saga._flows.effects import Begin, Call, Commit, Db, Drive, Effect, Flow, Observed, Reached
 from saga.errors import DatabaseInterrupted
 
 T = TypeVar("T")
 
-# The effects that may carry a `Watch`.
+# The effects that may carry a `Watch`, and those the boundary carries out itself.
 _WATCHED = (Db, Commit, Call)
+_OWN = frozenset({Begin, Commit, Reached, Observed, Drive})
 
 
 def carry_out(
@@ -60,30 +61,28 @@ def carry_out(
             seen.ended(exc)
             raise
         value, error = None, None
-        # Dispatched on the exact class (no effect is subclassed): no call per branch.
-        kind = type(step)
-        watch = None
-        if type(step) is Db or type(step) is Call or type(step) is Commit:
-            watch = step.watch
+        watch = step.watch if isinstance(step, _WATCHED) else None
         try:
             if watch is not None:
                 seen.before(step, watch)
-            if type(step) is Begin:
+            if type(step) not in _OWN:  # the common case: the driver's to carry out
+                value = effect(step, conn)
+            elif isinstance(step, Begin):
                 assert txn is None, "transactions do not nest"
                 txn = ExitStack()
                 conn = txn.enter_context(open_transaction(step.pipelined))
-            elif kind is Commit:
+            elif isinstance(step, Commit):
                 assert txn is not None, "Commit without Begin"
                 done, txn, conn = txn, None, None
                 done.close()
-            elif type(step) is Observed:
+            elif isinstance(step, Reached):
+                seen.reached(step.point)
+            elif isinstance(step, Observed):
                 for each in step.watches:
                     seen.before(step, each)
                     seen.done(step, each)
-            elif type(step) is Drive:
+            elif isinstance(step, Drive):
                 seen.drive(step)
-            else:
-                value = effect(step, conn)
         except BaseException as exc:
             if txn is not None:
                 # The transaction is rolled back before the flow hears of the error.
@@ -93,7 +92,7 @@ def carry_out(
                 except BaseException as raised:
                     exc = raised
             seen.failed(step, watch, exc)
-            error = exc if kind is Call else _interrupted(exc)
+            error = exc if type(step) is Call else _interrupted(exc)
         else:
             if watch is not None:
                 seen.done(step, watch)

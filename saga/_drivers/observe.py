@@ -79,6 +79,11 @@ class Observer:
         if watch.after is not None and faults.armed is not None and isinstance(exc, Exception):
             _point(watch.after)  # the call is done: what it raised is its outcome
 
+    def reached(self, point: Point) -> None:
+        """A fault point between effects."""
+        if faults.armed is not None:
+            _point(point)
+
     def drive(self, effect: Drive) -> None:
         """A drive begins or ends."""
         if not effect.ended:

@@ -26,7 +26,7 @@ from saga._flows.effects import (
     MachineryError,
     MachineryFailedError,
     NotCalledError,
-    Observed,
+    Reached,
     Watch,
     db,
 )
@@ -156,7 +156,7 @@ class Calls:
         # The boundary fires the fault points around the call and traces it; the lease is
         # confirmed last, just before the call (a process stalled at `before_call` finds
         # out there that its lease lapsed).
-        yield Observed((Watch(planner, before=("before_call", op.step, op.kind)),))
+        yield Reached(("before_call", op.step, op.kind))
         yield from self.self_fence(planner, op)
         watch = Watch(planner, after=("after_call", op.step, op.kind), span="attempt", op=op)
         try:

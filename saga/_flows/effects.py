@@ -32,7 +32,7 @@ Hold = tuple[str, int]
 Point = tuple[str, str, str]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Watch:
     """What the driver observes around an effect, at its boundary (`saga._drivers.boundary`):
     the flows say what an effect is; the boundary fires the fault points (`saga.testing`),
@@ -59,6 +59,16 @@ class Watch:
     span: str | None = None
     op: OpRow | None = None
     records: bool = False
+    # Not frozen: one is made for every write, and a frozen dataclass's __init__ costs
+    # about twice as much. Nothing changes a Watch once made.
+
+
+@dataclass(frozen=True, slots=True)
+class Reached:
+    """A fault point between effects (`before_call`: the attempt is recorded as running,
+    its lease is yet to be confirmed for the call)."""
+
+    point: Point
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +176,18 @@ class AwaitAbandoned:
 
 
 Effect = (
-    Begin | Commit | Db | Fetch | Call | Wait | Pause | Stopping | AwaitAbandoned | Observed | Drive
+    Begin
+    | Commit
+    | Db
+    | Fetch
+    | Call
+    | Wait
+    | Pause
+    | Stopping
+    | AwaitAbandoned
+    | Reached
+    | Observed
+    | Drive
 )
 Flow = Generator[Effect, Any, T]
 
