@@ -125,8 +125,25 @@ def events_logger() -> SafeLogger:
 
 def step_logger(**initial: Any) -> Any:
     """A step's `ctx.log`: the same destination as the library's events, but not guarded:
-    what a step's own logging raises is the step's business."""
-    return SafeLogger("saga", **initial).resolve()
+    what a step's own logging raises is the step's business. Resolved on its first use
+    (most steps never log), through the logging configured then."""
+    return _StepLog(initial)
+
+
+class _StepLog:
+    """A step's logger, made on the first use of any of its methods (`info`, `bind`...):
+    the structlog logger `SafeLogger.resolve` gives, bound with the step's fields."""
+
+    __slots__ = ("_initial", "_resolved")
+
+    def __init__(self, initial: dict[str, Any]) -> None:
+        self._initial = initial
+        self._resolved: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._resolved is None:
+            self._resolved = SafeLogger("saga", **self._initial).resolve()
+        return getattr(self._resolved, name)
 
 
 def log_retry(
