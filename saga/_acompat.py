@@ -13,15 +13,19 @@ same shape, so that code written against the asyncio name reads right under eith
   `stop`: a background worker, a task on the running loop or a daemon thread;
 - `AThreadResult` / `ThreadResult`: what a thread running user code hands back to the one
   waiting for it, with a bounded wait.
+
+`loop_signals` has no blocking twin: a thread takes signals through `signal.signal`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from types import FrameType
 from typing import Any, Generic, TypeAlias, TypeVar
 
 T = TypeVar("T")
@@ -184,3 +188,30 @@ def sync_only(*, runs_steps: bool = False) -> Callable[[_Method], _Method]:
         return method
 
     return keep
+
+
+@contextlib.contextmanager
+def loop_signals(
+    on_signal: Callable[[signal.Signals], object],
+    *,
+    then: Callable[[int, FrameType | None], Any] | None = None,
+) -> Iterator[None]:
+    """While the block runs, SIGTERM and SIGINT call `on_signal(signum)` on the running
+    loop, which wakes at once (each signal the loop can take: not where the platform has no
+    loop signal handlers, nor outside the main thread). Afterwards the loop lets them go,
+    each back to Python's default, or to `then` when given."""
+    loop = asyncio.get_running_loop()
+    installed: list[signal.Signals] = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(signum, on_signal, signum)
+        except (NotImplementedError, RuntimeError, ValueError):
+            continue
+        installed.append(signum)
+    try:
+        yield
+    finally:
+        for signum in installed:
+            loop.remove_signal_handler(signum)
+            if then is not None:
+                signal.signal(signum, then)

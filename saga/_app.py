@@ -10,7 +10,6 @@ import inspect
 import os
 import sys
 from collections.abc import Awaitable
-from types import TracebackType
 from typing import Any, TypeVar, cast
 
 from saga._db.database import ENV_URL, describe_url
@@ -194,12 +193,7 @@ class AsyncApp:
     def __enter__(self) -> AsyncApp:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import structlog
 
 from saga.amounts import finite_amount
+from saga.logs import step_logger
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +25,8 @@ class StepContext:
         attempt: Attempt number, from 1; for a reconcile, the attempt being asked about.
         fence: Fencing token of the lease under which this attempt runs.
         results: Results of the saga's succeeded steps, by step name.
-        log: A structlog logger bound with saga id, step, attempt and key.
+        log: A structlog logger bound with saga id, step, attempt and key (made from
+            those fields when not given; bound lazily, on the first log call).
         request: The request prepared for this attempt (see `Step.prepare`), else None.
     """
 
@@ -36,12 +38,23 @@ class StepContext:
     attempt: int
     fence: int
     results: Mapping[str, Any]
-    log: structlog.typing.FilteringBoundLogger
+    log: structlog.typing.FilteringBoundLogger = field(default=cast(Any, None))
     request: Any = None
     _spent: list[float] = field(default_factory=list, repr=False)
     # Set by the runner: persists the attempt's running total as each report is made.
     _report: Callable[[float], None] | None = field(default=None, repr=False)
     _refused: list[str] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.log is None:
+            logger = step_logger(
+                saga_id=self.saga_id,
+                step=self.step,
+                kind=self.kind,
+                attempt=self.attempt,
+                idempotency_key=self.idempotency_key,
+            )
+            object.__setattr__(self, "log", logger)
 
     def spend(self, amount: float) -> None:
         """Report spend of this attempt; it counts against the saga's spend budget.

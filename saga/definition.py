@@ -13,7 +13,7 @@ from saga.codec import ResultCodec
 from saga.errors import SagaDefinitionError
 from saga.keys import JsonValue, request_hash
 from saga.retry import RetryPolicy
-from saga.signatures import check_signature
+from saga.signatures import check_signature, is_async
 
 InputT = TypeVar("InputT", bound=BaseModel)
 Fn = TypeVar("Fn", bound=Callable[..., Any])
@@ -109,6 +109,8 @@ class OperationSpec:
         if callable(guards.confirm):
             check_signature(guards.confirm, f"confirm function of {self.where}", ("request",))
         self.fn = fn
+        # Decided once, at declaration: the driver awaits a coroutine function's call.
+        self.is_async = is_async(fn)
         self.retry = retry
         self.idempotent = idempotent
         self.guards = guards
@@ -339,8 +341,6 @@ class Saga(Generic[InputT]):
 
     # A session (saga.session) is a saga whose steps are added as its code calls them.
     is_session = False
-    # The step a session's code is calling now (None between calls).
-    focus: str | None = None
 
     def __repr__(self) -> str:
         return f"Saga({self.name!r}, version={self.version})"

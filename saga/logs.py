@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from saga.redact import redact
+from saga.redact import redact, scrub
 
 # What the stdlib path renders: a "event key=value ..." message for any handler, and the
 # fields themselves on the record as `saga_event` and `saga_fields`.
@@ -125,5 +125,41 @@ def events_logger() -> SafeLogger:
 
 def step_logger(**initial: Any) -> Any:
     """A step's `ctx.log`: the same destination as the library's events, but not guarded:
-    what a step's own logging raises is the step's business."""
-    return SafeLogger("saga", **initial).resolve()
+    what a step's own logging raises is the step's business. Resolved on its first use
+    (most steps never log), through the logging configured then."""
+    return _StepLog(initial)
+
+
+class _StepLog:
+    """A step's logger, made on the first use of any of its methods (`info`, `bind`...):
+    the structlog logger `SafeLogger.resolve` gives, bound with the step's fields."""
+
+    __slots__ = ("_initial", "_resolved")
+
+    def __init__(self, initial: dict[str, Any]) -> None:
+        self._initial = initial
+        self._resolved: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._resolved is None:
+            self._resolved = SafeLogger("saga", **self._initial).resolve()
+        return getattr(self._resolved, name)
+
+
+def log_retry(
+    what: str,
+    exc: BaseException | None,
+    *,
+    attempt: int = 1,
+    retry_in: float = 0.0,
+    url: str | None = None,
+) -> None:
+    """Log a transient failure of database work that is about to be retried; no piece of
+    the password of `url` (the URL the work connects with) shows in it."""
+    get_logger("saga").warning(
+        "database_retry",
+        what=what,
+        attempt=attempt,
+        error=scrub(f"{type(exc).__name__}: {exc}".strip(), url),
+        retry_in_seconds=round(retry_in, 3),
+    )

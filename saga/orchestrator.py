@@ -5,52 +5,29 @@
 `AsyncOrchestrator` has every verb as a coroutine; `Orchestrator` has the same verbs, and
 blocks. `saga/orchestrator_async.py` is the source of both: `saga/orchestrator.py` is
 generated from it by `tools/async_to_sync.py`, which keeps the `else:` branch of each
-`if True:  # ASYNC` block, where the few lines that differ sit.
+`if True:  # ASYNC` block, where the few lines that differ sit. Their connection, the
+verbs that read and the doors they make are their base's (`saga._orchestrator_base_async`);
+the flows of their verbs are `saga._flows.verbs`.
 """
 
 from __future__ import annotations
 
-import builtins
-import math
-import os
-import threading
-from datetime import timedelta
-from threading import Event
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from psycopg.conninfo import conninfo_to_dict
-from psycopg_pool import ConnectionPool
 from pydantic import BaseModel
 
 from saga._actors import actor_or_os_user
 from saga._core import inputs
 from saga._core.requests import check_actor
-from saga._db.database import Route, check_connection, prepare_threshold, unavailable
-from saga._db.migrate import migrate_database
-from saga._db.store import Store
-from saga._drivers.driver import Runner
-from saga._drivers.leases import LeaseKeeper
+from saga._db.database import connection_kwargs, session_options, transaction_settings
 from saga._drivers.loopguard import sync_only
-from saga._engine import (
-    ENV_APPROVAL_PUBLIC_KEY,
-    ENV_CONFIRMATION_KEY,
-    Engine,
-    list_filters,
-    list_key,
-    resolve_arguments,
-    upgraded,
-)
+from saga._engine import ENV_APPROVAL_PUBLIC_KEY, ENV_CONFIRMATION_KEY, resolve_arguments, upgraded
+from saga._flows import verbs
+from saga._orchestrator_base import OrchestratorBase
 from saga.definition import Saga
-from saga.keys import HASH_VERSION
-from saga.ledger import Ledger
 from saga.logs import get_logger
-from saga.session import Session
-from saga.state import Confirmation, HistoryEvent, SagaHandle, SagaState, SagaStatus, WorkerInfo
+from saga.state import SagaHandle, SagaState
 from saga.upgrade import UpgradePlan, check_upgrade_arguments
-
-if TYPE_CHECKING:
-    from saga.worker import Worker
 
 _log = get_logger("saga")
 
@@ -64,7 +41,7 @@ __all__ = [
 __all__ += ["Orchestrator"]
 
 
-class Orchestrator(Engine):
+class Orchestrator(OrchestratorBase):
     """Runs registered sagas against one PostgreSQL database.
 
     An `Orchestrator`'s methods block while they wait for the database and run steps (an
@@ -126,111 +103,6 @@ class Orchestrator(Engine):
             and metrics need the `otel` extra and an SDK the application configures.
     """
 
-    def _unconnected(self) -> None:
-        self._pool: ConnectionPool[Any] | None = None
-        self._store: Store | None = None
-        self._ledger: Ledger | None = None
-        self._keeper: LeaseKeeper | None = None
-        self._lock = threading.Lock()
-
-    # ----- set-up ------------------------------------------------------------------------
-
-    @property
-    def store(self) -> Store:
-        """The storage layer, connected (and migrated) on first use."""
-        if self._store is None:
-            with self._lock:
-                if self._store is None:
-                    self._store = self._connect()
-        return self._store
-
-    @property
-    def lease_keeper(self) -> LeaseKeeper:
-        """The heartbeat that keeps this orchestrator's leases alive while steps run."""
-        store = self.store
-        with self._lock:
-            if self._keeper is None:
-                self._keeper = LeaseKeeper(
-                    store,
-                    owner=self.owner,
-                    lease_seconds=self.lease_seconds,
-                    heartbeat_seconds=self.heartbeat_seconds,
-                )
-            return self._keeper
-
-    def _connected(self) -> Store:
-        """The storage layer (`store`), connected on first use."""
-        return self.store
-
-    def _connect(self) -> Store:
-        url = self.database_url
-        self.route = route = check_connection(url)
-        if self.auto_migrate:
-            migrate_database(url)
-        name = f"saga-{self.owner}"
-        pool: ConnectionPool[Any] = ConnectionPool(
-            url,
-            min_size=1,
-            max_size=self._pool_size,
-            kwargs=connection_kwargs(url, self.lease_seconds, route, self.prepared_statements),
-            open=False,
-            name=name,
-        )
-        try:
-            pool.open(wait=True, timeout=10.0)
-        except Exception as exc:
-            pool.close()
-            raise unavailable(url, exc) from None
-        self._pool = pool
-        return Store(pool, transaction_settings=transaction_settings(route, self.lease_seconds))
-
-    @sync_only()
-    def ensure_pool_size(self, connections: int) -> None:
-        """Size the connection pool for a worker that needs `connections` (workers call
-        this): to exactly that when `pool_size` was not given, else at least that."""
-        store = self._connected()
-        pool = store.pool
-        pool.resize(min_size=pool.min_size, max_size=self.pool_size_for(connections, pool.max_size))
-
-    def runner(
-        self, *, stopping: Event | None = None, max_inline_sleep: float | None = None
-    ) -> Runner:
-        """A driver of this orchestrator's flows (for an `AsyncOrchestrator`, on the
-        running loop)."""
-        options = (
-            self.runner_options()
-            if max_inline_sleep is None
-            else self.runner_options(max_inline_sleep=max_inline_sleep)
-        )
-        store = self._connected()
-        keeper = self.lease_keeper
-        return Runner(store, options, keeper=keeper, stopping=stopping)
-
-    def _runner(self) -> Runner:
-        """A driver of this orchestrator's flows with the default options."""
-        return self.runner()
-
-    def close(self) -> None:
-        """Stop the heartbeat and close the connection pool."""
-        if self._keeper is not None:
-            self._keeper.close()
-            self._keeper = None
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
-            self._store = None
-
-    def __enter__(self) -> Orchestrator:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     # ----- starting ----------------------------------------------------------------------
 
     @sync_only()
@@ -278,7 +150,7 @@ class Orchestrator(Engine):
         claimed.
         """
         runner = self.runner()
-        return runner.run(self._run_flow(runner.flows, saga_id, wait_seconds))
+        return runner.run(verbs.run(self, runner.flows, saga_id, wait_seconds))
 
     @sync_only()
     def raise_ceilings(
@@ -302,43 +174,16 @@ class Orchestrator(Engine):
         the audit trail; an empty or blank one is refused (`ValueError`).
         """
         check_actor("raise_ceilings", actor)
-        return self._operator_change(
-            saga_id,
-            inputs.RaiseCeilings(
-                actor=actor,
-                max_operations=max_operations,
-                spend_budget=spend_budget,
-                max_side_effects=max_side_effects,
-                extend_deadline_seconds=extend_deadline_seconds,
-            ),
-            force=force,
+        request = inputs.RaiseCeilings(
             actor=actor,
+            max_operations=max_operations,
+            spend_budget=spend_budget,
+            max_side_effects=max_side_effects,
+            extend_deadline_seconds=extend_deadline_seconds,
         )
+        return self._drive(verbs.operator_change(self, saga_id, request, force=force, actor=actor))
 
     # ----- confirmations -----------------------------------------------------------------
-
-    @sync_only()
-    def confirmations(self, saga_id: str) -> builtins.list[Confirmation]:
-        """Every confirmation a saga asked for, pending and approved, oldest first."""
-        self.get(saga_id)
-        store = self._connected()
-        return store.confirmations(saga_id)
-
-    @sync_only()
-    def preview(self, saga_id: str) -> Confirmation | None:
-        """The confirmation a saga waits for, or None when it waits for none.
-
-        Its `preview` shows exactly what the attempt will read: `payload` (the prepared
-        request, else the whole saga input, volatile fields included), `input` (the whole
-        saga input, beside a prepared request), `results` (of the steps before), and the
-        `target`, `attempt`, `amount` and `policy_checks`. `request_hash`, the hash of
-        all of it, is what an approval is bound to (`approval`, `confirm`)."""
-        state = self.get(saga_id)
-        if state.status != SagaStatus.AWAITING_CONFIRMATION:
-            return None
-        store = self._connected()
-        pending = [c for c in store.confirmations(saga_id) if c.approved_at is None]
-        return max(pending, key=lambda c: c.requested_at) if pending else None
 
     def approval(
         self,
@@ -385,11 +230,9 @@ class Orchestrator(Engine):
         """
         granted = self._verify_approval(saga_id, step, request_hash, approval)
         # Approving runs no step code, so the approvers' tooling need not register the saga.
-        return self._operator_change(
-            saga_id,
-            inputs.Approve(step, request_hash, actor=granted.actor, approval=approval),
-            actor=granted.actor,
-            registered=False,
+        request = inputs.Approve(step, request_hash, actor=granted.actor, approval=approval)
+        return self._drive(
+            verbs.operator_change(self, saga_id, request, actor=granted.actor, registered=False)
         )
 
     # ----- retention ---------------------------------------------------------------------
@@ -435,12 +278,8 @@ class Orchestrator(Engine):
         running the call, and an empty or blank one is refused (`ValueError`).
         """
         actor = actor_or_os_user("compensate", actor)
-        state = self._operator_change(
-            saga_id,
-            inputs.RequestCompensation(actor=actor, include_unknown=include_unknown),
-            force=force,
-            actor=actor,
-        )
+        request = inputs.RequestCompensation(actor=actor, include_unknown=include_unknown)
+        state = self._drive(verbs.operator_change(self, saga_id, request, force=force, actor=actor))
         return self.run(state.id)
 
     @sync_only()
@@ -477,12 +316,7 @@ class Orchestrator(Engine):
         request = self._resolution(
             state, step, outcome=outcome, result=result, actor=actor, reason=reason, kind=kind
         )
-        return self._operator_change(
-            state.id,
-            request,
-            force=force,
-            actor=actor,
-        )
+        return self._drive(verbs.operator_change(self, state.id, request, force=force, actor=actor))
 
     @sync_only()
     def retry(
@@ -506,37 +340,8 @@ class Orchestrator(Engine):
         if extra_attempts < 0:
             raise ValueError(f"extra_attempts must not be negative, got {extra_attempts}")
         actor = actor_or_os_user("retry", actor)
-        return self._operator_change(
-            saga_id,
-            inputs.RequestRetry(extra_attempts=extra_attempts, actor=actor),
-            force=force,
-            actor=actor,
-        )
-
-    def session(
-        self, run_id: str, *, tenant: str = "", name: str = "session", wait_seconds: float = 0.0
-    ) -> Session:
-        """A session of durable steps: `with orch.session("ticket-4821") as run:` (`async
-        with`, from an `AsyncOrchestrator`: each durable step call inside is awaited).
-
-        Inside the block, each call of a `@durable_step` function is an operation of the
-        session: the first call under a key runs (`running` committed before, the outcome
-        after), every later one, here or in any later process, returns the stored result.
-        The session is leased while the block runs: another process entering it waits up
-        to `wait_seconds`, then raises `SessionBusy`. A `PermanentError` leaving the
-        block (or `run.fail(reason)`) compensates the succeeded calls in reverse; any
-        other exception leaves the session open for the next entry to resume.
-        """
-        return Session(self, run_id, tenant=tenant, name=name, wait_seconds=wait_seconds)
-
-    @property
-    def ledger(self) -> Ledger:
-        """The ledger of calls claimed one by one: `claim`, `heartbeat`, `complete`,
-        `fail`, `unknown` (see `saga.Ledger`, and `saga.AsyncLedger` for an
-        `AsyncOrchestrator`)."""
-        if self._ledger is None:
-            self._ledger = Ledger(self)
-        return self._ledger
+        request = inputs.RequestRetry(extra_attempts=extra_attempts, actor=actor)
+        return self._drive(verbs.operator_change(self, saga_id, request, force=force, actor=actor))
 
     @sync_only()
     def fork(
@@ -565,8 +370,7 @@ class Orchestrator(Engine):
         inherited as failed.
         """
         actor = actor_or_os_user("fork", actor)
-        runner = self.runner()
-        return runner.run(self._fork_flow(saga_id, from_step, key=key, actor=actor))
+        return self._drive(verbs.fork(self, saga_id, from_step, key=key, actor=actor))
 
     @sync_only()
     def upgrade(
@@ -599,9 +403,8 @@ class Orchestrator(Engine):
         """
         step_map = check_upgrade_arguments(to_version, step_map)
         actor = check_actor("upgrade", actor)
-        runner = self.runner()
         flow = self._upgrade_flow(saga_id, to_version, step_map=step_map, actor=actor, write=True)
-        plan, state = runner.run(flow)
+        plan, state = self._drive(flow)
         return upgraded(plan, state)
 
     @sync_only()
@@ -611,9 +414,8 @@ class Orchestrator(Engine):
         """What `upgrade` would do with the saga now, and whether it would be refused
         (`plan.reasons`); nothing is written."""
         step_map = check_upgrade_arguments(to_version, step_map)
-        runner = self.runner()
         flow = self._upgrade_flow(saga_id, to_version, step_map=step_map, actor="", write=False)
-        plan, _ = runner.run(flow)
+        plan, _ = self._drive(flow)
         return plan
 
     @sync_only()
@@ -642,152 +444,5 @@ class Orchestrator(Engine):
         if not reason:
             raise ValueError("cancel() needs a reason")
         actor = actor_or_os_user("cancel", actor)
-        return self._operator_change(
-            saga_id,
-            inputs.RequestCancel(reason=reason, actor=actor, include_unknown=include_unknown),
-            force=force,
-            actor=actor,
-        )
-
-    def _operator_change(
-        self,
-        saga_id: str,
-        change: inputs.Request,
-        *,
-        force: bool = False,
-        actor: str | None = None,
-        registered: bool = True,
-    ) -> SagaState:
-        """Apply an operator's change in one transaction (see `Engine._operator_flow`)."""
-        runner = self.runner()
-        flow = self._operator_flow(saga_id, change, force=force, actor=actor, registered=registered)
-        return runner.run(flow)
-
-    # ----- reading -----------------------------------------------------------------------
-
-    @sync_only()
-    def get(self, saga_id: str) -> SagaState:
-        """The saga and its operations; `SagaNotFound` when there is none."""
-        runner = self.runner()
-        return runner.run(self._get_flow(saga_id))
-
-    @sync_only()
-    def list(
-        self,
-        status: str | None = None,
-        saga: str | None = None,
-        tenant: str | None = None,
-        limit: int = 100,
-        *,
-        older_than: timedelta | None = None,
-        key: str | None = None,
-    ) -> builtins.list[SagaState]:
-        """Sagas filtered by status, saga name and tenant, newest first.
-
-        `older_than` keeps sagas whose last change (`updated_at`, by the database
-        clock) is at least that long ago: for a parked saga, how long it has waited.
-        `key` keeps the sagas of that business key (the `key` a saga was started with,
-        matched exactly): one per saga name and tenant, found through an index, so the
-        lookup does not read the finished history.
-        """
-        status, seconds = list_filters(status, limit, older_than)
-        store = self._connected()
-        return store.list_states(
-            status=status,
-            name=saga,
-            tenant_id=tenant,
-            limit=limit,
-            older_than_seconds=seconds,
-            key=list_key(key),
-        )
-
-    @sync_only()
-    def workers(self) -> builtins.list[WorkerInfo]:
-        """Live workers of this database and the saga kinds (name:version) each runs."""
-        store = self._connected()
-        return store.live_workers()
-
-    @sync_only()
-    def history(self, saga_id: str) -> builtins.list[HistoryEvent]:
-        """The audit trail of a saga, oldest first."""
-        self.get(saga_id)
-        store = self._connected()
-        return store.history(saga_id)
-
-    # ----- workers -----------------------------------------------------------------------
-
-    def worker(
-        self,
-        concurrency: int = 4,
-        *,
-        poll_seconds: float = 1.0,
-        grace_seconds: float = 10.0,
-        short_wait_seconds: float = 1.0,
-        listen_url: str | None = None,
-    ) -> Worker:
-        """A worker that claims and drives this orchestrator's registered sagas: a
-        `Worker`, or, from an `AsyncOrchestrator`, an `AsyncWorker` that drives them as
-        tasks on the loop that runs it.
-
-        See `Worker` (`AsyncWorker`) for the meaning of each setting.
-        """
-        from saga.worker import Worker
-
-        return Worker(
-            self,
-            concurrency=concurrency,
-            poll_seconds=poll_seconds,
-            grace_seconds=grace_seconds,
-            short_wait_seconds=short_wait_seconds,
-            listen_url=listen_url,
-        )
-
-
-def session_options(url: str, lease_seconds: float) -> str:
-    """Server settings of the orchestrator's connections (libpq `options`, added to any the
-    URL or PGOPTIONS give): no transaction of ours holds its locks, or waits for another's,
-    longer than a lease; and the request hash version of the rows they write
-    (`saga.hash_version`, migration 0023).
-
-    A claim plans the saga's first move (cost functions, confirm rules, input models: user
-    code) while the saga row is locked; a holder frozen there (SIGSTOP, a GC pause, a slow
-    cost function) would block `run()` and every operator verb on that saga for as long as
-    it is frozen. With `idle_in_transaction_session_timeout` the server ends such a
-    transaction once it has waited a lease for its client, and rolls it back (its lease
-    would have expired by then anyway); with `lock_timeout` a wait for a row lock ends
-    after a lease too, retried by a claim or a write and reported as busy by an operator
-    verb. Set per session, as a startup parameter, they cost no statement and no commit.
-    """
-    existing = conninfo_to_dict(url).get("options") or os.environ.get("PGOPTIONS", "")
-    milliseconds = max(1, math.ceil(lease_seconds * 1000.0))
-    ours = (
-        f"-c idle_in_transaction_session_timeout={milliseconds} -c lock_timeout={milliseconds}"
-        f" -c saga.hash_version={HASH_VERSION}"
-    )
-    return f"{existing} {ours}".strip()
-
-
-def connection_kwargs(
-    url: str, lease_seconds: float, route: Route, prepared_statements: bool | None
-) -> dict[str, Any]:
-    """Arguments of the pool's connections on `route`: autocommit, psycopg's
-    `prepare_threshold` (`prepare_threshold`), and, on a direct connection, the
-    `session_options`. Through a pooler the timeouts are set by each transaction instead
-    (`transaction_settings`): PgBouncer refuses `options` as a startup parameter, and a
-    session setting there would stay on a server session other clients share."""
-    kwargs: dict[str, Any] = {
-        "autocommit": True,
-        "prepare_threshold": prepare_threshold(prepared_statements, route),
-    }
-    if not route.pooled:
-        kwargs["options"] = session_options(url, lease_seconds)
-    return kwargs
-
-
-def transaction_settings(route: Route, lease_seconds: float) -> dict[str, str] | None:
-    """Through a pooler, the timeouts of `session_options` as each transaction of the
-    store sets them for itself (`SET LOCAL`); None on a direct connection."""
-    if not route.pooled:
-        return None
-    milliseconds = str(max(1, math.ceil(lease_seconds * 1000.0)))
-    return {"idle_ms": milliseconds, "lock_ms": milliseconds, "hash_version": str(HASH_VERSION)}
+        request = inputs.RequestCancel(reason=reason, actor=actor, include_unknown=include_unknown)
+        return self._drive(verbs.operator_change(self, saga_id, request, force=force, actor=actor))

@@ -3,60 +3,33 @@
 `AsyncOrchestrator` has every verb as a coroutine; `Orchestrator` has the same verbs, and
 blocks. `saga/orchestrator_async.py` is the source of both: `saga/orchestrator.py` is
 generated from it by `tools/async_to_sync.py`, which keeps the `else:` branch of each
-`if True:  # ASYNC` block, where the few lines that differ sit.
+`if True:  # ASYNC` block, where the few lines that differ sit. Their connection, the
+verbs that read and the doors they make are their base's (`saga._orchestrator_base_async`);
+the flows of their verbs are `saga._flows.verbs`.
 """
 
 from __future__ import annotations
 
-import builtins
-import math
-import os
-import threading
-from datetime import timedelta
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from psycopg.conninfo import conninfo_to_dict
-from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel
 
 from saga._actors import actor_or_os_user
 from saga._core import inputs
 from saga._core.requests import check_actor
-from saga._db.database import Route, check_connection, prepare_threshold, unavailable
-from saga._db.migrate import migrate_database
-from saga._db.store_async import AsyncStore
-from saga._drivers.driver_async import AsyncRunner
-from saga._drivers.leases_async import AsyncLeaseKeeper
-from saga._engine import (
-    ENV_APPROVAL_PUBLIC_KEY,
-    ENV_CONFIRMATION_KEY,
-    Engine,
-    list_filters,
-    list_key,
-    resolve_arguments,
-    upgraded,
-)
+from saga._db.database import connection_kwargs, session_options, transaction_settings
+from saga._engine import ENV_APPROVAL_PUBLIC_KEY, ENV_CONFIRMATION_KEY, resolve_arguments, upgraded
+from saga._flows import verbs
+from saga._orchestrator_base_async import AsyncOrchestratorBase
 from saga.definition import Saga
-from saga.keys import HASH_VERSION
-from saga.ledger import AsyncLedger
 from saga.logs import get_logger
-from saga.session import AsyncSession
-from saga.state import Confirmation, HistoryEvent, SagaHandle, SagaState, SagaStatus, WorkerInfo
+from saga.state import SagaHandle, SagaState
 from saga.upgrade import UpgradePlan, check_upgrade_arguments
 
 if True:  # ASYNC
-    import asyncio
-    from asyncio import Event
-
     from saga._acompat import sync_only
 else:
-    from threading import Event
-
     from saga._drivers.loopguard import sync_only
-
-if TYPE_CHECKING:
-    from saga.worker_async import AsyncWorker
 
 _log = get_logger("saga")
 
@@ -73,7 +46,7 @@ else:
     __all__ += ["Orchestrator"]
 
 
-class AsyncOrchestrator(Engine):
+class AsyncOrchestrator(AsyncOrchestratorBase):
     """Runs registered sagas against one PostgreSQL database.
 
     An `Orchestrator`'s methods block while they wait for the database and run steps (an
@@ -135,174 +108,6 @@ class AsyncOrchestrator(Engine):
             and metrics need the `otel` extra and an SDK the application configures.
     """
 
-    def _unconnected(self) -> None:
-        self._pool: AsyncConnectionPool[Any] | None = None
-        self._store: AsyncStore | None = None
-        self._ledger: AsyncLedger | None = None
-        self._keeper: AsyncLeaseKeeper | None = None
-        if True:  # ASYNC
-            self._connecting: asyncio.Lock | None = None
-            self._loop: asyncio.AbstractEventLoop | None = None
-        else:
-            self._lock = threading.Lock()
-
-    # ----- set-up ------------------------------------------------------------------------
-
-    if True:  # ASYNC
-
-        async def store(self) -> AsyncStore:
-            """The storage layer, connected (and migrated) on first use.
-
-            Its connections belong to the event loop that first used it: using the same
-            orchestrator from another loop raises `RuntimeError` (make one per loop, or
-            `close()` it first)."""
-            loop = asyncio.get_running_loop()
-            if self._loop is not None and self._loop is not loop and self._store is not None:
-                raise RuntimeError(
-                    "this AsyncOrchestrator is connected on another event loop; its "
-                    "connections cannot serve this one: create an AsyncOrchestrator per "
-                    "event loop, or close() it on its own loop first"
-                )
-            self._loop = loop
-            if self._store is None:
-                if self._connecting is None:
-                    self._connecting = asyncio.Lock()
-                async with self._connecting:
-                    if self._store is None:
-                        self._store = await self._connect()
-            return self._store
-
-        async def lease_keeper(self) -> AsyncLeaseKeeper:
-            """The heartbeat that keeps this orchestrator's leases alive while steps run."""
-            store = await self.store()
-            if self._keeper is None:
-                self._keeper = AsyncLeaseKeeper(
-                    store,
-                    owner=self.owner,
-                    lease_seconds=self.lease_seconds,
-                    heartbeat_seconds=self.heartbeat_seconds,
-                )
-            return self._keeper
-
-    else:
-
-        @property
-        def store(self) -> AsyncStore:
-            """The storage layer, connected (and migrated) on first use."""
-            if self._store is None:
-                with self._lock:
-                    if self._store is None:
-                        self._store = self._connect()
-            return self._store
-
-        @property
-        def lease_keeper(self) -> AsyncLeaseKeeper:
-            """The heartbeat that keeps this orchestrator's leases alive while steps run."""
-            store = self.store
-            with self._lock:
-                if self._keeper is None:
-                    self._keeper = AsyncLeaseKeeper(
-                        store,
-                        owner=self.owner,
-                        lease_seconds=self.lease_seconds,
-                        heartbeat_seconds=self.heartbeat_seconds,
-                    )
-                return self._keeper
-
-    async def _connected(self) -> AsyncStore:
-        """The storage layer (`store`), connected on first use."""
-        if True:  # ASYNC
-            return await self.store()
-        else:
-            return self.store
-
-    async def _connect(self) -> AsyncStore:
-        if True:  # ASYNC
-            # Resolving the URL may start the embedded server: blocking work, off the loop.
-            url = await asyncio.to_thread(lambda: self.database_url)
-            self.route = route = await asyncio.to_thread(check_connection, url)
-            if self.auto_migrate:
-                await asyncio.to_thread(migrate_database, url)
-            name = f"saga-async-{self.owner}"
-        else:
-            url = self.database_url
-            self.route = route = check_connection(url)
-            if self.auto_migrate:
-                migrate_database(url)
-            name = f"saga-{self.owner}"
-        pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
-            url,
-            min_size=1,
-            max_size=self._pool_size,
-            kwargs=connection_kwargs(url, self.lease_seconds, route, self.prepared_statements),
-            open=False,
-            name=name,
-        )
-        try:
-            await pool.open(wait=True, timeout=10.0)
-        except Exception as exc:
-            await pool.close()
-            raise unavailable(url, exc) from None
-        self._pool = pool
-        return AsyncStore(
-            pool, transaction_settings=transaction_settings(route, self.lease_seconds)
-        )
-
-    @sync_only()
-    async def ensure_pool_size(self, connections: int) -> None:
-        """Size the connection pool for a worker that needs `connections` (workers call
-        this): to exactly that when `pool_size` was not given, else at least that."""
-        store = await self._connected()
-        pool = store.pool
-        await pool.resize(
-            min_size=pool.min_size, max_size=self.pool_size_for(connections, pool.max_size)
-        )
-
-    async def runner(
-        self, *, stopping: Event | None = None, max_inline_sleep: float | None = None
-    ) -> AsyncRunner:
-        """A driver of this orchestrator's flows (for an `AsyncOrchestrator`, on the
-        running loop)."""
-        options = (
-            self.runner_options()
-            if max_inline_sleep is None
-            else self.runner_options(max_inline_sleep=max_inline_sleep)
-        )
-        store = await self._connected()
-        if True:  # ASYNC
-            keeper = await self.lease_keeper()
-        else:
-            keeper = self.lease_keeper
-        return AsyncRunner(store, options, keeper=keeper, stopping=stopping)
-
-    async def _runner(self) -> AsyncRunner:
-        """A driver of this orchestrator's flows with the default options."""
-        return await self.runner()
-
-    async def close(self) -> None:
-        """Stop the heartbeat and close the connection pool."""
-        if self._keeper is not None:
-            await self._keeper.aclose()
-            self._keeper = None
-        if self._pool is not None:
-            await self._pool.close()
-            self._pool = None
-            self._store = None
-        if True:  # ASYNC
-            self._loop = None
-            self._connecting = None
-
-    async def __aenter__(self) -> AsyncOrchestrator:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
-
     # ----- starting ----------------------------------------------------------------------
 
     @sync_only()
@@ -350,7 +155,7 @@ class AsyncOrchestrator(Engine):
         claimed.
         """
         runner = await self.runner()
-        return await runner.run(self._run_flow(runner.flows, saga_id, wait_seconds))
+        return await runner.run(verbs.run(self, runner.flows, saga_id, wait_seconds))
 
     @sync_only()
     async def raise_ceilings(
@@ -374,43 +179,18 @@ class AsyncOrchestrator(Engine):
         the audit trail; an empty or blank one is refused (`ValueError`).
         """
         check_actor("raise_ceilings", actor)
-        return await self._operator_change(
-            saga_id,
-            inputs.RaiseCeilings(
-                actor=actor,
-                max_operations=max_operations,
-                spend_budget=spend_budget,
-                max_side_effects=max_side_effects,
-                extend_deadline_seconds=extend_deadline_seconds,
-            ),
-            force=force,
+        request = inputs.RaiseCeilings(
             actor=actor,
+            max_operations=max_operations,
+            spend_budget=spend_budget,
+            max_side_effects=max_side_effects,
+            extend_deadline_seconds=extend_deadline_seconds,
+        )
+        return await self._drive(
+            verbs.operator_change(self, saga_id, request, force=force, actor=actor)
         )
 
     # ----- confirmations -----------------------------------------------------------------
-
-    @sync_only()
-    async def confirmations(self, saga_id: str) -> builtins.list[Confirmation]:
-        """Every confirmation a saga asked for, pending and approved, oldest first."""
-        await self.get(saga_id)
-        store = await self._connected()
-        return await store.confirmations(saga_id)
-
-    @sync_only()
-    async def preview(self, saga_id: str) -> Confirmation | None:
-        """The confirmation a saga waits for, or None when it waits for none.
-
-        Its `preview` shows exactly what the attempt will read: `payload` (the prepared
-        request, else the whole saga input, volatile fields included), `input` (the whole
-        saga input, beside a prepared request), `results` (of the steps before), and the
-        `target`, `attempt`, `amount` and `policy_checks`. `request_hash`, the hash of
-        all of it, is what an approval is bound to (`approval`, `confirm`)."""
-        state = await self.get(saga_id)
-        if state.status != SagaStatus.AWAITING_CONFIRMATION:
-            return None
-        store = await self._connected()
-        pending = [c for c in await store.confirmations(saga_id) if c.approved_at is None]
-        return max(pending, key=lambda c: c.requested_at) if pending else None
 
     async def approval(
         self,
@@ -457,11 +237,9 @@ class AsyncOrchestrator(Engine):
         """
         granted = self._verify_approval(saga_id, step, request_hash, approval)
         # Approving runs no step code, so the approvers' tooling need not register the saga.
-        return await self._operator_change(
-            saga_id,
-            inputs.Approve(step, request_hash, actor=granted.actor, approval=approval),
-            actor=granted.actor,
-            registered=False,
+        request = inputs.Approve(step, request_hash, actor=granted.actor, approval=approval)
+        return await self._drive(
+            verbs.operator_change(self, saga_id, request, actor=granted.actor, registered=False)
         )
 
     # ----- retention ---------------------------------------------------------------------
@@ -509,11 +287,9 @@ class AsyncOrchestrator(Engine):
         running the call, and an empty or blank one is refused (`ValueError`).
         """
         actor = actor_or_os_user("compensate", actor)
-        state = await self._operator_change(
-            saga_id,
-            inputs.RequestCompensation(actor=actor, include_unknown=include_unknown),
-            force=force,
-            actor=actor,
+        request = inputs.RequestCompensation(actor=actor, include_unknown=include_unknown)
+        state = await self._drive(
+            verbs.operator_change(self, saga_id, request, force=force, actor=actor)
         )
         return await self.run(state.id)
 
@@ -551,11 +327,8 @@ class AsyncOrchestrator(Engine):
         request = self._resolution(
             state, step, outcome=outcome, result=result, actor=actor, reason=reason, kind=kind
         )
-        return await self._operator_change(
-            state.id,
-            request,
-            force=force,
-            actor=actor,
+        return await self._drive(
+            verbs.operator_change(self, state.id, request, force=force, actor=actor)
         )
 
     @sync_only()
@@ -580,37 +353,10 @@ class AsyncOrchestrator(Engine):
         if extra_attempts < 0:
             raise ValueError(f"extra_attempts must not be negative, got {extra_attempts}")
         actor = actor_or_os_user("retry", actor)
-        return await self._operator_change(
-            saga_id,
-            inputs.RequestRetry(extra_attempts=extra_attempts, actor=actor),
-            force=force,
-            actor=actor,
+        request = inputs.RequestRetry(extra_attempts=extra_attempts, actor=actor)
+        return await self._drive(
+            verbs.operator_change(self, saga_id, request, force=force, actor=actor)
         )
-
-    def session(
-        self, run_id: str, *, tenant: str = "", name: str = "session", wait_seconds: float = 0.0
-    ) -> AsyncSession:
-        """A session of durable steps: `with orch.session("ticket-4821") as run:` (`async
-        with`, from an `AsyncOrchestrator`: each durable step call inside is awaited).
-
-        Inside the block, each call of a `@durable_step` function is an operation of the
-        session: the first call under a key runs (`running` committed before, the outcome
-        after), every later one, here or in any later process, returns the stored result.
-        The session is leased while the block runs: another process entering it waits up
-        to `wait_seconds`, then raises `SessionBusy`. A `PermanentError` leaving the
-        block (or `run.fail(reason)`) compensates the succeeded calls in reverse; any
-        other exception leaves the session open for the next entry to resume.
-        """
-        return AsyncSession(self, run_id, tenant=tenant, name=name, wait_seconds=wait_seconds)
-
-    @property
-    def ledger(self) -> AsyncLedger:
-        """The ledger of calls claimed one by one: `claim`, `heartbeat`, `complete`,
-        `fail`, `unknown` (see `saga.Ledger`, and `saga.AsyncLedger` for an
-        `AsyncOrchestrator`)."""
-        if self._ledger is None:
-            self._ledger = AsyncLedger(self)
-        return self._ledger
 
     @sync_only()
     async def fork(
@@ -639,8 +385,7 @@ class AsyncOrchestrator(Engine):
         inherited as failed.
         """
         actor = actor_or_os_user("fork", actor)
-        runner = await self.runner()
-        return await runner.run(self._fork_flow(saga_id, from_step, key=key, actor=actor))
+        return await self._drive(verbs.fork(self, saga_id, from_step, key=key, actor=actor))
 
     @sync_only()
     async def upgrade(
@@ -673,9 +418,8 @@ class AsyncOrchestrator(Engine):
         """
         step_map = check_upgrade_arguments(to_version, step_map)
         actor = check_actor("upgrade", actor)
-        runner = await self.runner()
         flow = self._upgrade_flow(saga_id, to_version, step_map=step_map, actor=actor, write=True)
-        plan, state = await runner.run(flow)
+        plan, state = await self._drive(flow)
         return upgraded(plan, state)
 
     @sync_only()
@@ -685,9 +429,8 @@ class AsyncOrchestrator(Engine):
         """What `upgrade` would do with the saga now, and whether it would be refused
         (`plan.reasons`); nothing is written."""
         step_map = check_upgrade_arguments(to_version, step_map)
-        runner = await self.runner()
         flow = self._upgrade_flow(saga_id, to_version, step_map=step_map, actor="", write=False)
-        plan, _ = await runner.run(flow)
+        plan, _ = await self._drive(flow)
         return plan
 
     @sync_only()
@@ -716,152 +459,7 @@ class AsyncOrchestrator(Engine):
         if not reason:
             raise ValueError("cancel() needs a reason")
         actor = actor_or_os_user("cancel", actor)
-        return await self._operator_change(
-            saga_id,
-            inputs.RequestCancel(reason=reason, actor=actor, include_unknown=include_unknown),
-            force=force,
-            actor=actor,
+        request = inputs.RequestCancel(reason=reason, actor=actor, include_unknown=include_unknown)
+        return await self._drive(
+            verbs.operator_change(self, saga_id, request, force=force, actor=actor)
         )
-
-    async def _operator_change(
-        self,
-        saga_id: str,
-        change: inputs.Request,
-        *,
-        force: bool = False,
-        actor: str | None = None,
-        registered: bool = True,
-    ) -> SagaState:
-        """Apply an operator's change in one transaction (see `Engine._operator_flow`)."""
-        runner = await self.runner()
-        flow = self._operator_flow(saga_id, change, force=force, actor=actor, registered=registered)
-        return await runner.run(flow)
-
-    # ----- reading -----------------------------------------------------------------------
-
-    @sync_only()
-    async def get(self, saga_id: str) -> SagaState:
-        """The saga and its operations; `SagaNotFound` when there is none."""
-        runner = await self.runner()
-        return await runner.run(self._get_flow(saga_id))
-
-    @sync_only()
-    async def list(
-        self,
-        status: str | None = None,
-        saga: str | None = None,
-        tenant: str | None = None,
-        limit: int = 100,
-        *,
-        older_than: timedelta | None = None,
-        key: str | None = None,
-    ) -> builtins.list[SagaState]:
-        """Sagas filtered by status, saga name and tenant, newest first.
-
-        `older_than` keeps sagas whose last change (`updated_at`, by the database
-        clock) is at least that long ago: for a parked saga, how long it has waited.
-        `key` keeps the sagas of that business key (the `key` a saga was started with,
-        matched exactly): one per saga name and tenant, found through an index, so the
-        lookup does not read the finished history.
-        """
-        status, seconds = list_filters(status, limit, older_than)
-        store = await self._connected()
-        return await store.list_states(
-            status=status,
-            name=saga,
-            tenant_id=tenant,
-            limit=limit,
-            older_than_seconds=seconds,
-            key=list_key(key),
-        )
-
-    @sync_only()
-    async def workers(self) -> builtins.list[WorkerInfo]:
-        """Live workers of this database and the saga kinds (name:version) each runs."""
-        store = await self._connected()
-        return await store.live_workers()
-
-    @sync_only()
-    async def history(self, saga_id: str) -> builtins.list[HistoryEvent]:
-        """The audit trail of a saga, oldest first."""
-        await self.get(saga_id)
-        store = await self._connected()
-        return await store.history(saga_id)
-
-    # ----- workers -----------------------------------------------------------------------
-
-    def worker(
-        self,
-        concurrency: int = 4,
-        *,
-        poll_seconds: float = 1.0,
-        grace_seconds: float = 10.0,
-        short_wait_seconds: float = 1.0,
-        listen_url: str | None = None,
-    ) -> AsyncWorker:
-        """A worker that claims and drives this orchestrator's registered sagas: a
-        `Worker`, or, from an `AsyncOrchestrator`, an `AsyncWorker` that drives them as
-        tasks on the loop that runs it.
-
-        See `Worker` (`AsyncWorker`) for the meaning of each setting.
-        """
-        from saga.worker_async import AsyncWorker
-
-        return AsyncWorker(
-            self,
-            concurrency=concurrency,
-            poll_seconds=poll_seconds,
-            grace_seconds=grace_seconds,
-            short_wait_seconds=short_wait_seconds,
-            listen_url=listen_url,
-        )
-
-
-def session_options(url: str, lease_seconds: float) -> str:
-    """Server settings of the orchestrator's connections (libpq `options`, added to any the
-    URL or PGOPTIONS give): no transaction of ours holds its locks, or waits for another's,
-    longer than a lease; and the request hash version of the rows they write
-    (`saga.hash_version`, migration 0023).
-
-    A claim plans the saga's first move (cost functions, confirm rules, input models: user
-    code) while the saga row is locked; a holder frozen there (SIGSTOP, a GC pause, a slow
-    cost function) would block `run()` and every operator verb on that saga for as long as
-    it is frozen. With `idle_in_transaction_session_timeout` the server ends such a
-    transaction once it has waited a lease for its client, and rolls it back (its lease
-    would have expired by then anyway); with `lock_timeout` a wait for a row lock ends
-    after a lease too, retried by a claim or a write and reported as busy by an operator
-    verb. Set per session, as a startup parameter, they cost no statement and no commit.
-    """
-    existing = conninfo_to_dict(url).get("options") or os.environ.get("PGOPTIONS", "")
-    milliseconds = max(1, math.ceil(lease_seconds * 1000.0))
-    ours = (
-        f"-c idle_in_transaction_session_timeout={milliseconds} -c lock_timeout={milliseconds}"
-        f" -c saga.hash_version={HASH_VERSION}"
-    )
-    return f"{existing} {ours}".strip()
-
-
-def connection_kwargs(
-    url: str, lease_seconds: float, route: Route, prepared_statements: bool | None
-) -> dict[str, Any]:
-    """Arguments of the pool's connections on `route`: autocommit, psycopg's
-    `prepare_threshold` (`prepare_threshold`), and, on a direct connection, the
-    `session_options`. Through a pooler the timeouts are set by each transaction instead
-    (`transaction_settings`): PgBouncer refuses `options` as a startup parameter, and a
-    session setting there would stay on a server session other clients share."""
-    kwargs: dict[str, Any] = {
-        "autocommit": True,
-        "prepare_threshold": prepare_threshold(prepared_statements, route),
-    }
-    if not route.pooled:
-        kwargs["options"] = session_options(url, lease_seconds)
-    return kwargs
-
-
-def transaction_settings(route: Route, lease_seconds: float) -> dict[str, str] | None:
-    """Through a pooler, the timeouts of `session_options` as each transaction of the
-    store sets them for itself (`SET LOCAL`); None on a direct connection."""
-    if not route.pooled:
-        return None
-    milliseconds = str(max(1, math.ceil(lease_seconds * 1000.0)))
-    return {"idle_ms": milliseconds, "lock_ms": milliseconds, "hash_version": str(HASH_VERSION)}

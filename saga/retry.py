@@ -27,6 +27,10 @@ _DEFAULT_RETRY_ON: tuple[type[BaseException], ...] = (TransientError,)
 # ConnectionResetError, BrokenPipeError, ConnectionRefusedError... are ConnectionErrors.
 AMBIGUOUS_ERRORS: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError)
 
+# How long (seconds) the orchestrator's own database work, cut off by a transient failure
+# (`DatabaseInterrupted`), is retried before the error is raised.
+DATABASE_RETRY_SECONDS = 30.0
+
 
 def is_ambiguous(error: BaseException) -> bool:
     """True when `error` may have been raised after the provider acted: a `ConnectionError`

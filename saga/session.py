@@ -24,8 +24,9 @@ from saga._codefirst import SessionSaga as SessionSaga  # re-exported: named by 
 from saga._core import inputs
 from saga._core.planner import Planner, SagaRow
 from saga._core.rows import Event, OpRow
+from saga._drivers.observe import log_events
 from saga._flows.claim import Flows
-from saga._flows.drive import log_events, retried
+from saga._flows.drive import Released, retried
 from saga._flows.effects import Flow, Pause, db
 from saga._flows.store_ops import StoreOps
 from saga.durable import DurableStep, session_scope
@@ -191,23 +192,30 @@ class SessionFlows:
                 )
             yield Pause(min(_BUSY_POLL, left))
 
-    def call(self, planner: Planner, asked: inputs.CallAsked | None, step: str) -> Flow[Planner]:
+    def call(
+        self, planner: Planner, asked: inputs.CallAsked | None, step: str
+    ) -> Flow[tuple[Planner, SagaState | None]]:
         """Record the call `step` (new when `asked`), run it to a settled outcome (or a
-        park), and return the planner as the last write left it."""
-        self.definition.focus = step
+        park), and return the planner as the last write left it, with the session's state
+        when that write gave the lease back (a park)."""
+        planner.session_call = step
         try:
             planner, nxt = yield from self.flows.transact(planner, asked)
-            planner, _ = yield from self.flows.carry_on(planner, nxt)
+            planner, nxt = yield from self.flows.carry_on(planner, nxt)
         finally:
-            self.definition.focus = None
-        return planner
+            planner.session_call = None
+        return planner, nxt.state if isinstance(nxt, Released) else None
 
-    def close(self, planner: Planner, failure: str | None) -> Flow[Planner]:
+    def close(self, planner: Planner, failure: str | None) -> Flow[SagaState | None]:
         """End the session: completed, or (with `failure`) its succeeded calls
-        compensated in reverse; the lease is given back with the last write."""
+        compensated in reverse; the lease is given back with the last write, which reads
+        the state it leaves."""
         planner, nxt = yield from self.flows.transact(planner, inputs.SessionClosed(failure))
-        planner, _ = yield from self.flows.carry_on(planner, nxt)
-        return planner
+        planner, nxt = yield from self.flows.carry_on(planner, nxt)
+        if isinstance(nxt, Released):
+            return nxt.state
+        state: SagaState | None = yield from db(StoreOps.get_state, planner.saga.id)
+        return state
 
     def leave(
         self, planner: Planner, *, closes: bool, failure: str | None
@@ -218,13 +226,7 @@ class SessionFlows:
         if not closes:
             yield from self.flows.release_after_error(planner.saga)
             return None
-        planner.final_state = None
-        planner = yield from self.close(planner, failure)
-        if planner.final_state is not None:
-            # Read by the statement of the last write, which gave the lease back.
-            return planner.final_state
-        state: SagaState | None = yield from db(StoreOps.get_state, planner.saga.id)
-        return state
+        return (yield from self.close(planner, failure))
 
 
 class _Decided(NamedTuple):
@@ -319,16 +321,23 @@ class _Ledger:
         self.definition.found.discard(name)
         return _Decided(name, call.key, asked, _NOT_STORED)
 
-    def after(self, durable: DurableStep[Any, Any], decided: _Decided, planner: Planner) -> Any:
+    def after(
+        self,
+        durable: DurableStep[Any, Any],
+        decided: _Decided,
+        planner: Planner,
+        left: SagaState | None,
+    ) -> Any:
         """What the call returns once its flow is done: its result, or its error (a
         `TypeError` when its result could not be stored, `SessionParked` when the session
-        waits for a human)."""
+        waits for a human). `left`: the session's state when the call's last write gave
+        the lease back."""
         name = decided.name
         refused = self.definition.refused.pop(name, None)
         self.planner = planner
         saga = planner.saga
         if saga.status == SagaStatus.NEEDS_REVIEW:
-            parked = self._parked(planner)
+            parked = self._parked(planner, left)
             if refused is not None:
                 raise _not_stored(durable, decided, parked, refused) from refused
             exited = self.definition.raised.pop(name, None)
@@ -352,10 +361,10 @@ class _Ledger:
             f"call {name!r} of session {self.session_id()} ended {op.status.value}: {op.error}"
         )
 
-    def _parked(self, planner: Planner) -> SagaState:
-        """The state of a session the call parked: its write gave the lease back, so the
-        session is finished for this block (later calls raise `SessionParked`)."""
-        state = planner.final_state
+    def _parked(self, planner: Planner, state: SagaState | None) -> SagaState:
+        """The state of a session the call parked (`state`, read by the write that gave
+        the lease back): the session is finished for this block (later calls raise
+        `SessionParked`)."""
         if state is None:  # pragma: no cover - a park's write always reads the state back
             raise SessionParked(f"session {planner.saga.id} needs a human: {planner.saga.error}")
         self.planner = None
@@ -565,11 +574,17 @@ class _SessionBase:
         if holding is not None:
             holding.__exit__(None, None, None)
 
-    def _after(self, durable: DurableStep[Any, Any], decided: _Decided, planner: Planner) -> Any:
+    def _after(
+        self,
+        durable: DurableStep[Any, Any],
+        decided: _Decided,
+        planner: Planner,
+        left: SagaState | None,
+    ) -> Any:
         """The ledger's answer to a call that ran; the heartbeat stops when the call
-        parked the session (its write gave the lease back)."""
+        parked the session (its write gave the lease back, reading `left`)."""
         try:
-            return self._ledger.after(durable, decided, planner)
+            return self._ledger.after(durable, decided, planner, left)
         finally:
             if self._ledger.planner is None:
                 self._let_go()
@@ -648,8 +663,8 @@ class Session(_SessionBase):
                 return decided.replay
             planner = self._ledger.planner
             assert planner is not None
-            planner = self._runner.run(self._flows.call(planner, decided.asked, decided.name))
-            return self._after(durable, decided, planner)
+            ran, left = self._runner.run(self._flows.call(planner, decided.asked, decided.name))
+            return self._after(durable, decided, ran, left)
 
     def __exit__(
         self,
@@ -718,8 +733,8 @@ class AsyncSession(_SessionBase):
             planner = self._ledger.planner
             assert planner is not None
             flow = self._flows.call(planner, decided.asked, decided.name)
-            planner = await self._runner.run(flow)
-            return self._after(durable, decided, planner)
+            ran, left = await self._runner.run(flow)
+            return self._after(durable, decided, ran, left)
 
     async def __aexit__(
         self,

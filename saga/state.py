@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Literal
@@ -235,3 +236,15 @@ def display_status(
             and op.claim_expires_at > moment
         )
     return "open" if live_claims else "idle"
+
+
+@dataclass(frozen=True, slots=True)
+class DatabaseGauges:
+    """What the telemetry's gauges report of the sagas of one name, as the database
+    answers it (the store's `database_gauges`): parked sagas, unknown outcomes to settle,
+    and the age of the longest-waiting claimable saga."""
+
+    saga: str
+    needs_review: int
+    unknown_outcomes: int
+    oldest_runnable_seconds: float

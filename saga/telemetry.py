@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from saga._flows.effects import Call, Flow, NotCalledError
 from saga.errors import LeaseLost
 from saga.logs import get_logger
 from saga.state import OperationStatus
@@ -45,10 +44,9 @@ if TYPE_CHECKING:
     from opentelemetry.metrics import CallbackOptions, Histogram, Observation
     from opentelemetry.trace import Link, Span, Tracer
 
-    from saga._core.planner import Next, OpRow, Planner, SagaRow
+    from saga._core.planner import OpRow, Planner, SagaRow
     from saga._core.rows import Event
-    from saga._db._store_base import DatabaseGauges
-    from saga.state import SagaState
+    from saga.state import DatabaseGauges, SagaState
 
 try:
     from opentelemetry import context as _context
@@ -68,8 +66,6 @@ __all__ = [
     "include_keys",
     "record_events",
     "serve_prometheus",
-    "traced_call",
-    "traced_run",
     "watch_database",
 ]
 
@@ -361,27 +357,23 @@ def _run_parent(stored: dict[str, str] | None) -> tuple[Context | None, list[Lin
 # ----- spans of drives and calls --------------------------------------------------------------
 
 
-def traced_run(
-    flow: Flow[SagaState | None], saga: SagaRow, *, keys: bool
-) -> Flow[SagaState | None]:
-    """`flow`, a drive of `saga` (`Flows.drive`), in a `saga.run` span made current while
-    it runs, and counted in `saga_runs_total` by how it ended; `flow` itself when nothing
-    is configured."""
-    tracer, instruments = _tracer(), _instruments()
-    if tracer is None and instruments is None:
-        return flow
-    return _traced_run(flow, saga, tracer, instruments, keys)
+@dataclass(slots=True)
+class RunWatch:
+    """A drive of one saga being traced (`saga.run`) and counted (`saga_runs_total`)."""
 
-
-def _traced_run(
-    flow: Flow[SagaState | None],
-    saga: SagaRow,
-    tracer: Tracer | None,
-    instruments: _Instruments | None,
-    keys: bool,
-) -> Flow[SagaState | None]:
+    saga: str
+    instruments: _Instruments | None
     span: Span | None = None
     token: object = None
+
+
+def watch_run(saga: SagaRow, *, keys: bool) -> RunWatch | None:
+    """Begin the `saga.run` span of a drive of `saga`, made current until `end_run`; None
+    when nothing is configured."""
+    tracer, instruments = _tracer(), _instruments()
+    if tracer is None and instruments is None:
+        return None
+    watch = RunWatch(saga.name, instruments)
     if tracer is not None:
         parent, links = _run_parent(saga.trace_context)
         attributes: dict[str, str | int] = {
@@ -391,27 +383,27 @@ def _traced_run(
         }
         if keys:
             attributes.update({"saga.key": saga.key, "saga.tenant_id": saga.tenant_id})
-        span = tracer.start_span("saga.run", context=parent, links=links, attributes=attributes)
-        token = _context.attach(_trace.set_span_in_context(span))
-    outcome, failure = "error", None
-    try:
-        state = yield from flow
+        watch.span = tracer.start_span(
+            "saga.run", context=parent, links=links, attributes=attributes
+        )
+        watch.token = _context.attach(_trace.set_span_in_context(watch.span))
+    return watch
+
+
+def end_run(watch: RunWatch, state: SagaState | None, failure: BaseException | None = None) -> None:
+    """End a drive's span, and count it by how it ended: the state it left the saga in, or
+    `failure`, what it raised (`abandoned` for a flow closed unfinished)."""
+    if failure is None:
         outcome = _run_outcome(state)
-        return state
-    except GeneratorExit:
-        outcome = "abandoned"
-        raise
-    except BaseException as exc:
-        failure = exc
-        raise
-    finally:
-        if span is not None:
-            _close(span, outcome, failure)
-            _context.detach(token)  # type: ignore[arg-type]
-        if instruments is not None:
-            instruments.tally.add(RUNS, ("saga", saga.name), ("outcome", outcome))
-            if outcome == "lease_lost":
-                instruments.tally.add(FENCING_REJECTIONS, ("saga", saga.name))
+    else:
+        outcome = "abandoned" if isinstance(failure, GeneratorExit) else "error"
+    if watch.span is not None:
+        _close(watch.span, outcome, failure)
+        _context.detach(watch.token)  # type: ignore[arg-type]
+    if watch.instruments is not None:
+        watch.instruments.tally.add(RUNS, ("saga", watch.saga), ("outcome", outcome))
+        if outcome == "lease_lost":
+            watch.instruments.tally.add(FENCING_REJECTIONS, ("saga", watch.saga))
 
 
 def _run_outcome(state: SagaState | None) -> str:
@@ -425,29 +417,15 @@ def _run_outcome(state: SagaState | None) -> str:
     return state.status.value
 
 
-def traced_call(
-    flow: Flow[tuple[Planner, Next]],
-    planner: Planner,
-    op: OpRow,
-    *,
-    keys: bool,
-    reconcile: bool = False,
-) -> Flow[tuple[Planner, Next]]:
-    """`flow`, an attempt of `op` (`Flows._invoke`) or the reconcile of its unknown
-    outcome (`reconcile`), with its call of user code in a span (`saga.step`,
-    `saga.compensate` or `saga.reconcile`) made current while the code runs, and timed in
-    `saga_step_duration_seconds`. The span ends when the call does; its `saga.outcome`
-    is what the record of the call says. `flow` itself when nothing is configured."""
-    tracer, instruments = _tracer(), _instruments()
-    if tracer is None and instruments is None:
-        return flow
-    return _traced_call(flow, planner, op, tracer, instruments, keys, reconcile)
-
-
 @dataclass(slots=True)
-class _CallWatch:
-    """What is known of the one call of user code in an attempt's flow."""
+class CallWatch:
+    """The one call of user code of an attempt (or of a reconcile) being timed and traced."""
 
+    saga: SagaRow
+    op: OpRow
+    step: str
+    reconcile: bool
+    instruments: _Instruments | None
     span: Span | None = None
     token: object = None
     began: float = 0.0
@@ -457,60 +435,56 @@ class _CallWatch:
     not_called: bool = False
 
 
-def _traced_call(
-    flow: Flow[tuple[Planner, Next]],
-    planner: Planner,
-    op: OpRow,
-    tracer: Tracer | None,
-    instruments: _Instruments | None,
-    keys: bool,
-    reconcile: bool,
-) -> Flow[tuple[Planner, Next]]:
-    saga = planner.saga
-    step = step_label(op.step, session=planner.definition.is_session)
-    watch: _CallWatch | None = None
-    value: Any = None
-    error: BaseException | None = None
-    try:
-        while True:
-            try:
-                effect = flow.throw(error) if error is not None else flow.send(value)
-            except StopIteration as stop:
-                result: tuple[Planner, Next] = stop.value
-                break
-            value, error = None, None
-            this = watch is None and isinstance(effect, Call)
-            if this:
-                watch = _begin_call(tracer, saga, op, step, keys, reconcile)
-            try:
-                value = yield effect
-            except GeneratorExit:
-                flow.close()
-                raise
-            except BaseException as exc:
-                error = exc
-                if this and watch is not None:
-                    watch.error_type = _error_type(exc)
-                    watch.not_called = isinstance(exc, NotCalledError)
-            finally:
-                if this and watch is not None:
-                    _end_call(watch)
-    except BaseException as exc:
-        if watch is not None:
-            failed = "abandoned" if isinstance(exc, GeneratorExit) else "error"
-            outcome = "lease_lost" if isinstance(exc, LeaseLost) else failed
-            _settle_call(watch, instruments, saga, step, op, outcome, reconcile)
-        raise
-    if watch is not None:
-        outcome = "not_called" if watch.not_called else _call_outcome(result[0], op, reconcile)
-        _settle_call(watch, instruments, saga, step, op, outcome, reconcile)
-    return result
+def watch_call(
+    saga: SagaRow, op: OpRow, *, session: bool, keys: bool, reconcile: bool = False
+) -> CallWatch | None:
+    """Begin timing the call of `op`'s attempt (or of its reconcile hook), in a span
+    (`saga.step`, `saga.compensate` or `saga.reconcile`) made current while the code runs;
+    None when nothing is configured. `call_returned` marks its end, `settle_call` ends the
+    span with what the record of the call says."""
+    tracer, instruments = _tracer(), _instruments()
+    if tracer is None and instruments is None:
+        return None
+    step = step_label(op.step, session=session)
+    return _begin_call(tracer, instruments, saga, op, step, keys, reconcile)
+
+
+def call_returned(
+    watch: CallWatch, failure: BaseException | None = None, *, not_called: bool = False
+) -> None:
+    """The call returned, or raised `failure` (`not_called`: the machinery could not make
+    it): its time, and its span no longer current."""
+    if failure is not None:
+        watch.error_type = _error_type(failure)
+        watch.not_called = not_called
+    _end_call(watch)
+
+
+def settle_call(watch: CallWatch, recorded: Planner | None, failure: BaseException | None) -> None:
+    """End a call's span (at the time the call ended) and time it: with the outcome its
+    record left in `recorded`, or, when the flow ended without recording it, by `failure`
+    (`lease_lost`, `abandoned`, `error`)."""
+    if watch.not_called:
+        outcome = "not_called"
+    elif recorded is not None:
+        outcome = _call_outcome(recorded, watch.op, watch.reconcile)
+    elif isinstance(failure, LeaseLost):
+        outcome = "lease_lost"
+    else:
+        outcome = "abandoned" if isinstance(failure, GeneratorExit) else "error"
+    _settle_call(watch, outcome)
 
 
 def _begin_call(
-    tracer: Tracer | None, saga: SagaRow, op: OpRow, step: str, keys: bool, reconcile: bool
-) -> _CallWatch:
-    watch = _CallWatch()
+    tracer: Tracer | None,
+    instruments: _Instruments | None,
+    saga: SagaRow,
+    op: OpRow,
+    step: str,
+    keys: bool,
+    reconcile: bool,
+) -> CallWatch:
+    watch = CallWatch(saga, op, step, reconcile, instruments)
     if tracer is not None:
         name = (
             "saga.reconcile"
@@ -541,7 +515,7 @@ def _begin_call(
     return watch
 
 
-def _end_call(watch: _CallWatch) -> None:
+def _end_call(watch: CallWatch) -> None:
     """The call returned or raised: its time, and its span no longer current."""
     watch.elapsed = time.perf_counter() - watch.began
     watch.ended_ns = time.time_ns()
@@ -550,21 +524,14 @@ def _end_call(watch: _CallWatch) -> None:
         watch.token = None
 
 
-def _settle_call(
-    watch: _CallWatch,
-    instruments: _Instruments | None,
-    saga: SagaRow,
-    step: str,
-    op: OpRow,
-    outcome: str,
-    reconcile: bool,
-) -> None:
+def _settle_call(watch: CallWatch, outcome: str) -> None:
     """End the call's span (at the time the call ended) with its outcome, and time it."""
+    instruments, saga, op, step = watch.instruments, watch.saga, watch.op, watch.step
     if watch.token is not None:  # the flow ended during the call itself
         _end_call(watch)
     if watch.span is not None:
         _close(watch.span, outcome, None, error_type=watch.error_type, end_ns=watch.ended_ns)
-    if instruments is not None and not reconcile and watch.elapsed is not None:
+    if instruments is not None and not watch.reconcile and watch.elapsed is not None:
         attributes = _duration_attributes(saga.name, step, op.kind, outcome)
         if watch.span is not None and instruments.duration_in_context:
             # In the call's span: an exemplar of this point links to the step it timed.

@@ -54,13 +54,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
 
-import psycopg
 import pytest
-from psycopg import sql
-from psycopg.conninfo import make_conninfo
 from pydantic import BaseModel
 
 from saga._app import load_app
+from saga._db.scratch import throwaway_database
 from saga._drivers import faults
 from saga.definition import Saga
 from saga.errors import PermanentError, SessionBusy, SessionParked
@@ -161,15 +159,8 @@ def postgres_url(postgres_server_url: str) -> Iterator[str]:
     """URL of a fresh, empty database of this test only (the orchestrator migrates it on
     first use), dropped afterwards."""
     name = f"saga_test_{os.getpid()}_{secrets.token_hex(4)}"
-    with psycopg.connect(postgres_server_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        yield make_conninfo(postgres_server_url, dbname=name)
-    finally:
-        with psycopg.connect(postgres_server_url, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
+    with throwaway_database(postgres_server_url, name) as url:
+        yield url
 
 
 # ----- replaying the audit trail ------------------------------------------------------------
@@ -1209,20 +1200,9 @@ def _session_child_main(request: Mapping[str, Any]) -> int:
     if is_async(fn):
         return asyncio.run(_call_async_session(app, fn, args, kwargs, deadline))
     try:
-        while True:
-            try:
-                fn(*args, **kwargs)
-            except SessionBusy as exc:
-                if time.monotonic() > deadline:
-                    _say(stuck=str(exc))
-                    return 1
-                time.sleep(_BUSY_RETRY_SECONDS)
-                continue
-            except Exception as exc:
-                _say_raised(exc)
-                return 0
-            _say(returned=True)
-            return 0
+        while (code := _ended(_raised_by(fn, args, kwargs), deadline)) is None:
+            time.sleep(_BUSY_RETRY_SECONDS)
+        return code
     finally:
         if isinstance(app, Orchestrator):
             app.close()
@@ -1236,23 +1216,48 @@ async def _call_async_session(
     deadline: float,
 ) -> int:
     try:
-        while True:
-            try:
-                await fn(*args, **kwargs)
-            except SessionBusy as exc:
-                if time.monotonic() > deadline:
-                    _say(stuck=str(exc))
-                    return 1
-                await asyncio.sleep(_BUSY_RETRY_SECONDS)
-                continue
-            except Exception as exc:
-                _say_raised(exc)
-                return 0
-            _say(returned=True)
-            return 0
+        while (code := _ended(await _araised_by(fn, args, kwargs), deadline)) is None:
+            await asyncio.sleep(_BUSY_RETRY_SECONDS)
+        return code
     finally:
         if isinstance(app, AsyncOrchestrator):
             await app.close()
+
+
+def _raised_by(fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> Exception | None:
+    """What `fn(*args, **kwargs)` raised; None when it returned."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:
+        return exc
+    return None
+
+
+async def _araised_by(
+    fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]
+) -> Exception | None:
+    """What `await fn(*args, **kwargs)` raised; None when it returned."""
+    try:
+        await fn(*args, **kwargs)
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _ended(raised: Exception | None, deadline: float) -> int | None:
+    """The child's exit code after one call of the session function, which returned
+    (`raised` is None) or raised, said on its output; None while the session is busy (a
+    killed run's lease lasts) and the deadline has not passed: call it again."""
+    if isinstance(raised, SessionBusy):
+        if time.monotonic() > deadline:
+            _say(stuck=str(raised))
+            return 1
+        return None
+    if raised is None:
+        _say(returned=True)
+    else:
+        _say_raised(raised)
+    return 0
 
 
 def _say_raised(exc: Exception) -> None:

@@ -22,16 +22,14 @@ from datetime import datetime
 from threading import Event, Thread
 from typing import Any, Protocol
 
-import psycopg
-from psycopg import sql
-
 from saga import telemetry
-from saga._core.planner import Next, Planner
-from saga._db.database import Route, behind_pooler, describe_url, is_malformed_url
+from saga._core.planner import Planner
+from saga._db.database import Route, describe_url, garbled_reply, is_malformed_url
 from saga._db.dbretry import is_transient
+from saga._db.listen import listening, unparsable_url
 from saga._drivers.driver import Runner
 from saga._drivers.loopguard import sync_only
-from saga._flows.drive import describe_error
+from saga._flows.drive import Move, describe_error
 from saga.definition import Saga
 from saga.errors import DatabaseRefused, DatabaseUnavailable
 from saga.logs import get_logger
@@ -102,11 +100,10 @@ def unreachable(exc: BaseException, url: str) -> bool:
         return False
     if isinstance(exc, DatabaseUnavailable):
         return not is_malformed_url(url)
-    # A reply the client could not make sense of (psycopg's own InternalError, with no
-    # SQLSTATE: "received 2 results from command 'COMMIT'" when a server restarts behind a
-    # pooler mid-reply): the connection is broken, not the request refused. What a worker
-    # does at start (migrate, check its privileges) is safe to do again.
-    if isinstance(exc, psycopg.InternalError) and exc.sqlstate is None:
+    # A reply the client could not make sense of: the connection is broken, not the
+    # request refused. What a worker does at start (migrate, check its privileges) is safe
+    # to do again.
+    if garbled_reply(exc):
         return True
     return is_transient(exc)
 
@@ -137,7 +134,6 @@ def log_loop_error(exc: BaseException, *, retry_in: float) -> None:
     )
 
 
-CHANNEL = "saga_runnable"
 # Most sagas one claim takes (one statement and one commit), for as many idle drivers.
 MAX_CLAIM_BATCH = 32
 ENV_LISTEN_URL = "SAGA_LISTEN_URL"
@@ -392,7 +388,7 @@ class Worker:
         seconds = (at - datetime.now().astimezone()).total_seconds()
         return min(self.poll_seconds, max(seconds, 0.01))
 
-    def _spawn(self, runner: Runner, planner: Planner, nxt: Next) -> None:
+    def _spawn(self, runner: Runner, planner: Planner, nxt: Move) -> None:
         saga_id = planner.saga.id
         key = (saga_id, planner.saga.fence)
 
@@ -439,23 +435,22 @@ class Worker:
         delay = 0.05
         while not self._stopping.is_set():
             try:
-                conn = psycopg.Connection.connect(url, autocommit=True, prepare_threshold=None)
-                with conn:
-                    if behind_pooler(conn):
+                with listening(url) as listener:
+                    if listener.behind_pooler():
                         warn_polling(url, source, self.poll_seconds)
                         return
-                    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(CHANNEL)))
+                    listener.listen()
                     self._wake.set()  # catch up on anything missed while not listening
                     delay = 0.05
                     while not self._stopping.is_set():
-                        for _ in conn.notifies(timeout=1.0, stop_after=1):
+                        if listener.notified(1.0):
                             self._wake.set()
             except Exception as exc:
                 if self._stopping.is_set():
                     return
                 # The URL's password may be quoted by the driver (a URL that does not parse).
                 error = scrub(describe_error(exc), url)
-                if isinstance(exc, psycopg.ProgrammingError):
+                if unparsable_url(exc):
                     # A URL that does not parse never will: said once; polling still finds
                     # work.
                     _log.error("listener_stopped", error=error)

@@ -19,27 +19,25 @@ from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any, Protocol
 
-import psycopg
-from psycopg import sql
-
 from saga import telemetry
-from saga._core.planner import Next, Planner
-from saga._db._store_base import DatabaseGauges
-from saga._db.database import Route, behind_pooler_async, describe_url, is_malformed_url
+from saga._core.planner import Planner
+from saga._db.database import Route, describe_url, garbled_reply, is_malformed_url
 from saga._db.dbretry import is_transient
+from saga._db.listen_async import listening, unparsable_url
 from saga._db.store_async import AsyncStore
 from saga._drivers.driver_async import AsyncRunner
-from saga._flows.drive import describe_error
+from saga._flows.drive import Move, describe_error
 from saga.definition import Saga
 from saga.errors import DatabaseRefused, DatabaseUnavailable
 from saga.logs import get_logger
 from saga.redact import scrub
+from saga.state import DatabaseGauges
 
 if True:  # ASYNC
     import asyncio
     from asyncio import Event, Task
 
-    from saga._acompat import sync_only
+    from saga._acompat import loop_signals, sync_only
 else:
     from threading import Event, Thread
 
@@ -124,11 +122,10 @@ def unreachable(exc: BaseException, url: str) -> bool:
         return False
     if isinstance(exc, DatabaseUnavailable):
         return not is_malformed_url(url)
-    # A reply the client could not make sense of (psycopg's own InternalError, with no
-    # SQLSTATE: "received 2 results from command 'COMMIT'" when a server restarts behind a
-    # pooler mid-reply): the connection is broken, not the request refused. What a worker
-    # does at start (migrate, check its privileges) is safe to do again.
-    if isinstance(exc, psycopg.InternalError) and exc.sqlstate is None:
+    # A reply the client could not make sense of: the connection is broken, not the
+    # request refused. What a worker does at start (migrate, check its privileges) is safe
+    # to do again.
+    if garbled_reply(exc):
         return True
     return is_transient(exc)
 
@@ -159,7 +156,6 @@ def log_loop_error(exc: BaseException, *, retry_in: float) -> None:
     )
 
 
-CHANNEL = "saga_runnable"
 # Most sagas one claim takes (one statement and one commit), for as many idle drivers.
 MAX_CLAIM_BATCH = 32
 ENV_LISTEN_URL = "SAGA_LISTEN_URL"
@@ -443,7 +439,7 @@ class AsyncWorker:
         seconds = (at - datetime.now().astimezone()).total_seconds()
         return min(self.poll_seconds, max(seconds, 0.01))
 
-    def _spawn(self, runner: AsyncRunner, planner: Planner, nxt: Next) -> None:
+    def _spawn(self, runner: AsyncRunner, planner: Planner, nxt: Move) -> None:
         saga_id = planner.saga.id
         key = (saga_id, planner.saga.fence)
 
@@ -505,25 +501,22 @@ class AsyncWorker:
         delay = 0.05
         while not self._stopping.is_set():
             try:
-                conn = await psycopg.AsyncConnection.connect(
-                    url, autocommit=True, prepare_threshold=None
-                )
-                async with conn:
-                    if await behind_pooler_async(conn):
+                async with listening(url) as listener:
+                    if await listener.behind_pooler():
                         warn_polling(url, source, self.poll_seconds)
                         return
-                    await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(CHANNEL)))
+                    await listener.listen()
                     self._wake.set()  # catch up on anything missed while not listening
                     delay = 0.05
                     while not self._stopping.is_set():
-                        async for _ in conn.notifies(timeout=1.0, stop_after=1):
+                        if await listener.notified(1.0):
                             self._wake.set()
             except Exception as exc:
                 if self._stopping.is_set():
                     return
                 # The URL's password may be quoted by the driver (a URL that does not parse).
                 error = scrub(describe_error(exc), url)
-                if isinstance(exc, psycopg.ProgrammingError):
+                if unparsable_url(exc):
                     # A URL that does not parse never will: said once; polling still finds
                     # work.
                     _log.error("listener_stopped", error=error)
@@ -540,24 +533,13 @@ class AsyncWorker:
             yield
             return
         if True:  # ASYNC
-            loop = asyncio.get_running_loop()
 
             def on_signal(signum: signal.Signals) -> None:
                 _log.info("worker_stopping", signal=signum.name)
                 self.stop()
 
-            installed: list[signal.Signals] = []
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                try:
-                    loop.add_signal_handler(signum, on_signal, signum)
-                except (NotImplementedError, RuntimeError, ValueError):
-                    continue
-                installed.append(signum)
-            try:
+            with loop_signals(on_signal):
                 yield
-            finally:
-                for signum in installed:
-                    loop.remove_signal_handler(signum)
         else:
 
             def on_signal(signum: int, frame: object) -> None:

@@ -121,12 +121,14 @@ def ceiling_breach(
     return None
 
 
-def note_spend(op: OpRow, amount: float) -> None:
+def note_spend(op: OpRow, amount: float) -> bool:
     """Spend that step code reported with `ctx.spend()` during the attempt in flight
-    (its running total, persisted or not yet), counted when its outcome is recorded."""
+    (its running total, persisted or not yet), counted when its outcome is recorded;
+    whether it changed `op` (the planner notes the row changed)."""
     if amount > op.attempt_spend:
         op.attempt_spend = amount
-        op.dirty = True
+        return True
+    return False
 
 
 def refused_spend(op: OpRow, reason: str) -> str:
@@ -141,14 +143,14 @@ def refused_spend(op: OpRow, reason: str) -> str:
 
 
 def count_spend(saga: SagaRow, op: OpRow, amount: float) -> None:
-    """Count what an attempt of `op` reported into the operation and `saga`, once."""
+    """Count what an attempt of `op` reported into the operation and `saga`, once (the
+    planner, which records the attempt's outcome, notes the row changed)."""
     if amount <= 0:
         return
     saga.spent += amount
     op.spent += amount
     op.peak_spend = max(op.peak_spend, amount)
     op.attempt_spend = 0.0
-    op.dirty = True
 
 
 def unknown_spend_counted(op: OpRow) -> bool:

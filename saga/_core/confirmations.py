@@ -54,12 +54,15 @@ class Gate:
 @dataclass(slots=True)
 class Verdict:
     """What the check answers: whether the attempt is held back, the events to record,
-    the confirmation to add (rows already read are updated in place), and, when held,
-    the saga's error while it awaits the confirmation."""
+    the confirmation asked for (a new row, or a row already read, asked for again with
+    a new preview: updated in place), the confirmation whose approval the attempt uses
+    up (updated in place), and, when held, the saga's error while it awaits the
+    confirmation. The planner adds a new row and notes both as changed."""
 
     held: bool = False
     events: list[Event] = field(default_factory=list)
     asked: ConfirmationRow | None = None
+    used: ConfirmationRow | None = None
     error: str | None = None
 
 
@@ -71,7 +74,7 @@ def holds_back(gate: Gate, op: OpRow, spec: OperationSpec, cost: float | None) -
     verdict = Verdict()
     if not _needs_confirmation(gate, spec):
         return verdict
-    released, refused = _use_approval(gate, op, spec, cost, verdict.events)
+    released, refused = _use_approval(gate, op, spec, cost, verdict)
     if released:
         return verdict
     _await_confirmation(gate, op, spec, cost, verdict, refused=refused)
@@ -92,10 +95,11 @@ def _needs_confirmation(gate: Gate, spec: OperationSpec) -> bool:
 
 
 def _use_approval(
-    gate: Gate, op: OpRow, spec: OperationSpec, cost: float | None, events: list[Event]
+    gate: Gate, op: OpRow, spec: OperationSpec, cost: float | None, verdict: Verdict
 ) -> tuple[bool, str | None]:
     """Whether an approval releases the attempt of `op` about to start, which then
-    uses it up (recorded with that attempt's start: one approval, one attempt), and why
+    uses it up (recorded with that attempt's start: one approval, one attempt; the
+    row is `verdict.used`, its events in `verdict.events`), and why
     a stored approval was refused (None when none was).
 
     Only an approval of exactly what would be previewed now (its hash covers the
@@ -119,6 +123,7 @@ def _use_approval(
         or confirmation.consumed_attempt is not None
     ):
         return False, None
+    events = verdict.events
     if confirmation.expires_at <= gate.now:
         events.append(
             Event(
@@ -137,7 +142,8 @@ def _use_approval(
     if refused is not None:
         return False, refused
     attempt = op.attempts + 1
-    confirmation.consumed_attempt, confirmation.dirty = attempt, True
+    confirmation.consumed_attempt = attempt
+    verdict.used = confirmation
     detail: dict[str, Any] = {"request_hash": digest}
     if granted is None:
         detail["approved_by"] = confirmation.approved_by
@@ -252,13 +258,13 @@ def _await_confirmation(
     expires_at = gate.now + timedelta(seconds=spec.guards.confirm_ttl_seconds)
     existing = _confirmation_for(gate, op.step, digest)
     if existing is None:
-        verdict.asked = ConfirmationRow(op.step, digest, preview, expires_at, new=True)
+        verdict.asked = ConfirmationRow(op.step, digest, preview, expires_at)
     else:
         # Asked again (it expired, approved or not): an earlier approval is withdrawn.
         existing.preview, existing.expires_at = preview, expires_at
         existing.approved_by = existing.approved_at = existing.consumed_attempt = None
         existing.approval = None
-        existing.new, existing.dirty = True, False
+        verdict.asked = existing
     verdict.held = True
     verdict.error = (
         f"{describe(op)} waits for confirmation of attempt {op.attempts + 1} (request {digest})"

@@ -399,7 +399,8 @@ def apply(planner: Planner, outcome: Outcome, now: datetime) -> None:
     if isinstance(outcome, Spent):
         inner = outcome.outcome
         op = planner.op(inner.step, inner.kind)
-        ceilings.note_spend(op, outcome.amount)
+        if ceilings.note_spend(op, outcome.amount):
+            planner.changed(op)
         _apply_to(planner, op, inner)
         if outcome.refused is not None:
             planner.event("spend_refused", op, reason=outcome.refused)
@@ -409,6 +410,7 @@ def apply(planner: Planner, outcome: Outcome, now: datetime) -> None:
 
 
 def _ask(planner: Planner, call: CallAsked) -> None:
+    planner.session_call = call.step
     if planner.find(call.step, "action") is not None:
         return  # added by a write that landed although its reply was lost
     op = OpRow(
@@ -421,9 +423,8 @@ def _ask(planner: Planner, call: CallAsked) -> None:
         attempts=0,
         max_attempts=call.max_attempts,
         request=call.arguments,
-        new=True,
     )
-    planner.ops.append(op)
+    planner.add_op(op)
     planner.event("call_asked", op, key=call.key)
 
 
@@ -448,6 +449,10 @@ def _close(planner: Planner, closed: SessionClosed) -> None:
 
 
 def _apply_to(planner: Planner, op: OpRow, outcome: OpOutcome) -> None:
+    if op.kind == "action" and planner.definition.is_session:
+        # A session calls one operation at a time: this one (a planner made afresh to
+        # apply the outcome again, after a write whose reply was lost, learns it here).
+        planner.session_call = op.step
     if isinstance(outcome, Returned):
         planner.record_success(op, outcome.result)
     elif isinstance(outcome, Raised):

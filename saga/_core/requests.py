@@ -153,7 +153,7 @@ def _amend_result(
         )
     previous = action.result
     action.result = result
-    action.dirty = True
+    planner.changed(action)
     planner.event(
         "result_amended",
         action,
@@ -209,7 +209,7 @@ def request_retry(
         planner.touch(op, status=OperationStatus.PENDING)
     else:
         # An unknown outcome stays unknown: the planner settles it (reconcile or retry).
-        op.dirty = True
+        planner.changed(op)
     op.next_attempt_at = None
     planner.event(
         "retry_requested",
@@ -380,7 +380,8 @@ def approve_confirmation(
             f"the confirmation of step {step!r} expired at {match.expires_at}; run the saga "
             "again to prepare a new preview"
         )
-    match.approved_by, match.approved_at, match.dirty = actor, now, True
+    match.approved_by, match.approved_at = actor, now
+    planner.confirmation_changed(match)
     match.approval = approval
     _resume(planner, now)
     planner.events.append(
@@ -848,7 +849,6 @@ def _inherited_call(saga: SagaRow, key: str, source: OpRow) -> OpRow:
         attempts=source.attempts,
         max_attempts=source.max_attempts,
         error=source.error,
-        new=True,
     )
     _inherit(op, source)
     return op

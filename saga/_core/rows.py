@@ -1,8 +1,10 @@
 """The snapshot of one saga the core decides on, and the write it hands back.
 
-The rows mirror saga.sagas, saga.operations and saga.confirmations in memory; the core
-changes them and marks what changed, records audit `Event`s, and `Planner.write` turns
-all of it into one `Write` for the store to persist in one transaction.
+The rows mirror saga.sagas, saga.operations and saga.confirmations in memory, and carry
+nothing but their columns: the core changes them through the planner, which notes each
+row changed (`saga._core.writes.Changes`) and records audit `Event`s, and
+`Planner.write` turns all of it into one `Write` for the store to persist in one
+transaction.
 """
 
 from __future__ import annotations
@@ -49,8 +51,6 @@ class OpRow:
     peak_spend: float = 0.0
     # The version request_hash was computed under (saga.keys.HASH_VERSIONS, migration 0023).
     hash_version: int = HASH_VERSION
-    new: bool = False
-    dirty: bool = False
 
 
 @dataclass(slots=True)
@@ -105,8 +105,6 @@ class ConfirmationRow:
     # The approval token given with the approval (migration 0017): with signed approvals,
     # the proof the planner verifies before the attempt; approved_at alone proves nothing.
     approval: str | None = None
-    new: bool = False
-    dirty: bool = False
 
 
 @dataclass(frozen=True, slots=True)

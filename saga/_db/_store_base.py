@@ -2,8 +2,8 @@
 rows to the core's row types and of the core's writes to the SQL functions' arguments, and
 the translation of PostgreSQL's errors into the orchestrator's.
 
-`saga._db.store_async` (the source) and `saga._db.store` (generated from it) import these;
-nothing here opens a connection or waits.
+The store's modules (`saga._db.store_async` and its parts, the sources, and the twins
+generated from them) import these; nothing here opens a connection or waits.
 """
 
 from __future__ import annotations
@@ -34,7 +34,13 @@ from saga.errors import (
     StepStateError,
 )
 from saga.redact import scrub
-from saga.state import OperationState, OperationStatus, SagaState, SagaStatus
+from saga.state import (
+    DatabaseGauges,
+    OperationState,
+    OperationStatus,
+    SagaState,
+    SagaStatus,
+)
 
 # SQLSTATE raised by saga.assert_fence and saga.write_saga when the lease is no longer
 # the caller's.
@@ -457,16 +463,6 @@ def state_from(row: dict[str, Any], ops: Sequence[dict[str, Any]]) -> SagaState:
     )
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class DatabaseGauges:
-    """What the telemetry's gauges report of the sagas of one name (`database_gauges`)."""
-
-    saga: str
-    needs_review: int
-    unknown_outcomes: int
-    oldest_runnable_seconds: float
-
-
 def gauges_of(rows: Sequence[dict[str, Any]]) -> list[DatabaseGauges]:
     """The rows of the `database_gauges` query, typed."""
     return [
@@ -546,16 +542,14 @@ def claimed_started(outcome: dict[str, Any]) -> tuple[bool, SagaState | None]:
     return True, state_of(outcome["state"])
 
 
-def started(saga: SagaRow, ops: Sequence[OpRow], outcome: dict[str, Any]) -> dict[str, Any]:
-    """What saga.start_saga answered, with the new rows marked as written when it created
-    the saga (see the store's `start_saga`)."""
+def started(saga: SagaRow, outcome: dict[str, Any]) -> dict[str, Any]:
+    """What saga.start_saga answered, with the columns the server set read into `saga`
+    when it created the saga (see the store's `start_saga`)."""
     if not outcome["created"] and str(outcome["id"]) == saga.id:
         # This very start, retried after its reply was lost: it had landed. The saga
         # is ours, created as planned (its id is new to every start).
         outcome = {"created": True}
     if outcome["created"]:
-        for op in ops:
-            op.new = op.dirty = False
         for name in ("run_after", "created_at", "updated_at"):
             if name in outcome:
                 setattr(saga, name, datetime.fromisoformat(outcome[name]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from saga.errors import DatabaseRefused, DatabaseUnavailable
+from saga.keys import HASH_VERSION
 from saga.redact import redact_url, scrub
 
 ENV_URL = "SAGA_DATABASE_URL"
@@ -247,3 +249,61 @@ def prepare_threshold(setting: bool | None, route: Route) -> int | None:
     `max_prepared_statements`, with psycopg 3.2 and libpq 17) may be given `True`."""
     use = (not route.pooled) if setting is None else setting
     return _PREPARE_THRESHOLD if use else None
+
+
+def garbled_reply(exc: BaseException) -> bool:
+    """Whether `exc` is a reply the client could not make sense of (psycopg's own
+    InternalError, with no SQLSTATE: "received 2 results from command 'COMMIT'" when a
+    server restarts behind a pooler mid-reply): the connection is broken, not the request
+    refused."""
+    return isinstance(exc, psycopg.InternalError) and exc.sqlstate is None
+
+
+def session_options(url: str, lease_seconds: float) -> str:
+    """Server settings of the orchestrator's connections (libpq `options`, added to any the
+    URL or PGOPTIONS give): no transaction of ours holds its locks, or waits for another's,
+    longer than a lease; and the request hash version of the rows they write
+    (`saga.hash_version`, migration 0023).
+
+    A claim plans the saga's first move (cost functions, confirm rules, input models: user
+    code) while the saga row is locked; a holder frozen there (SIGSTOP, a GC pause, a slow
+    cost function) would block `run()` and every operator verb on that saga for as long as
+    it is frozen. With `idle_in_transaction_session_timeout` the server ends such a
+    transaction once it has waited a lease for its client, and rolls it back (its lease
+    would have expired by then anyway); with `lock_timeout` a wait for a row lock ends
+    after a lease too, retried by a claim or a write and reported as busy by an operator
+    verb. Set per session, as a startup parameter, they cost no statement and no commit.
+    """
+    existing = conninfo_to_dict(url).get("options") or os.environ.get("PGOPTIONS", "")
+    milliseconds = max(1, math.ceil(lease_seconds * 1000.0))
+    ours = (
+        f"-c idle_in_transaction_session_timeout={milliseconds} -c lock_timeout={milliseconds}"
+        f" -c saga.hash_version={HASH_VERSION}"
+    )
+    return f"{existing} {ours}".strip()
+
+
+def connection_kwargs(
+    url: str, lease_seconds: float, route: Route, prepared_statements: bool | None
+) -> dict[str, Any]:
+    """Arguments of the pool's connections on `route`: autocommit, psycopg's
+    `prepare_threshold` (`prepare_threshold`), and, on a direct connection, the
+    `session_options`. Through a pooler the timeouts are set by each transaction instead
+    (`transaction_settings`): PgBouncer refuses `options` as a startup parameter, and a
+    session setting there would stay on a server session other clients share."""
+    kwargs: dict[str, Any] = {
+        "autocommit": True,
+        "prepare_threshold": prepare_threshold(prepared_statements, route),
+    }
+    if not route.pooled:
+        kwargs["options"] = session_options(url, lease_seconds)
+    return kwargs
+
+
+def transaction_settings(route: Route, lease_seconds: float) -> dict[str, str] | None:
+    """Through a pooler, the timeouts of `session_options` as each transaction of the
+    store sets them for itself (`SET LOCAL`); None on a direct connection."""
+    if not route.pooled:
+        return None
+    milliseconds = str(max(1, math.ceil(lease_seconds * 1000.0)))
+    return {"idle_ms": milliseconds, "lock_ms": milliseconds, "hash_version": str(HASH_VERSION)}

@@ -12,13 +12,11 @@ from psycopg import errors
 from psycopg_pool import PoolTimeout
 
 from saga.errors import DatabaseInterrupted
-from saga.logs import get_logger
-from saga.redact import scrub
-
-_log = get_logger("saga")
+from saga.logs import log_retry as log_retry
+from saga.retry import DATABASE_RETRY_SECONDS
 
 # How long (seconds) database work keeps being retried before the error is raised.
-DEFAULT_RETRY_SECONDS = 30.0
+DEFAULT_RETRY_SECONDS = DATABASE_RETRY_SECONDS
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -38,25 +36,6 @@ def is_transient(exc: BaseException) -> bool:
         return True
     # OperationalError covers lost connections, AdminShutdown and CannotConnectNow.
     return isinstance(exc, psycopg.OperationalError)
-
-
-def log_retry(
-    what: str,
-    exc: BaseException | None,
-    *,
-    attempt: int = 1,
-    retry_in: float = 0.0,
-    url: str | None = None,
-) -> None:
-    """Log a transient failure of database work that is about to be retried; no piece of
-    the password of `url` (the URL the work connects with) shows in it."""
-    _log.warning(
-        "database_retry",
-        what=what,
-        attempt=attempt,
-        error=scrub(f"{type(exc).__name__}: {exc}".strip(), url),
-        retry_in_seconds=round(retry_in, 3),
-    )
 
 
 def retrying(

@@ -44,7 +44,9 @@ class Abandoned:
 
 
 _lock = threading.Lock()
-_running: dict[tuple[str, str, str], list[Abandoned]] = {}
+# By operation. Read without the lock only to learn that nothing is abandoned at all (the
+# common case), so a call need not look its operation up.
+running: dict[tuple[str, str, str], list[Abandoned]] = {}
 
 
 def wait_bound(timeout_seconds: float) -> float:
@@ -55,24 +57,24 @@ def wait_bound(timeout_seconds: float) -> float:
 def add(entry: Abandoned) -> None:
     """Track an abandoned attempt until its thread ends (the thread calls `discard`)."""
     with _lock:
-        _running.setdefault((entry.saga_id, entry.step, entry.kind), []).append(entry)
+        running.setdefault((entry.saga_id, entry.step, entry.kind), []).append(entry)
 
 
 def discard(entry: Abandoned) -> None:
     """Forget an attempt whose thread has ended."""
     key = (entry.saga_id, entry.step, entry.kind)
     with _lock:
-        entries = [e for e in _running.get(key, []) if e is not entry]
+        entries = [e for e in running.get(key, []) if e is not entry]
         if entries:
-            _running[key] = entries
+            running[key] = entries
         else:
-            _running.pop(key, None)
+            running.pop(key, None)
 
 
 def still_running(saga_id: str, step: str, kind: str) -> list[Abandoned]:
     """The abandoned attempts of this operation whose threads are alive."""
     with _lock:
-        entries = list(_running.get((saga_id, step, kind), []))
+        entries = list(running.get((saga_id, step, kind), []))
     return [e for e in entries if e.thread.is_alive()]
 
 

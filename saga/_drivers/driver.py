@@ -21,26 +21,24 @@ import threading
 from collections.abc import Callable, Sequence
 from contextlib import (
     AbstractContextManager,
-    ExitStack,
     nullcontext,
 )
 from typing import Any, TypeVar
 
 from saga._acompat import Event, ThreadResult, run_blocking, sleep, wait_set
-from saga._core.planner import Next, OpRow, Planner, SagaRow
+from saga._core.planner import OpRow, Planner, SagaRow
 from saga._db.store import Conn, Store
 from saga._drivers import abandoned
+from saga._drivers.boundary import carry_out
 from saga._drivers.leases import LeaseKeeper
 from saga._drivers.ownloop import run_in_own_loop
 from saga._flows.claim import Flows
+from saga._flows.drive import Claimed, Move, describe_error, retried
 from saga._flows.drive import RunnerOptions as RunnerOptions
-from saga._flows.drive import describe_error, retried
 from saga._flows.effects import (
     AttemptTimedOut,
     AwaitAbandoned,
-    Begin,
     Call,
-    Commit,
     Db,
     Effect,
     Fetch,
@@ -90,24 +88,24 @@ class Runner:
 
     def claim_next(
         self, kinds: Sequence[str], lookup: Callable[[str, int], Saga[Any]]
-    ) -> tuple[Planner, Next] | None:
+    ) -> Claimed | None:
         """Claim the longest-waiting runnable saga of these kinds and plan its first move."""
         return self.run(self.flows.claim_next(kinds, lookup))
 
     def claim_batch(
         self, kinds: Sequence[str], lookup: Callable[[str, int], Saga[Any]], limit: int
-    ) -> list[tuple[Planner, Next]]:
+    ) -> list[Claimed]:
         """Claim up to `limit` runnable sagas of these kinds in one statement and one commit,
         each with its first move planned and recorded; in run_after order."""
         return self.run(self.flows.claim_batch(kinds, lookup, limit))
 
-    def drive(self, planner: Planner, nxt: Next) -> SagaState | None:
+    def drive(self, planner: Planner, nxt: Move) -> SagaState | None:
         """Carry out `nxt` and every move after it until the saga stops or is handed back."""
         return self.run(self.flows.drive(planner, nxt))
 
     def run(self, flow: Flow[T]) -> T:
         """Carry out every effect `flow` yields, and return what it returns."""
-        return carry_out(flow, self._effect, self._open)
+        return carry_out(flow, self._effect, self._open, keys=self.options.telemetry_keys)
 
     # ----- effects -------------------------------------------------------------------------
 
@@ -134,7 +132,9 @@ class Runner:
                 sleep(effect.seconds)
             return None
         if isinstance(effect, AwaitAbandoned):
-            if not abandoned.still_running(effect.saga_id, effect.step, effect.kind):
+            if not abandoned.running or not abandoned.still_running(
+                effect.saga_id, effect.step, effect.kind
+            ):
                 return []
             with self.keeper.holding(*effect.hold):
                 return run_blocking(abandoned.wait_for, effect.saga_id, effect.step, effect.kind)
@@ -147,12 +147,13 @@ class Runner:
     def _call(self, effect: Call) -> Any:
         """Call user code: a hook as it is; a step's attempt under its lease, its spend
         reports written before its outcome is recorded."""
+        coroutine = is_async(effect.fn) if effect.is_async is None else effect.is_async
         if effect.hold is None:
-            return _call_user(effect.fn, effect.args, effect.timeout_seconds, None)
+            return _call_user(effect.fn, effect.args, effect.timeout_seconds, None, coroutine)
         ctx = effect.args[0] if effect.args and isinstance(effect.args[0], StepContext) else None
         with self.keeper.holding(*effect.hold):
             try:
-                return _call_user(effect.fn, effect.args, effect.timeout_seconds, ctx)
+                return _call_user(effect.fn, effect.args, effect.timeout_seconds, ctx, coroutine)
             finally:
                 if ctx is not None and isinstance(ctx._report, _SpendReporter):
                     ctx._report.drain()
@@ -225,52 +226,6 @@ class _SpendReporter:
         _log.warning("spend_not_persisted", **self._where(), total=total, error=describe_error(exc))
 
 
-def carry_out(
-    flow: Flow[T],
-    effect: Callable[[Effect, Conn | None], Any],
-    open_transaction: Callable[[bool], AbstractContextManager[Conn]],
-) -> T:
-    """Run `flow` to its end: each effect it yields is carried out by `effect` and its
-    result sent back, or its error raised inside the flow. `Begin` opens a transaction
-    (`open_transaction`) that `Commit` commits; an error inside it, raised by an effect
-    or by the flow, rolls it back first."""
-    txn: ExitStack | None = None
-    conn: Conn | None = None
-    value: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            step = flow.throw(error) if error is not None else flow.send(value)
-        except StopIteration as stop:
-            assert txn is None, "a flow ended inside a transaction"
-            return stop.value  # type: ignore[no-any-return]
-        except BaseException as exc:
-            if txn is not None:
-                txn.__exit__(type(exc), exc, exc.__traceback__)
-            raise
-        value, error = None, None
-        try:
-            if isinstance(step, Begin):
-                assert txn is None, "transactions do not nest"
-                txn = ExitStack()
-                conn = txn.enter_context(open_transaction(step.pipelined))
-            elif isinstance(step, Commit):
-                assert txn is not None, "Commit without Begin"
-                done, txn, conn = txn, None, None
-                done.close()
-            else:
-                value = effect(step, conn)
-        except BaseException as exc:
-            if txn is not None:
-                # The transaction is rolled back before the flow hears of the error.
-                failed, txn, conn = txn, None, None
-                try:
-                    failed.__exit__(type(exc), exc, exc.__traceback__)
-                except BaseException as raised:
-                    exc = raised
-            error = exc
-
-
 # ----- calling user code ---------------------------------------------------------------------
 
 
@@ -279,16 +234,22 @@ def _call_user(
     args: tuple[Any, ...],
     timeout_seconds: float | None,
     ctx: StepContext | None,
+    coroutine: bool,
 ) -> Any:
-    """Call `fn(*args)`, user code, giving up after `timeout_seconds` with `AttemptTimedOut`:
-    the call may still take effect, so the caller records the outcome as unknown.
+    """Call `fn(*args)`, user code (`coroutine`: a coroutine function), giving up after
+    `timeout_seconds` with `AttemptTimedOut`: the call may still take effect, so the
+    caller records the outcome as unknown.
 
     `ctx`, the attempt's StepContext, names the operation: an earlier attempt of it
     abandoned at its timeout and still running here is waited for (`_in_thread`) before
     this one is called. `NotCalledError` or `MachineryFailedError` when the machinery fails
     to run the call.
     """
-    if ctx is not None and abandoned.still_running(ctx.saga_id, ctx.step, ctx.kind):
+    if (
+        ctx is not None
+        and abandoned.running
+        and abandoned.still_running(ctx.saga_id, ctx.step, ctx.kind)
+    ):
         late = run_blocking(abandoned.wait_for, ctx.saga_id, ctx.step, ctx.kind)
         if late:
             raise AttemptTimedOut(
@@ -305,14 +266,14 @@ def _call_user(
     # runs in a thread of its own, a timed async one in an event loop of its own (its
     # coroutine is cancelled at the timeout).
     if timeout_seconds is None:
-        return _in_this_thread(lambda: _call_here(fn, *args))
-    if is_async(fn):
+        return _in_this_thread(lambda: _call_here(fn, coroutine, *args))
+    if coroutine:
         return _in_this_thread(
             lambda: run_in_own_loop(
                 lambda: fn(*args), began=False, timeout=timeout_seconds, timed_out=what
             )
         )
-    return _in_thread(lambda: _call_here(fn, *args), timeout_seconds, ctx, what)
+    return _in_thread(lambda: _call_here(fn, coroutine, *args), timeout_seconds, ctx, what)
 
 
 def _in_thread(
@@ -398,11 +359,11 @@ def _from_step(exc: BaseException) -> BaseException:
     return step_exited(exc)
 
 
-def _call_here(fn: Callable[..., Any], *args: Any) -> Any:
-    """Call a user function; an async one (or one that returns an awaitable) is
-    awaited in an event loop of its own. `NotCalledError` or `MachineryFailedError`
-    when that loop fails."""
-    if is_async(fn):
+def _call_here(fn: Callable[..., Any], coroutine: bool, *args: Any) -> Any:
+    """Call a user function; an async one (`coroutine`, or one that returns an
+    awaitable) is awaited in an event loop of its own. `NotCalledError` or
+    `MachineryFailedError` when that loop fails."""
+    if coroutine:
         # Nothing of an async function runs before its coroutine is awaited, in the loop.
         return run_in_own_loop(lambda: fn(*args), began=False)
     result = fn(*args)

@@ -21,26 +21,24 @@ from collections.abc import Callable, Sequence
 from contextlib import (
     AbstractAsyncContextManager,
     AbstractContextManager,
-    AsyncExitStack,
     nullcontext,
 )
 from typing import Any, TypeVar
 
 from saga._acompat import AEvent, AThreadResult, arun_blocking, asleep, await_set
-from saga._core.planner import Next, OpRow, Planner, SagaRow
+from saga._core.planner import OpRow, Planner, SagaRow
 from saga._db.store_async import AConn, AsyncStore
 from saga._drivers import abandoned
+from saga._drivers.boundary_async import acarry_out
 from saga._drivers.leases_async import AsyncLeaseKeeper
 from saga._drivers.ownloop import run_in_own_loop
 from saga._flows.claim import Flows
+from saga._flows.drive import Claimed, Move, describe_error, retried
 from saga._flows.drive import RunnerOptions as RunnerOptions
-from saga._flows.drive import describe_error, retried
 from saga._flows.effects import (
     AttemptTimedOut,
     AwaitAbandoned,
-    Begin,
     Call,
-    Commit,
     Db,
     Effect,
     Fetch,
@@ -90,24 +88,24 @@ class AsyncRunner:
 
     async def claim_next(
         self, kinds: Sequence[str], lookup: Callable[[str, int], Saga[Any]]
-    ) -> tuple[Planner, Next] | None:
+    ) -> Claimed | None:
         """Claim the longest-waiting runnable saga of these kinds and plan its first move."""
         return await self.run(self.flows.claim_next(kinds, lookup))
 
     async def claim_batch(
         self, kinds: Sequence[str], lookup: Callable[[str, int], Saga[Any]], limit: int
-    ) -> list[tuple[Planner, Next]]:
+    ) -> list[Claimed]:
         """Claim up to `limit` runnable sagas of these kinds in one statement and one commit,
         each with its first move planned and recorded; in run_after order."""
         return await self.run(self.flows.claim_batch(kinds, lookup, limit))
 
-    async def drive(self, planner: Planner, nxt: Next) -> SagaState | None:
+    async def drive(self, planner: Planner, nxt: Move) -> SagaState | None:
         """Carry out `nxt` and every move after it until the saga stops or is handed back."""
         return await self.run(self.flows.drive(planner, nxt))
 
     async def run(self, flow: Flow[T]) -> T:
         """Carry out every effect `flow` yields, and return what it returns."""
-        return await acarry_out(flow, self._effect, self._open)
+        return await acarry_out(flow, self._effect, self._open, keys=self.options.telemetry_keys)
 
     # ----- effects -------------------------------------------------------------------------
 
@@ -134,7 +132,9 @@ class AsyncRunner:
                 await asleep(effect.seconds)
             return None
         if isinstance(effect, AwaitAbandoned):
-            if not abandoned.still_running(effect.saga_id, effect.step, effect.kind):
+            if not abandoned.running or not abandoned.still_running(
+                effect.saga_id, effect.step, effect.kind
+            ):
                 return []
             with self.keeper.holding(*effect.hold):
                 return await arun_blocking(
@@ -149,12 +149,15 @@ class AsyncRunner:
     async def _call(self, effect: Call) -> Any:
         """Call user code: a hook as it is; a step's attempt under its lease, its spend
         reports written before its outcome is recorded."""
+        coroutine = is_async(effect.fn) if effect.is_async is None else effect.is_async
         if effect.hold is None:
-            return await _call_user(effect.fn, effect.args, effect.timeout_seconds, None)
+            return await _call_user(effect.fn, effect.args, effect.timeout_seconds, None, coroutine)
         ctx = effect.args[0] if effect.args and isinstance(effect.args[0], StepContext) else None
         with self.keeper.holding(*effect.hold):
             try:
-                return await _call_user(effect.fn, effect.args, effect.timeout_seconds, ctx)
+                return await _call_user(
+                    effect.fn, effect.args, effect.timeout_seconds, ctx, coroutine
+                )
             finally:
                 if ctx is not None and isinstance(ctx._report, _SpendReporter):
                     await ctx._report.drain()
@@ -247,52 +250,6 @@ class _SpendReporter:
         _log.warning("spend_not_persisted", **self._where(), total=total, error=describe_error(exc))
 
 
-async def acarry_out(
-    flow: Flow[T],
-    effect: Callable[[Effect, AConn | None], Any],
-    open_transaction: Callable[[bool], AbstractAsyncContextManager[AConn]],
-) -> T:
-    """Run `flow` to its end: each effect it yields is carried out by `effect` and its
-    result sent back, or its error raised inside the flow. `Begin` opens a transaction
-    (`open_transaction`) that `Commit` commits; an error inside it, raised by an effect
-    or by the flow, rolls it back first."""
-    txn: AsyncExitStack | None = None
-    conn: AConn | None = None
-    value: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            step = flow.throw(error) if error is not None else flow.send(value)
-        except StopIteration as stop:
-            assert txn is None, "a flow ended inside a transaction"
-            return stop.value  # type: ignore[no-any-return]
-        except BaseException as exc:
-            if txn is not None:
-                await txn.__aexit__(type(exc), exc, exc.__traceback__)
-            raise
-        value, error = None, None
-        try:
-            if isinstance(step, Begin):
-                assert txn is None, "transactions do not nest"
-                txn = AsyncExitStack()
-                conn = await txn.enter_async_context(open_transaction(step.pipelined))
-            elif isinstance(step, Commit):
-                assert txn is not None, "Commit without Begin"
-                done, txn, conn = txn, None, None
-                await done.aclose()
-            else:
-                value = await effect(step, conn)
-        except BaseException as exc:
-            if txn is not None:
-                # The transaction is rolled back before the flow hears of the error.
-                failed, txn, conn = txn, None, None
-                try:
-                    await failed.__aexit__(type(exc), exc, exc.__traceback__)
-                except BaseException as raised:
-                    exc = raised
-            error = exc
-
-
 # ----- calling user code ---------------------------------------------------------------------
 
 
@@ -301,16 +258,22 @@ async def _call_user(
     args: tuple[Any, ...],
     timeout_seconds: float | None,
     ctx: StepContext | None,
+    coroutine: bool,
 ) -> Any:
-    """Call `fn(*args)`, user code, giving up after `timeout_seconds` with `AttemptTimedOut`:
-    the call may still take effect, so the caller records the outcome as unknown.
+    """Call `fn(*args)`, user code (`coroutine`: a coroutine function), giving up after
+    `timeout_seconds` with `AttemptTimedOut`: the call may still take effect, so the
+    caller records the outcome as unknown.
 
     `ctx`, the attempt's StepContext, names the operation: an earlier attempt of it
     abandoned at its timeout and still running here is waited for (`_in_thread`) before
     this one is called. `NotCalledError` or `MachineryFailedError` when the machinery fails
     to run the call.
     """
-    if ctx is not None and abandoned.still_running(ctx.saga_id, ctx.step, ctx.kind):
+    if (
+        ctx is not None
+        and abandoned.running
+        and abandoned.still_running(ctx.saga_id, ctx.step, ctx.kind)
+    ):
         late = await arun_blocking(abandoned.wait_for, ctx.saga_id, ctx.step, ctx.kind)
         if late:
             raise AttemptTimedOut(
@@ -326,7 +289,7 @@ async def _call_user(
     if True:  # ASYNC
         # Async user code is awaited on this loop (a timeout cancels it); sync user code
         # never runs on the loop: it runs in a thread, timed or not.
-        if is_async(fn):
+        if coroutine:
             return await _awaited(lambda: fn(*args), timeout_seconds, what)
         value = await _in_thread(lambda: fn(*args), timeout_seconds, ctx, what)
         if inspect.isawaitable(value):
@@ -337,14 +300,14 @@ async def _call_user(
         # runs in a thread of its own, a timed async one in an event loop of its own (its
         # coroutine is cancelled at the timeout).
         if timeout_seconds is None:
-            return _in_this_thread(lambda: _call_here(fn, *args))
-        if is_async(fn):
+            return _in_this_thread(lambda: _call_here(fn, coroutine, *args))
+        if coroutine:
             return _in_this_thread(
                 lambda: run_in_own_loop(
                     lambda: fn(*args), began=False, timeout=timeout_seconds, timed_out=what
                 )
             )
-        return _in_thread(lambda: _call_here(fn, *args), timeout_seconds, ctx, what)
+        return _in_thread(lambda: _call_here(fn, coroutine, *args), timeout_seconds, ctx, what)
 
 
 async def _in_thread(
@@ -460,11 +423,11 @@ else:
             return exc
         return step_exited(exc)
 
-    def _call_here(fn: Callable[..., Any], *args: Any) -> Any:
-        """Call a user function; an async one (or one that returns an awaitable) is
-        awaited in an event loop of its own. `NotCalledError` or `MachineryFailedError`
-        when that loop fails."""
-        if is_async(fn):
+    def _call_here(fn: Callable[..., Any], coroutine: bool, *args: Any) -> Any:
+        """Call a user function; an async one (`coroutine`, or one that returns an
+        awaitable) is awaited in an event loop of its own. `NotCalledError` or
+        `MachineryFailedError` when that loop fails."""
+        if coroutine:
             # Nothing of an async function runs before its coroutine is awaited, in the loop.
             return run_in_own_loop(lambda: fn(*args), began=False)
         result = fn(*args)

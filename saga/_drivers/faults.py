@@ -25,19 +25,21 @@ ENV_FAULT = "SAGA_FAULT"
 
 FaultHandler = Callable[[str, Mapping[str, Any]], None]
 
-_handler: FaultHandler | None = None
+# The armed handler (None: disarmed). Read as `faults.armed`, a caller skips building a
+# point's context when nothing listens.
+armed: FaultHandler | None = None
 
 
 def point(name: str, **context: Any) -> None:
     """Reach fault point `name`; does nothing unless a handler is armed."""
-    if _handler is not None:
-        _handler(name, context)
+    if armed is not None:
+        armed(name, context)
 
 
 def arm(handler: FaultHandler | None) -> FaultHandler | None:
     """Install `handler` for every fault point (None disarms); returns the previous one."""
-    global _handler
-    previous, _handler = _handler, handler
+    global armed
+    previous, armed = armed, handler
     return previous
 
 

@@ -17,8 +17,6 @@ from saga._core.inputs import describe_error
 from saga._core.planner import Invoke, OpRow, Planner, SagaRow
 from saga._core.rows import describe
 from saga._core.selffence import may_start_call
-from saga._db.dbretry import is_transient
-from saga._drivers import faults
 from saga._flows.common import retried, traceback_of
 from saga._flows.effects import (
     AttemptTimedOut,
@@ -28,12 +26,14 @@ from saga._flows.effects import (
     MachineryError,
     MachineryFailedError,
     NotCalledError,
+    Reached,
+    Watch,
     db,
 )
 from saga._flows.store_ops import StoreOps
 from saga.context import StepContext
-from saga.errors import LeaseLost
-from saga.logs import get_logger, step_logger
+from saga.errors import DatabaseInterrupted, LeaseLost
+from saga.logs import get_logger
 from saga.outcomes import Absent, Found, Inconclusive
 from saga.retry import is_ambiguous
 from saga.state import OperationStatus
@@ -80,14 +80,6 @@ class Calls:
             results=results,
             request=request,
             _report=(self.reporter(saga, op) if op.status == OperationStatus.RUNNING else None),
-            # Bound lazily, on the step's first log call.
-            log=step_logger(
-                saga_id=saga.id,
-                step=op.step,
-                kind=op.kind,
-                attempt=op.attempts,
-                idempotency_key=op.idempotency_key,
-            ),
         )
 
     def prepare(self, planner: Planner, op: OpRow) -> Flow[inputs.Outcome]:
@@ -153,7 +145,7 @@ class Calls:
             ctx = self._context(planner.saga, op, call.results, call.request)
             arguments = (ctx, *call.arguments)
         except Exception as exc:
-            if is_transient(exc):
+            if isinstance(exc, DatabaseInterrupted):
                 raise
             _log.error("attempt_not_called", **where, error=describe_error(exc))
             reason = (
@@ -161,14 +153,20 @@ class Calls:
                 f"could not be built ({describe_error(exc)}); nothing of it ran"
             )
             return Answer(inputs.NotCalled(op.step, op.kind, reason), after_record=False)
-        faults.point("before_call", **where)
+        # The boundary fires the fault points around the call and traces it; the lease is
+        # confirmed last, just before the call (a process stalled at `before_call` finds
+        # out there that its lease lapsed).
+        yield Reached(("before_call", op.step, op.kind))
         yield from self.self_fence(planner, op)
+        watch = Watch(planner, after=("after_call", op.step, op.kind), span="attempt", op=op)
         try:
             value = yield Call(
                 spec.fn,
                 arguments,
                 timeout_seconds=spec.guards.timeout_seconds,
                 hold=(planner.saga.id, planner.saga.fence),
+                is_async=spec.is_async,
+                watch=watch,
             )
         except AttemptTimedOut as exc:
             outcome = inputs.TimedOut(op.step, op.kind, str(exc), exc.still_running)
@@ -191,9 +189,7 @@ class Calls:
             outcome = inputs.outcome_of(spec, op, raised=exc, trace=traceback_of)
         else:
             outcome = inputs.outcome_of(spec, op, returned=value, trace=traceback_of)
-        recorded = inputs.reported(outcome, ctx._spent, ctx._refused)
-        faults.point("after_call", **where)
-        return Answer(recorded)
+        return Answer(inputs.reported(outcome, ctx._spent, ctx._refused))
 
     def reconcile(self, planner: Planner, op: OpRow) -> Flow[Answer]:
         """Ask the reconcile hook of `op`, whose outcome is unknown; its answer, to record."""
@@ -207,7 +203,9 @@ class Calls:
         outcome: inputs.OpOutcome
         yield from self.self_fence(planner, op)
         try:
-            answer = yield Call(fn, (ctx, *planner.arguments(op)))
+            answer = yield Call(
+                fn, (ctx, *planner.arguments(op)), watch=Watch(planner, span="reconcile", op=op)
+            )
             if isinstance(answer, Found):
                 try:
                     stored = codec.encode(answer.result)

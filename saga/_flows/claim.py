@@ -10,7 +10,6 @@ from typing import Any
 
 from saga._core.inputs import describe_error
 from saga._core.planner import (
-    Invoke,
     Next,
     OpRow,
     Planner,
@@ -18,23 +17,24 @@ from saga._core.planner import (
     Write,
 )
 from saga._core.rows import Loaded
-from saga._db.dbretry import is_transient
-from saga._drivers import faults
 from saga._flows.common import input_time, new_token, retried
-from saga._flows.drive import Loop, log_events
+from saga._flows.drive import Claimed, Loop, Released, before_record
 from saga._flows.effects import (
     Begin,
     Commit,
     Fetch,
     Flow,
+    Observed,
     Stopping,
+    Watch,
     db,
     db_txn,
+    watched,
 )
 from saga._flows.started import Started
 from saga._flows.store_ops import StoreOps
 from saga.definition import Saga
-from saga.errors import LeaseLost
+from saga.errors import DatabaseInterrupted, LeaseLost
 from saga.logs import get_logger
 from saga.state import OperationStatus, SagaState
 
@@ -66,7 +66,7 @@ class Flows(Loop):
             return None
         return (yield from self.drive(*claimed))
 
-    def claim_started(self, lookup: Lookup, started: Started) -> Flow[tuple[Planner, Next] | None]:
+    def claim_started(self, lookup: Lookup, started: Started) -> Flow[Claimed | None]:
         """Claim a saga this orchestrator has just started, with its first move planned
         from the rows its start wrote, and record both in one statement: nothing is read
         before the claim. None when the saga is no longer as started (claimed by another
@@ -82,16 +82,15 @@ class Flows(Loop):
         token = new_token()
         tried = [False]
 
-        def once() -> Flow[tuple[Planner, Next] | None]:
+        def once() -> Flow[Claimed | None]:
             if tried[0]:
                 reclaimed = yield from self._reclaim(lookup, row.id, token)
                 if reclaimed is not None:
                     return reclaimed
             tried[0] = True
-            if isinstance(nxt, Invoke):
-                faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
             sent = time.monotonic()
-            claimed, state = yield from db(
+            claimed, state = yield from watched(
+                Watch(planner, before=before_record(nxt)),
                 StoreOps.claim_started,
                 write,
                 start_token=started.start_token,
@@ -102,16 +101,12 @@ class Flows(Loop):
             if not claimed:
                 return None
             planner.lease_confirmed_at = sent
-            if write.release:
-                planner.final_state = state
-            log_events(planner, write.events)
-            return planner, nxt
+            yield Observed((Watch(planner, events=write.events),))
+            return planner, Released(nxt, state) if write.release else nxt
 
         return (yield from retried("claim_saga", once))
 
-    def claim(
-        self, definition: Saga[Any] | Lookup, saga_id: str
-    ) -> Flow[tuple[Planner, Next] | None]:
+    def claim(self, definition: Saga[Any] | Lookup, saga_id: str) -> Flow[Claimed | None]:
         """Claim one saga and plan (and record) its first move; None when it is not
         runnable or another owner's lease is live.
 
@@ -126,7 +121,7 @@ class Flows(Loop):
         token = new_token()
         tried = [False]
 
-        def once() -> Flow[tuple[Planner, Next] | None]:
+        def once() -> Flow[Claimed | None]:
             claimed = (yield from self._reclaim(lookup, saga_id, token)) if tried[0] else None
             tried[0] = True
             if claimed is None:
@@ -135,9 +130,7 @@ class Flows(Loop):
 
         return (yield from retried("claim_saga", once))
 
-    def _claim_by_id(
-        self, lookup: Lookup, saga_id: str, token: str
-    ) -> Flow[tuple[Planner, Next] | None]:
+    def _claim_by_id(self, lookup: Lookup, saga_id: str, token: str) -> Flow[Claimed | None]:
         sent = time.monotonic()
         yield Begin()
         loaded = yield from db_txn(
@@ -145,7 +138,7 @@ class Flows(Loop):
         )
         return (yield from self._claimed(loaded, lookup, token, sent))
 
-    def claim_next(self, kinds: Sequence[str], lookup: Lookup) -> Flow[tuple[Planner, Next] | None]:
+    def claim_next(self, kinds: Sequence[str], lookup: Lookup) -> Flow[Claimed | None]:
         """Claim the longest-waiting runnable saga of these name:version kinds and plan its
         first move in the same transaction; None when there is nothing to claim.
 
@@ -154,7 +147,7 @@ class Flows(Loop):
         token = new_token()
         tried = [False]
 
-        def once() -> Flow[tuple[Planner, Next] | None]:
+        def once() -> Flow[Claimed | None]:
             if tried[0]:
                 own = yield from db(StoreOps.own_claim, owner=self.owner, token=token)
                 if own is not None:
@@ -168,13 +161,13 @@ class Flows(Loop):
         try:
             return (yield from retried("claim_next_saga", once, interruptible=True))
         except Exception as exc:
-            if is_transient(exc) and (yield Stopping()):
+            if isinstance(exc, DatabaseInterrupted) and (yield Stopping()):
                 return None  # stopping while the database was unavailable
             raise
 
     def _claim_next_once(
         self, kinds: Sequence[str], lookup: Lookup, token: str
-    ) -> Flow[tuple[Planner, Next] | None]:
+    ) -> Flow[Claimed | None]:
         sent = time.monotonic()
         yield Begin()
         loaded = yield from db_txn(
@@ -184,26 +177,23 @@ class Flows(Loop):
 
     def _claimed(
         self, loaded: Loaded | None, lookup: Lookup, token: str, sent: float
-    ) -> Flow[tuple[Planner, Next] | None]:
+    ) -> Flow[Claimed | None]:
         """Inside a claim's transaction: plan the first move of the saga it took (if any),
         commit, and log the events the claim recorded."""
         if loaded is None:
             yield Commit()
             return None
         row = loaded[0]
-        planner, nxt, events, read = yield from self._begin_txn(
+        planner, nxt, watch, read = yield from self._begin_txn(
             lookup(row.name, row.version), loaded, token
         )
-        yield Commit()
+        yield Commit(watch)
         planner.lease_confirmed_at = sent
         if read is not None:
-            planner.final_state = yield Fetch(read)
-        log_events(planner, events)
+            return planner, Released(nxt, (yield Fetch(read)))
         return planner, nxt
 
-    def claim_batch(
-        self, kinds: Sequence[str], lookup: Lookup, limit: int
-    ) -> Flow[list[tuple[Planner, Next]]]:
+    def claim_batch(self, kinds: Sequence[str], lookup: Lookup, limit: int) -> Flow[list[Claimed]]:
         """Claim up to `limit` of the longest-waiting runnable sagas of these name:version
         kinds in one statement, and plan and record the first move of each, all in one
         transaction and one commit; each saga has its own lease, fence and first write.
@@ -222,9 +212,9 @@ class Flows(Loop):
         tried = [False]
         # Sagas of a landed claim carried on so far, by id: a retry after an error in the
         # middle of carrying them on does not look for them again.
-        carried: dict[str, tuple[Planner, Next] | None] = {}
+        carried: dict[str, Claimed | None] = {}
 
-        def once() -> Flow[list[tuple[Planner, Next]]]:
+        def once() -> Flow[list[Claimed]]:
             if tried[0]:
                 owned: dict[str, str] = yield from db(
                     StoreOps.own_claims, owner=self.owner, tokens=tokens
@@ -241,27 +231,25 @@ class Flows(Loop):
         try:
             return (yield from retried("claim_saga_batch", once, interruptible=True))
         except Exception as exc:
-            if is_transient(exc) and (yield Stopping()):
+            if isinstance(exc, DatabaseInterrupted) and (yield Stopping()):
                 return [c for c in carried.values() if c is not None]
             raise
 
-    def _reclaim_one(
-        self, lookup: Lookup, saga_id: str, token: str
-    ) -> Flow[tuple[Planner, Next] | None]:
+    def _reclaim_one(self, lookup: Lookup, saga_id: str, token: str) -> Flow[Claimed | None]:
         """`_reclaim` of one saga of a batch claim: what it raises (other than a transient
         error, retried) is that saga's alone, which is then left to the next owner once
         its lease expires; the other sagas of the claim are carried on."""
         try:
             return (yield from self._reclaim(lookup, saga_id, token))
         except Exception as exc:
-            if is_transient(exc):
+            if isinstance(exc, DatabaseInterrupted):
                 raise
             _log.error("reclaim_failed", saga_id=saga_id, error=describe_error(exc))
             return None
 
     def _claim_batch_once(
         self, kinds: Sequence[str], lookup: Lookup, tokens: Sequence[str]
-    ) -> Flow[list[tuple[Planner, Next]]]:
+    ) -> Flow[list[Claimed]]:
         sent = time.monotonic()
         yield Begin()
         batch: list[Loaded] = yield from db_txn(
@@ -278,7 +266,7 @@ class Flows(Loop):
             try:
                 definition = lookup(row.name, row.version)
             except Exception as exc:
-                if is_transient(exc):
+                if isinstance(exc, DatabaseInterrupted):
                     raise
                 # The claim reads only registered kinds: a registry changed meanwhile.
                 _log.error("saga_not_plannable", saga_id=row.id, error=describe_error(exc))
@@ -295,16 +283,17 @@ class Flows(Loop):
                 owner=self.owner,
                 lease_seconds=self.lease_seconds,
             )
-            for _, nxt, _, _ in planned:
-                if isinstance(nxt, Invoke):
-                    faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
+            yield Observed(
+                tuple(Watch(planner, before=before_record(nxt)) for planner, nxt, _, _ in planned)
+            )
         yield Commit()
         for row in unplanned:
             yield from self.release_after_error(row)
         if read is None:
             return []
         answers: list[SagaState | Exception | None] = yield Fetch(read)
-        claimed: list[tuple[Planner, Next]] = []
+        claimed: list[Claimed] = []
+        committed: list[Watch] = []
         for (planner, nxt, write, _), answer in zip(planned, answers, strict=True):
             if isinstance(answer, Exception):
                 # One bad saga never stops the others: it alone is parked, with the reason.
@@ -315,15 +304,12 @@ class Flows(Loop):
                     yield from self.release_after_error(planner.saga)
                 continue
             planner.lease_confirmed_at = sent
-            if write.release:
-                planner.final_state = answer
-            log_events(planner, write.events)
-            claimed.append((planner, nxt))
+            committed.append(Watch(planner, events=write.events))
+            claimed.append((planner, Released(nxt, answer) if write.release else nxt))
+        yield Observed(tuple(committed))
         return claimed
 
-    def _reclaim(
-        self, lookup: Lookup, saga_id: str, token: str
-    ) -> Flow[tuple[Planner, Next] | None]:
+    def _reclaim(self, lookup: Lookup, saga_id: str, token: str) -> Flow[Claimed | None]:
         """The saga our claim took, when that claim landed although its reply was lost
         (its first write carries `token` and the lease is still ours); None otherwise.
 
@@ -368,13 +354,12 @@ class Flows(Loop):
         self, definition: Saga[Any], row: SagaRow, ops: list[OpRow], *, may_call: bool = True
     ) -> tuple[Planner, Next, Write]:
         """Plan the first move of a saga about to be created under our lease (nothing is
-        written here); returns the planner, its move, and the write that records it."""
+        written here); returns the planner, its move, and the write that records it (its
+        fault point, `before_record(move)`, is the caller's to watch)."""
         # Nothing is stored yet: a definition that cannot plan it raises to the caller.
         planner = self._new_planner(definition, row, ops, [])
         nxt = planner.advance(input_time(), may_call=may_call)
         write = self._write(planner, nxt)
-        if isinstance(nxt, Invoke):
-            faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
         return planner, nxt, write
 
 

@@ -13,20 +13,23 @@ from typing import TypeVar
 import tenacity
 
 from saga._core.inputs import StepExited
-from saga._db.dbretry import DEFAULT_RETRY_SECONDS, is_transient, log_retry
 from saga._flows.effects import Flow, Pause, Stopping
+from saga.errors import DatabaseInterrupted
+from saga.logs import log_retry
+from saga.retry import DATABASE_RETRY_SECONDS
 
 T = TypeVar("T")
 
 
 def retried(what: str, body: Callable[[], Flow[T]], *, interruptible: bool = False) -> Flow[T]:
-    """Run the flow `body()` again after a transient database error, with tenacity's
-    backoff, for at most `DEFAULT_RETRY_SECONDS` (and, when `interruptible`, only while
+    """Run the flow `body()` again after a transient database error (`DatabaseInterrupted`,
+    as the drivers raise every one into a flow), with tenacity's backoff, for at most
+    `DATABASE_RETRY_SECONDS` (and, when `interruptible`, only while
     the driver is not stopping); the last error is raised."""
     policy = tenacity.Retrying(
-        retry=tenacity.retry_if_exception(is_transient),
+        retry=tenacity.retry_if_exception_type(DatabaseInterrupted),
         wait=tenacity.wait_exponential(multiplier=0.05, max=2.0) + tenacity.wait_random(0, 0.05),
-        stop=tenacity.stop_after_delay(DEFAULT_RETRY_SECONDS),
+        stop=tenacity.stop_after_delay(DATABASE_RETRY_SECONDS),
         reraise=True,
     )
     policy.begin()

@@ -10,16 +10,14 @@ are the flows the drivers run).
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from saga import telemetry
 from saga._core import inputs
 from saga._core.inputs import describe_error
 from saga._core.planner import (
@@ -39,40 +37,43 @@ from saga._core.planner import (
     Yield,
 )
 from saga._core.rows import Loaded
-from saga._db.dbretry import is_transient, log_retry
-from saga._drivers import faults
 from saga._flows.call import Answer, Calls, SpendReporter
 from saga._flows.common import input_time, new_token, retried, traceback_of
 from saga._flows.effects import (
     Begin,
     Commit,
+    Drive,
     Flow,
+    Observed,
+    Point,
     Stopping,
     Wait,
+    Watch,
     db,
     db_txn,
+    watched,
 )
 from saga._flows.store_ops import StoreOps
 from saga.definition import Saga
-from saga.errors import LeaseLost
-from saga.logs import events_logger, get_logger
+from saga.errors import DatabaseInterrupted, LeaseLost
+from saga.logs import get_logger, log_retry
 from saga.state import SagaState
 
 if TYPE_CHECKING:
     from saga.approvals import ApprovalVerifier
 
 __all__ = [
+    "Claimed",
     "Loop",
+    "Move",
+    "Released",
     "RunnerOptions",
     "describe_error",
-    "log_event",
-    "log_events",
     "retried",
     "traceback_of",
 ]
 
 _log = get_logger("saga")
-_events = events_logger()
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +100,22 @@ class RunnerOptions:
     telemetry_keys: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Released:
+    """The write that planned `next` gave the lease back (a stop, a shutdown, a backoff
+    too long to wait out under the lease), and read the saga's `state` as it left it, in
+    the same statement: the drive ends here, with that state."""
+
+    next: Next
+    state: SagaState | None
+
+
+# A move of a saga held under our lease: the next one to make, or the end of the drive.
+Move = Next | Released
+# A saga held under our lease, and its move.
+Claimed = tuple[Planner, Move]
+
+
 class Loop:
     """Drives claimed sagas under a lease; every write is fenced. Each method is a flow:
     a generator of effects that a driver carries out."""
@@ -110,24 +127,24 @@ class Loop:
         self.reporter = reporter
         self.calls = Calls(self.owner, self.lease_seconds, reporter)
 
-    def transact(
-        self, planner: Planner, outcome: inputs.Outcome | None
-    ) -> Flow[tuple[Planner, Next]]:
+    def transact(self, planner: Planner, outcome: inputs.Outcome | None) -> Flow[Claimed]:
         """Record `outcome` (None: only the moves that need no call) and plan the next
         move, in one fenced write; see `_transact`."""
         return (yield from self._transact(planner, outcome))
 
-    def drive(self, planner: Planner, nxt: Next) -> Flow[SagaState | None]:
+    def drive(self, planner: Planner, nxt: Move) -> Flow[SagaState | None]:
         """Carry out `nxt` and every move after it until the saga stops or is handed back.
 
         Returns the saga's state as the last transaction left it, read in that same
-        transaction; None when the lease was lost to another owner. Traced as `saga.run`
-        when telemetry is configured (`saga.telemetry`).
+        transaction; None when the lease was lost to another owner. The driver traces the
+        drive as `saga.run` (`Drive`) when telemetry is configured (`saga.telemetry`).
         """
-        keys = self.options.telemetry_keys
-        return (yield from telemetry.traced_run(self._drive(planner, nxt), planner.saga, keys=keys))
+        yield Drive(planner.saga)
+        state = yield from self._drive(planner, nxt)
+        yield Drive(planner.saga, ended=True, state=state)
+        return state
 
-    def _drive(self, planner: Planner, nxt: Next) -> Flow[SagaState | None]:
+    def _drive(self, planner: Planner, nxt: Move) -> Flow[SagaState | None]:
         saga = planner.saga
         try:
             planner, nxt = yield from self.carry_on(planner, nxt)
@@ -141,7 +158,7 @@ class Loop:
             _log.warning("lease_lost", saga_id=saga.id, fence=saga.fence, error=str(exc))
             return None
         except Exception as exc:
-            if is_transient(exc):
+            if isinstance(exc, DatabaseInterrupted):
                 yield from self.release_after_error(saga)
                 raise
             # One saga never takes its driver down: the saga is parked with the reason.
@@ -149,48 +166,42 @@ class Loop:
         except BaseException:
             yield from self.release_after_error(saga)
             raise
-        return planner.final_state
+        if isinstance(nxt, Released):
+            return nxt.state
+        # A move that ends the drive is written with the lease given back: not reached.
+        left: SagaState | None = yield from db(StoreOps.get_state, saga.id)  # pragma: no cover
+        return left  # pragma: no cover
 
-    def carry_on(self, planner: Planner, nxt: Next) -> Flow[tuple[Planner, Next]]:
+    def carry_on(self, planner: Planner, nxt: Move) -> Flow[Claimed]:
         """Carry out `nxt` and the moves after it until the saga stops, is handed back
         (a backoff whose write released the lease, a shutdown) or holds (a session's
         call is settled); returns the planner as the last write left it, and that move.
-        Errors are the caller's (`drive` parks a broken saga; a session raises)."""
-        while not isinstance(nxt, Stop | Yield | Hold):
+        Errors are the caller's (`drive` parks a broken saga; a session raises). A backoff
+        whose write gave the lease back (`Planner.write` decided) is `Released`: the next
+        owner makes it once run_after has passed."""
+        while not isinstance(nxt, Stop | Yield | Hold | Released):
             if isinstance(nxt, Sleep):
-                if planner.final_state is not None:
-                    # The transaction that planned this backoff persisted it as run_after
-                    # and released the lease (Planner.write decided).
-                    break
                 yield from self._wait_until(planner, nxt.until)
                 planner, nxt = yield from self._transact(planner, None)
             elif isinstance(nxt, Invoke):
-                planner, nxt = yield from telemetry.traced_call(
-                    self._call(planner, self.calls.invoke(planner, nxt), nxt.op),
-                    planner,
-                    nxt.op,
-                    keys=self.options.telemetry_keys,
+                planner, nxt = yield from self._call(
+                    planner, self.calls.invoke(planner, nxt), nxt.op
                 )
             elif isinstance(nxt, AskReconcile):
-                planner, nxt = yield from telemetry.traced_call(
-                    self._call(planner, self.calls.reconcile(planner, nxt.op), nxt.op),
-                    planner,
-                    nxt.op,
-                    keys=self.options.telemetry_keys,
-                    reconcile=True,
+                planner, nxt = yield from self._call(
+                    planner, self.calls.reconcile(planner, nxt.op), nxt.op
                 )
             elif isinstance(nxt, Prepare):
                 prepared = yield from self.calls.prepare(planner, nxt.op)
                 planner, nxt = yield from self._transact(planner, prepared)
         return planner, nxt
 
-    def _call(self, planner: Planner, call: Flow[Answer], op: OpRow) -> Flow[tuple[Planner, Next]]:
-        """Make `call` and record what came of it."""
+    def _call(self, planner: Planner, call: Flow[Answer], op: OpRow) -> Flow[Claimed]:
+        """Make `call` and record what came of it (the write that records the call of user
+        code ends its span, and is the `after_record` fault point)."""
         answer = yield from call
-        result = yield from self._transact(planner, answer.outcome)
-        if answer.after_record:
-            faults.point("after_record", step=op.step, kind=op.kind)
-        return result
+        after = ("after_record", op.step, op.kind) if answer.after_record else None
+        return (yield from self._transact(planner, answer.outcome, after=after, records=True))
 
     def release_after_error(self, saga: SagaRow) -> Flow[None]:
         """Leave the saga to the next owner right away rather than after lease expiry."""
@@ -216,7 +227,6 @@ class Loop:
         # As for every write: a retry that finds the park's token knows it landed.
         token = new_token()
         tried = [False]
-        parked: list[Planner] = []
 
         def once() -> Flow[SagaState | None]:
             if tried[0]:
@@ -229,10 +239,8 @@ class Loop:
             fresh = yield from self._reload(planner)
             inputs.apply(fresh, inputs.Parked(reason), input_time())
             write = self._write(fresh, Stop(fresh.saga.status))
-            yield from self._transact_at_once(fresh, write, token)
-            log_events(fresh, write.events)
-            parked.append(fresh)
-            return fresh.final_state
+            watch = Watch(fresh, events=write.events)
+            return (yield from self._transact_at_once(fresh, write, token, watch))
 
         try:
             return (yield from retried("park_saga", once))
@@ -254,13 +262,14 @@ class Loop:
 
     def _begin_txn(
         self, definition: Saga[Any], loaded: Loaded, token: str
-    ) -> Flow[tuple[Planner, Next, list[Event], Callable[[], Any] | None]]:
+    ) -> Flow[tuple[Planner, Next, Watch, Callable[[], Any] | None]]:
+        """Plan the first move of a saga just claimed in the open transaction, and queue its
+        write there; what the commit is to be watched with (`Commit(watch)`)."""
         planner = self._new_planner(definition, *loaded)
         nxt, write = yield from self._plan(planner)
         read = yield from self._persist_txn(write, token)
-        if isinstance(nxt, Invoke):
-            faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
-        return planner, nxt, list(write.events), read
+        watch = Watch(planner, before=before_record(nxt), events=write.events)
+        return planner, nxt, watch, read
 
     def _new_planner(
         self,
@@ -293,7 +302,7 @@ class Loop:
         )
         if done.unplannable is not None:
             exc, saga = done.unplannable, planner.saga
-            if is_transient(exc):
+            if isinstance(exc, DatabaseInterrupted):
                 raise exc
             _log.error(
                 "saga_unplannable",
@@ -306,9 +315,16 @@ class Loop:
         return done.next, done.write
 
     def _transact(
-        self, planner: Planner, outcome: inputs.Outcome | None
-    ) -> Flow[tuple[Planner, Next]]:
-        """Record an outcome and plan the next move in one fenced transaction.
+        self,
+        planner: Planner,
+        outcome: inputs.Outcome | None,
+        *,
+        after: Point | None = None,
+        records: bool = False,
+    ) -> Flow[Claimed]:
+        """Record an outcome and plan the next move in one fenced transaction (`after`: the
+        fault point once it has committed; `records`: the outcome is that of the call of
+        user code just made, whose span the write ends).
 
         A transient database error is retried. Every write carries a token of its own:
         when the error leaves it unclear whether the commit landed (the server committed
@@ -318,69 +334,79 @@ class Loop:
         first try runs without the retry machinery, which only a failure needs.
         """
         try:
-            return planner, (yield from self._record(planner, outcome))
+            return planner, (yield from self._record(planner, outcome, after, records))
         except _Unsure as exc:
             unsure = [exc]
             log_retry("record_transition", exc.cause)
 
-        def again() -> Flow[tuple[Planner, Next]]:
-            if (yield from self._landed(unsure[0])):
+        def again() -> Flow[Claimed]:
+            landed = yield from self._landed(unsure[0])
+            if landed is not None:
                 # Confirmed when that write was sent, however long finding it out took.
                 unsure[0].planner.lease_confirmed_at = unsure[0].sent
-                return unsure[0].planner, unsure[0].nxt
+                return unsure[0].planner, landed
             fresh = yield from self._reload(unsure[0].planner)
             try:
-                return fresh, (yield from self._record(fresh, outcome))
+                return fresh, (yield from self._record(fresh, outcome, after, records))
             except _Unsure as exc:
                 unsure[0] = exc
                 raise exc.cause from None
 
         return (yield from retried("record_transition", again))
 
-    def _record(self, planner: Planner, outcome: inputs.Outcome | None) -> Flow[Next]:
+    def _record(
+        self, planner: Planner, outcome: inputs.Outcome | None, after: Point | None, records: bool
+    ) -> Flow[Move]:
         """Apply `outcome` and the moves that follow to `planner`, and write them; `_Unsure`
         when a transient error leaves it open whether the write landed."""
         nxt, write = yield from self._plan(planner, outcome)
         token = new_token()
-        if isinstance(nxt, Invoke):
-            faults.point("before_record", step=nxt.op.step, kind=nxt.op.kind)
+        watch = Watch(
+            planner, before=before_record(nxt), after=after, events=write.events, records=records
+        )
         sent = time.monotonic()
         try:
-            yield from self._transact_at_once(planner, write, token)
-        except Exception as exc:
-            if not is_transient(exc):
-                raise
-            raise _Unsure(planner, nxt, token, list(write.events), exc, sent) from exc
+            state = yield from self._transact_at_once(planner, write, token, watch)
+        except DatabaseInterrupted as exc:
+            raise _Unsure(planner, nxt, token, watch, exc, sent) from exc
         planner.lease_confirmed_at = sent
-        log_events(planner, write.events)
-        return nxt
+        return Released(nxt, state) if write.release else nxt
 
-    def _landed(self, unsure: _Unsure) -> Flow[bool]:
-        """Whether the write of `unsure` landed (its token is the saga's); if so, its events
-        are logged and, when it gave the lease back, the saga's state is read."""
+    def _landed(self, unsure: _Unsure) -> Flow[Move | None]:
+        """The move the write of `unsure` planned, if it landed (its token is the saga's),
+        else None; its events are logged then and, when it gave the lease back, the saga's
+        state is read."""
         planner = unsure.planner
         written = yield from db(StoreOps.write_token, planner.saga.id)
         if written is None or written[0] != unsure.token:
-            return False
+            return None
         _log.info("write_landed", saga_id=planner.saga.id, fence=planner.saga.fence)
-        log_events(planner, unsure.events)
+        # Observed as the write would have been, had its reply come back.
+        watch = unsure.watch
+        yield Observed(
+            (Watch(planner, after=watch.after, events=watch.events, records=watch.records),)
+        )
         if written[1] is None:
             # The write gave the lease back (a stop, a shutdown, a long backoff).
-            planner.final_state = yield from db(StoreOps.get_state, planner.saga.id)
-        return True
+            state = yield from db(StoreOps.get_state, planner.saga.id)
+            return Released(unsure.nxt, state)
+        return unsure.nxt
 
-    def _transact_at_once(self, planner: Planner, write: Write, token: str) -> Flow[None]:
+    def _transact_at_once(
+        self, planner: Planner, write: Write, token: str, watch: Watch
+    ) -> Flow[SagaState | None]:
         """A transition: one statement, one round trip (saga.write_saga_v4), which fails
-        as a whole when the lease is no longer ours."""
-        state = yield from db(
+        as a whole when the lease is no longer ours. When the write gives the lease back,
+        the saga's state as it left it (read by the same statement)."""
+        state = yield from watched(
+            watch,
             StoreOps.apply_transition,
             write,
             owner=self.owner,
             lease_seconds=self.lease_seconds,
             token=token,
         )
-        if write.release:
-            planner.final_state = state
+        return state if write.release else None
 
     def _reload(self, planner: Planner) -> Flow[Planner]:
         """A fresh planner from the database, once the lease is checked to be still ours
@@ -400,6 +426,7 @@ class Loop:
         assert loaded is not None  # the fence check found the row
         fresh = self._planner(planner.definition, loaded)
         fresh.lease_confirmed_at = sent  # the fence check renewed the lease
+        fresh.session_call = planner.session_call  # the session's call, carried on
         return fresh
 
     def _planner(self, definition: Saga[Any], loaded: Loaded) -> Planner:
@@ -435,7 +462,7 @@ class _Unsure(Exception):
         planner: Planner,
         nxt: Next,
         token: str,
-        events: list[Event],
+        watch: Watch,
         cause: Exception,
         sent: float,
     ) -> None:
@@ -443,46 +470,14 @@ class _Unsure(Exception):
         self.planner = planner
         self.nxt = nxt
         self.token = token
-        self.events = events
+        # What the write was to be watched with: observed if it is found to have landed.
+        self.watch = watch
         self.cause = cause
         # When the write was sent (monotonic): if it landed, it confirmed the lease then.
         self.sent = sent
 
 
-def log_events(planner: Planner, events: Sequence[Event]) -> None:
-    """Log audit events once their transaction has committed (skipped, unbuilt, when the
-    configured logger drops info events), and count their outcomes (`saga.telemetry`)."""
-    telemetry.record_events(planner.saga.name, events, session=planner.definition.is_session)
-    if events and _info_enabled():
-        for event in events:
-            log_event(planner.saga, planner, event)
-
-
-def _info_enabled() -> bool:
-    # The logging as configured now; a wrapper class without the check logs everything.
-    return _events.is_enabled_for(logging.INFO)
-
-
-def log_event(saga: SagaRow, planner: Planner, event: Event) -> None:
-    """Log an audit event with structlog, bound with saga id, step, attempt and key (never
-    raises: a failure to log changes nothing)."""
-    try:
-        extra: dict[str, Any] = {}
-        if event.step is not None:
-            op = planner.find(event.step, event.kind or "action")
-            extra = {
-                "step": event.step,
-                "kind": event.kind,
-                "attempt": event.attempt,
-                "idempotency_key": op.idempotency_key if op is not None else None,
-            }
-        _events.info(
-            event.event,
-            saga_id=saga.id,
-            saga=saga.name,
-            tenant_id=saga.tenant_id,
-            **extra,
-            **event.detail,
-        )
-    except Exception:
-        pass  # an event the logger cannot take is still in saga.events
+def before_record(nxt: Next) -> Point | None:
+    """The fault point of a write that plans `nxt`: `before_record` when it starts an
+    attempt, which is called once the write has committed."""
+    return ("before_record", nxt.op.step, nxt.op.kind) if isinstance(nxt, Invoke) else None

@@ -9,20 +9,84 @@ An effect that fails raises its error inside the flow, at the `yield`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from saga._core.inputs import StepExited
 
 if TYPE_CHECKING:
+    from saga._core.planner import Event, OpRow, Planner, SagaRow
     from saga._flows.store_ops import StoreOps
+    from saga.state import SagaState
 
 T = TypeVar("T")
 P = ParamSpec("P")
 
 # The lease kept alive (saga id, fence) while an effect waits or user code runs.
 Hold = tuple[str, int]
+
+
+# A fault point reached at an effect: its name (`saga._drivers.faults`), and the operation
+# (step, kind) it is reached for.
+Point = tuple[str, str, str]
+
+
+@dataclass(slots=True)
+class Watch:
+    """What the driver observes around an effect, at its boundary (`saga._drivers.boundary`):
+    the flows say what an effect is; the boundary fires the fault points (`saga.testing`),
+    times and traces the calls of user code, and logs and counts the audit events once they
+    are committed.
+
+    Attributes:
+        planner: The saga the effect serves, as the flow holds it: the events are its, and
+            after a write that records a call, the call's outcome is read from it.
+        before: The fault point reached just before the effect.
+        after: The fault point reached once it is done (a call that raised is done).
+        events: Audit events the effect commits, logged and counted once it has.
+        span: On a `Call`: the attempt (`"attempt"`) or the reconcile (`"reconcile"`) of
+            `op` is timed and traced; its span ends with the outcome that the next write
+            with `records` leaves, or how the flow ends without one.
+        op: The operation a span is of.
+        records: On a write: it records the outcome of the call traced before it.
+    """
+
+    planner: Planner
+    before: Point | None = None
+    after: Point | None = None
+    events: Sequence[Event] = ()
+    span: str | None = None
+    op: OpRow | None = None
+    records: bool = False
+    # Not frozen: one is made for every write, and a frozen dataclass's __init__ costs
+    # about twice as much. Nothing changes a Watch once made.
+
+
+@dataclass(frozen=True, slots=True)
+class Reached:
+    """A fault point between effects (`before_call`: the attempt is recorded as running,
+    its lease is yet to be confirmed for the call)."""
+
+    point: Point
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """Nothing to do but observe each of `watches` as done: events a write committed that
+    the flow found had landed, a fault point between effects."""
+
+    watches: tuple[Watch, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Drive:
+    """A drive of a saga begins (`ended` False) or ends, leaving the saga in `state` (None:
+    the lease was lost); the driver traces it as one `saga.run` span."""
+
+    saga: SagaRow
+    ended: bool = False
+    state: SagaState | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +100,10 @@ class Begin:
 
 @dataclass(frozen=True, slots=True)
 class Commit:
-    """Commit the open transaction (a lost fence raises `LeaseLost` here)."""
+    """Commit the open transaction (a lost fence raises `LeaseLost` here); `watch`, what
+    the driver observes around the commit."""
+
+    watch: Watch | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +115,7 @@ class Db:
     method: str
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
+    watch: Watch | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,12 +130,16 @@ class Fetch:
 class Call:
     """Call user code: `fn(*args)`, awaited when it is async; `timeout_seconds` bounds
     it, `hold` keeps that lease alive meanwhile. Answers its return value; raises what
-    it raised, or the driver's `AttemptTimedOut`, `NotCalledError`, `MachineryFailedError`."""
+    it raised, or the driver's `AttemptTimedOut`, `NotCalledError`, `MachineryFailedError`.
+    `is_async` says whether `fn` is a coroutine function, when its declaration knows (None:
+    the driver looks); `watch`, what the driver observes around the call."""
 
     fn: Callable[..., Any]
     args: tuple[Any, ...]
     timeout_seconds: float | None = None
     hold: Hold | None = None
+    is_async: bool | None = None
+    watch: Watch | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +175,20 @@ class AwaitAbandoned:
     hold: Hold
 
 
-Effect = Begin | Commit | Db | Fetch | Call | Wait | Pause | Stopping | AwaitAbandoned
+Effect = (
+    Begin
+    | Commit
+    | Db
+    | Fetch
+    | Call
+    | Wait
+    | Pause
+    | Stopping
+    | AwaitAbandoned
+    | Reached
+    | Observed
+    | Drive
+)
 Flow = Generator[Effect, Any, T]
 
 
@@ -111,6 +196,17 @@ def db(method: Callable[Concatenate[StoreOps, P], T], *args: P.args, **kwargs: P
     """Yield the `Db` effect of `store.method(*args, **kwargs)` and return its answer,
     typed as `method` answers: `state = yield from db(StoreOps.get_state, saga_id)`."""
     answer: T = yield Db(method.__name__, args, kwargs)
+    return answer
+
+
+def watched(
+    watch: Watch | None,
+    method: Callable[Concatenate[StoreOps, P], T],
+    *args: P.args,
+    **kwargs: P.kwargs,
+) -> Flow[T]:
+    """As `db`, with what the driver observes around the call (`Watch`; None: nothing)."""
+    answer: T = yield Db(method.__name__, args, kwargs, watch)
     return answer
 
 

@@ -68,6 +68,24 @@ def _full_id(orch: Orchestrator, args: argparse.Namespace) -> str:
     return str(args.saga_id)
 
 
+def _selected(
+    orch: Orchestrator, args: argparse.Namespace, *, key: str | None = None
+) -> list[SagaState]:
+    """The sagas the selection flags pick (`--status`, `--saga`, `--tenant`, `--limit`,
+    `--older-than` in seconds), newest first: what `saga list` shows and what a batch
+    `saga compensate` acts on; `key` narrows it to one business key."""
+    from datetime import timedelta
+
+    return orch.list(
+        status=args.status,
+        saga=args.saga,
+        tenant=args.tenant,
+        limit=args.limit,
+        older_than=None if args.older_than is None else timedelta(seconds=args.older_than),
+        key=key,
+    )
+
+
 def given_flags(args: argparse.Namespace) -> dict[str, object]:
     """The flags of this run that messages might otherwise suggest, with their values."""
     return {
@@ -101,17 +119,8 @@ def _grant(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from datetime import timedelta
-
     with _reader(args.database_url) as orch:
-        states = orch.list(
-            status=args.status,
-            saga=args.saga,
-            tenant=args.tenant,
-            limit=args.limit,
-            older_than=None if args.older_than is None else timedelta(seconds=args.older_than),
-            key=args.key,
-        )
+        states = _selected(orch, args, key=args.key)
         known = {kind for worker in orch.workers() for kind in worker.kinds}
     if args.json:
         for state in states:
@@ -168,15 +177,7 @@ def _compensate(args: argparse.Namespace) -> int:
         if args.saga_id is not None:
             states = [orch.get(_full_id(orch, args))]
         else:
-            from datetime import timedelta
-
-            states = orch.list(
-                status=args.status,
-                saga=args.saga,
-                tenant=args.tenant,
-                limit=args.limit,
-                older_than=None if args.older_than is None else timedelta(seconds=args.older_than),
-            )
+            states = _selected(orch, args)
         batch = args.saga_id is None
         if args.dry_run:
             plans = admin.dry_run(

@@ -12,11 +12,13 @@ from types import FrameType
 from typing import Any
 
 from saga import _early
+from saga._acompat import loop_signals
 from saga._app import UsageError, load_app
 from saga._db.database import describe_url
 from saga.cli.console import announce, stdlib_formatter
 from saga.cli.parser import EXIT_OK, WEB_EXTRA
 from saga.logs import get_logger
+from saga.orchestrator import Orchestrator
 from saga.orchestrator_async import AsyncOrchestrator
 from saga.worker import Worker, unreachable
 from saga.worker_async import AsyncWorker
@@ -48,29 +50,16 @@ class _StopSignals:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
 
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None = None) -> None:
         self.received = signal.Signals(signum).name
         get_logger("saga.worker").info("worker_stopping", signal=self.received)
         if self._worker is not None:
             self._worker.stop()
 
-    @contextlib.contextmanager
-    def on_loop(self) -> Iterator[None]:
-        """The same handling through the running event loop, which wakes at once."""
-        loop = asyncio.get_running_loop()
-        installed: list[signal.Signals] = []
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            try:
-                loop.add_signal_handler(signum, self._on_signal, signum, None)
-            except (NotImplementedError, RuntimeError, ValueError):
-                continue
-            installed.append(signum)
-        try:
-            yield
-        finally:
-            for signum in installed:
-                loop.remove_signal_handler(signum)
-                signal.signal(signum, self._on_signal)
+    def on_loop(self) -> contextlib.AbstractContextManager[None]:
+        """The same handling through the running event loop, which wakes at once; then
+        back to the handler of the process."""
+        return loop_signals(self._on_signal, then=self._on_signal)
 
     def hand_to(self, worker: Worker | AsyncWorker) -> None:
         """From now on a signal stops `worker` (at once if one came already)."""
@@ -92,30 +81,42 @@ def run_worker(args: argparse.Namespace) -> int:
                 _async_worker(orch, args.concurrency, args.listen_url, signals=signals)
             )
         with orch:
-            kinds = ", ".join(f"{s.name} v{s.version}" for s in orch.registered())
             # Connect (and migrate) now, and check the role may drive sagas: a refused
             # login, a malformed URL or a role without the privileges fails before the
             # worker is announced. A database it cannot reach yet is waited for by the
             # worker (logged).
-            try:
+            with _unless_unreachable(orch.database_url):
                 if signals.received is None:
                     orch.store.check_privileges("worker")
-            except Exception as exc:
-                if not unreachable(exc, orch.database_url):
-                    raise
             if signals.received is None:
-                announce(
-                    f"worker {orch.owner}: driving {kinds} with concurrency {args.concurrency} "
-                    f"on {describe_url(orch.database_url)}; SIGTERM or Ctrl-C stops it "
-                    "gracefully",
-                    "worker_ready",
-                    owner=orch.owner,
-                )
+                _announce_ready(orch, args.concurrency)
                 worker = orch.worker(concurrency=args.concurrency, listen_url=args.listen_url)
                 signals.hand_to(worker)
                 worker.run(handle_signals=False)
         announce(_stopped(orch.owner, signals), "worker_exited", owner=orch.owner)
         return EXIT_OK
+
+
+@contextlib.contextmanager
+def _unless_unreachable(url: str) -> Iterator[None]:
+    """Raise what the block raises unless it says the database at `url` cannot be reached
+    for now (see `saga.worker.unreachable`): the worker waits for that one."""
+    try:
+        yield
+    except Exception as exc:
+        if not unreachable(exc, url):
+            raise
+
+
+def _announce_ready(orch: Orchestrator | AsyncOrchestrator, concurrency: int) -> None:
+    kinds = ", ".join(f"{s.name} v{s.version}" for s in orch.registered())
+    door = " (asyncio)" if isinstance(orch, AsyncOrchestrator) else ""
+    announce(
+        f"worker {orch.owner}: driving {kinds} with concurrency {concurrency}{door} on "
+        f"{describe_url(orch.database_url)}; SIGTERM or Ctrl-C stops it gracefully",
+        "worker_ready",
+        owner=orch.owner,
+    )
 
 
 def _stopped(owner: str, signals: _StopSignals) -> str:
@@ -153,22 +154,12 @@ async def _async_worker(
             signals = stack.enter_context(_StopSignals())
         stack.enter_context(signals.on_loop())
         try:
-            kinds = ", ".join(f"{s.name} v{s.version}" for s in orch.registered())
             # As for a sync app: refusals fail here, an unreachable database is waited for.
-            try:
+            with _unless_unreachable(orch.database_url):
                 if signals.received is None:
                     await (await orch.store()).check_privileges("worker")
-            except Exception as exc:
-                if not unreachable(exc, orch.database_url):
-                    raise
             if signals.received is None:
-                announce(
-                    f"worker {orch.owner}: driving {kinds} with concurrency {concurrency} "
-                    f"(asyncio) on {describe_url(orch.database_url)}; SIGTERM or Ctrl-C "
-                    "stops it gracefully",
-                    "worker_ready",
-                    owner=orch.owner,
-                )
+                _announce_ready(orch, concurrency)
                 worker = orch.worker(concurrency=concurrency, listen_url=listen_url)
                 signals.hand_to(worker)
                 await worker.run(handle_signals=False)

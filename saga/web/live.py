@@ -1,7 +1,7 @@
 """When the dashboard's pages may be out of date: PostgreSQL's `LISTEN/NOTIFY` and a
 cheap poll, shared by every open page.
 
-The orchestrator NOTIFYs (channel `saga_runnable`, see `saga.worker.CHANNEL`) only when a
+The orchestrator NOTIFYs (channel `saga_runnable`, see `saga._db.listen_async`) only when a
 saga becomes runnable by any worker: a saga started, resumed by an operator, or handed
 back. A saga that completes, compensates or parks, or a step that succeeds while its
 worker keeps the lease, sends nothing. So the feed also polls, every `poll_seconds`, the
@@ -18,18 +18,12 @@ import contextlib
 import math
 from typing import Any
 
-import psycopg
 import structlog
-from psycopg import sql
 
-from saga._db.database import behind_pooler_async
-from saga.worker import CHANNEL
+from saga._db.listen_async import AsyncListener, connection_failed, listening, marker_refused
 
 _log = structlog.get_logger("saga.web")
 
-# Every transition appends an audit event: the sequence of their ids moves with each.
-_MARKER = sql.SQL("SELECT last_value, is_called FROM saga.events_id_seq")
-_FALLBACK_MARKER = sql.SQL("SELECT max(updated_at) FROM saga.sagas")
 # Longest wait (seconds) between two attempts to reconnect the listener.
 _RETRY_MAX_SECONDS = 5.0
 # Notifications closer together than this (seconds) wake the pages once.
@@ -53,7 +47,8 @@ class ChangeFeed:
         # Set, and replaced by a fresh one, at each change: a wait holds no lock, so a
         # page's stream cancelled mid-wait (its client gone) leaves nothing behind.
         self._changed = asyncio.Event()
-        self._marker = _MARKER
+        # Set when the role may not read the audit events' id sequence.
+        self._fallback = False
 
     async def wait(self, seen: int, timeout: float) -> int:
         """The generation once it is past `seen`, or after `timeout` seconds, or when
@@ -82,7 +77,9 @@ class ChangeFeed:
         while not self.closed:
             try:
                 await self._listen()
-            except (psycopg.Error, OSError) as exc:
+            except Exception as exc:
+                if not connection_failed(exc):
+                    raise
                 self.listening = False
                 if self.closed:
                     return
@@ -93,13 +90,10 @@ class ChangeFeed:
                 delay = 0.25
 
     async def _listen(self) -> None:
-        # No prepared statement: the marker query runs every poll, and the URL may be a
-        # transaction pooler's, whose server sessions do not keep them for us.
-        conn = await psycopg.AsyncConnection.connect(
-            self._url, autocommit=True, prepare_threshold=None
-        )
-        async with conn:
-            if await behind_pooler_async(conn):
+        # A connection that prepares no statement: the marker query runs every poll, and the
+        # URL may be a transaction pooler's, whose server sessions do not keep them for us.
+        async with listening(self._url) as conn:
+            if await conn.behind_pooler():
                 # A transaction pooler keeps no session for LISTEN: the marker's polling
                 # alone tells the pages when to refresh (the feed says "polling").
                 if not self._said_polling:
@@ -111,7 +105,7 @@ class ChangeFeed:
                         polling_seconds=self.poll_seconds,
                     )
             else:
-                await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(CHANNEL)))
+                await conn.listen()
                 self.listening = True
             marker = await self._read_marker(conn)
             self._bump()  # anything missed while not listening
@@ -119,9 +113,7 @@ class ChangeFeed:
             # wake the pages once more, so they read what has committed since.
             settling = False
             while not self.closed:
-                notified = False
-                async for _ in conn.notifies(timeout=self.poll_seconds, stop_after=1):
-                    notified = True
+                notified = await conn.notified(self.poll_seconds)
                 latest = await self._read_marker(conn)
                 changed, marker = latest != marker, latest
                 if notified or changed or settling:
@@ -130,11 +122,11 @@ class ChangeFeed:
                 if notified:
                     await asyncio.sleep(_COALESCE_SECONDS)
 
-    async def _read_marker(self, conn: psycopg.AsyncConnection[Any]) -> Any:
+    async def _read_marker(self, conn: AsyncListener) -> Any:
         try:
-            cur = await conn.execute(self._marker)
-        except psycopg.errors.InsufficientPrivilege:
-            if self._marker is _FALLBACK_MARKER:
+            return await conn.change_marker(fallback=self._fallback)
+        except Exception as exc:
+            if self._fallback or not marker_refused(exc):
                 raise
             _log.warning(
                 "dashboard_marker_fallback",
@@ -142,6 +134,5 @@ class ChangeFeed:
                 "saga.sagas instead, which scans the table",
                 fix="GRANT SELECT ON SEQUENCE saga.events_id_seq TO <the dashboard's role>",
             )
-            self._marker = _FALLBACK_MARKER
-            cur = await conn.execute(self._marker)
-        return await cur.fetchone()
+            self._fallback = True
+            return await conn.change_marker(fallback=True)

@@ -132,7 +132,7 @@ def test_a_key_that_is_also_an_id_prefix_is_ambiguous_and_a_full_id_wins(
     forced = iter(["abcd1111"])
     ids = SimpleNamespace(uuid4=lambda: uuid.UUID(next(forced) + uuid.uuid4().hex[8:]))
     with monkeypatch.context() as patch:
-        patch.setattr("saga._engine.uuid", ids)
+        patch.setattr("saga._flows.verbs.uuid", ids)
         by_id = orch.start(cli_app.shop, Job(order_id="o-first")).id
     by_key = orch.start(cli_app.shop, Job(order_id="abcd1111")).id
     keyed_by_id = orch.start(cli_app.shop, Job(order_id=by_id)).id

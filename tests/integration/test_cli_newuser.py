@@ -265,7 +265,7 @@ def test_commands_take_unique_id_prefixes(
     ids = SimpleNamespace(uuid4=lambda: uuid.UUID(next(forced) + uuid.uuid4().hex[8:]))
     with monkeypatch.context() as patch:
         # Only the ids of the sagas started here: two that share the prefix abcd.
-        patch.setattr("saga._engine.uuid", ids)
+        patch.setattr("saga._flows.verbs.uuid", ids)
         first = orch.start(cli_app.shop, Job(order_id="o-p1", plan="unknown")).id
         second = orch.start(cli_app.shop, Job(order_id="o-p2", plan="unknown")).id
     for saga_id in (first, second):

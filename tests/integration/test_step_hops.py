@@ -1,6 +1,11 @@
 """How many calls one step of a saga makes from the driving loop into other parts.
 
-The driving loop is the flows (`saga._flows`) and the sync driver (`saga._drivers.driver`).
+The driving loop is the flows (`saga._flows`) and the sync driver (`saga._drivers.driver`):
+what decides and carries out each move. The effect boundary (`saga._drivers.boundary`),
+which runs a flow and observes each effect it yields (fault points, spans, the log of
+committed events), calls into the loop and is not part of it: one place, whatever the
+step, that a reader of the loop reads once.
+
 A profile hook (`sys.setprofile`) sees every call while `Orchestrator.execute` runs a
 3-step saga on the real database; the middle step is the segment from the call of its step
 function to the call of the next one. A hop is a call from a loop frame into a module
@@ -20,13 +25,14 @@ from support import Order, order_saga
 from saga import Orchestrator, StepContext
 
 # The hops of the middle step; lower it when the loop asks less of other modules. 23 when
-# the flows asked the planner for each piece of a call and recorded an outcome in three
-# calls (apply, advance, write); 17 since the core answers a transition in one call
-# (`inputs.transition`) and `Invoke` carries the call. Left: the driver's 6 (the step, the
-# lease keeper twice, the store, the abandoned-call check, `is_async`), the fault points
-# (4), spans and event logs (4) that belong at the driver's effect boundary, the core's
-# `outcome_of` and `transition` (2) and the self-fence check (1).
-HOPS = 17
+# the flows asked the planner for each piece of a call, recorded an outcome in three calls
+# and fired fault points, spans and event logs themselves; 17 once the core answered a
+# transition in one call. 6 since the effect boundary (`saga._drivers.boundary`) observes
+# each effect (fault points, spans, committed events), the declaration says whether a
+# function is async, and the abandoned-attempt lookup is skipped when nothing is abandoned:
+# the step, the lease keeper (on and off), the core (`outcome_of` and `transition` in a row),
+# the store's write, and the self-fence rule.
+HOPS = 6
 
 STEPS = ("hops_first", "hops_middle", "hops_last")
 _CONSTRUCTORS = {"__init__", "__new__", "__post_init__", "__init_subclass__"}

@@ -646,8 +646,7 @@ _WITHOUT_OTEL = textwrap.dedent(
         return None
 
     assert telemetry._API is False
-    flow = iter(())
-    assert telemetry.traced_run(flow, None, keys=True) is flow  # type: ignore[arg-type]
+    assert telemetry.watch_run(None, keys=True) is None  # type: ignore[arg-type]
     assert telemetry.capture_context() is None
     with Orchestrator(sys.argv[1], sagas=[plain]) as orch:
         state = orch.execute(plain, Item(item_id="u-1"))
@@ -664,10 +663,9 @@ _API_WITHOUT_SDK = textwrap.dedent(
     from opentelemetry import trace
     from saga import telemetry
 
-    flow = iter(())
     assert telemetry._API is True
-    assert telemetry.traced_run(flow, None, keys=True) is flow  # nothing configured
-    assert telemetry.traced_call(flow, None, None, keys=True) is flow
+    assert telemetry.watch_run(None, keys=True) is None  # nothing configured
+    assert telemetry.watch_call(None, None, session=False, keys=True) is None
     with trace.get_tracer("t").start_as_current_span("request"):
         assert telemetry.capture_context() is None  # a non-recording placeholder span
     telemetry.record_events("x", [])

@@ -313,8 +313,8 @@ def _waiting(planner: Planner) -> ConfirmationRow:
 
 def _forge(pending: ConfirmationRow, planner: Planner, approval: str | None) -> None:
     """What a process with the database credentials can write: the row says approved."""
+    planner.write(None, owner=None)  # the confirmation asked for is written
     pending.approved_by, pending.approved_at, pending.approval = "mallory", planner.now, approval
-    pending.new = pending.dirty = False
     planner.saga.status = SagaStatus.RUNNING
 
 
@@ -345,8 +345,9 @@ def _refused(planner: Planner, pending: ConfirmationRow) -> str:
     assert isinstance(nxt, Stop) and nxt.status == SagaStatus.AWAITING_CONFIRMATION, nxt
     assert planner.op("pay", "action").attempts == 0
     assert (pending.approved_at, pending.approval, pending.consumed_attempt) == (None, None, None)
-    assert pending.new  # asked for again
-    events = planner.take_events()
+    write = planner.write(None, owner=None)
+    assert [(c.action, c.row) for c in write.confirmations] == [("ask", pending)]  # again
+    events = list(write.events)
     names = [e.event for e in events]
     assert "attempt_started" not in names and "approval_used" not in names
     [refusal] = [e for e in events if e.event == "approval_refused"]

@@ -72,6 +72,7 @@ def test_check_names_a_twin_edited_by_hand(
     (tmp_path / "saga" / "thing_async.py").write_text(SOURCE)
     monkeypatch.setattr(tool, "ROOT", tmp_path)
     monkeypatch.setattr(tool, "TWINS", {"saga/thing_async.py": "saga/thing.py"})
+    monkeypatch.setattr(tool, "PROTOCOLS", {})
     assert tool.main([]) == 0
     assert tool.main(["--check"]) == 0
     twin = tmp_path / "saga" / "thing.py"
@@ -82,3 +83,44 @@ def test_check_names_a_twin_edited_by_hand(
     )
     assert tool.main([]) == 0
     assert "return found + 1" not in twin.read_text()
+
+
+STORE_PART = '''"""A part of a store."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from saga._db._store_conn_async import AConn, DeferredRead
+from saga.state import SagaState
+
+
+class AsyncPart:
+    async def save_txn(self, conn: AConn, ids: Sequence[str]) -> DeferredRead[SagaState]:
+        """Its docstring is left out."""
+        return DeferredRead(conn, ids)
+
+    async def get_state(self, saga_id: str, *, fresh: bool = False) -> SagaState | None:
+        return None
+
+    async def _private(self) -> None:
+        pass
+'''
+
+
+def test_the_protocol_holds_the_signatures_of_the_parts_the_flows_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tool = _tool()
+    (tmp_path / "saga").mkdir()
+    (tmp_path / "saga" / "part_async.py").write_text(STORE_PART)
+    monkeypatch.setattr(tool, "ROOT", tmp_path)
+    monkeypatch.setattr(tool, "PROTOCOLS", {"saga/ops.py": (("saga/part_async.py", "AsyncPart"),)})
+    ops = tool.protocol("saga/ops.py")
+    assert ops.startswith("# WARNING: generated from the store's sources")
+    assert "def save_txn(self, conn: Any, ids: Sequence[str]) -> Deferred:\n        ..." in ops
+    assert "def get_state(self, saga_id: str, *, fresh: bool=False) -> SagaState | None:" in ops
+    assert "from collections.abc import Sequence" in ops
+    assert "from saga.state import SagaState" in ops
+    assert "_private" not in ops and "docstring" not in ops and "async def" not in ops
+    assert "saga._db" not in ops

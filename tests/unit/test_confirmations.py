@@ -92,10 +92,18 @@ def _waits(planner: Planner, now: datetime | None = None) -> ConfirmationRow:
 
 
 def _approve(planner: Planner, pending: ConfirmationRow) -> None:
+    _written(planner)  # the confirmation asked for, written by the worker
     interventions.approve_confirmation(
         planner, "pay", pending.request_hash, actor="ops", now=planner.now
     )
-    pending.dirty = False  # written by the operator's transaction
+    assert _written(planner) == [("approve", pending)]  # by the operator's transaction
+
+
+def _written(planner: Planner) -> list[tuple[str, ConfirmationRow]]:
+    """The confirmation changes the next write hands over (its events are left to read)."""
+    write = planner.write(None, owner=None)
+    planner.events.extend(write.events)
+    return [(change.action, change.row) for change in write.confirmations]
 
 
 def _released(planner: Planner, now: datetime | None = None) -> int:
@@ -110,7 +118,7 @@ def test_the_released_attempt_uses_the_approval_up() -> None:
     assert pending.preview["attempt"] == 1
     _approve(planner, pending)
     assert _released(planner) == 1
-    assert pending.consumed_attempt == 1 and pending.dirty
+    assert pending.consumed_attempt == 1 and _written(planner) == [("consume", pending)]
     names = [e.event for e in planner.take_events()]
     assert names.index("approval_used") < names.index("attempt_started")
 
@@ -124,7 +132,7 @@ def test_a_retry_after_a_transient_failure_asks_again() -> None:
     planner.record_failure(op, "busy", retryable=True, delay=0.0)
     second = _waits(planner, _later())
     assert second is not first and second.request_hash != first.request_hash
-    assert second.preview["attempt"] == 2 and second.new
+    assert second.preview["attempt"] == 2 and ("ask", second) in _written(planner)
 
 
 def test_a_retry_after_an_unknown_outcome_asks_again() -> None:
@@ -169,7 +177,7 @@ def test_an_expired_approval_releases_nothing_and_is_withdrawn() -> None:
     again = _waits(planner, later)
     assert again is pending  # the same request: the same row, asked for again
     assert (again.approved_by, again.approved_at, again.consumed_attempt) == (None, None, None)
-    assert again.new and again.expires_at > later
+    assert _written(planner) == [("ask", again)] and again.expires_at > later
     names = [e.event for e in planner.take_events()]
     assert "approval_expired" in names and "attempt_started" not in names
 

@@ -1,4 +1,5 @@
-"""Database retries inside flows: tenacity's schedule, with the sleeps as effects."""
+"""Database retries inside flows: tenacity's schedule, with the sleeps as effects, and the
+transient errors of database work handed to the flow as `DatabaseInterrupted`."""
 
 from __future__ import annotations
 
@@ -8,16 +9,24 @@ import psycopg
 import pytest
 from structlog.testing import capture_logs
 
-from saga._drivers.driver import carry_out
+from saga._drivers.boundary import carry_out
 from saga._flows.drive import retried
-from saga._flows.effects import Effect, Flow, Pause, Stopping
+from saga._flows.effects import Db, Effect, Flow, Pause, Stopping
+from saga.errors import DatabaseInterrupted
 
 
-def _run(flow: Flow[Any], *, stopping: bool = False) -> tuple[Any, list[Effect]]:
+def _run(flow: Flow[Any], *, stopping: bool = False, failures: int = 0) -> tuple[Any, list[Effect]]:
+    """Run `flow` with a driver whose first `failures` database calls lose the connection
+    (as psycopg raises it)."""
     seen: list[Effect] = []
 
     def effect(step: Effect, conn: Any) -> Any:
         seen.append(step)
+        if isinstance(step, Db):
+            failed = sum(isinstance(e, Db) for e in seen)
+            if failed <= failures:
+                raise psycopg.OperationalError(f"connection lost ({failed})")
+            return "done"
         return stopping if isinstance(step, Stopping) else None
 
     def no_transaction(pipelined: bool) -> Any:
@@ -26,15 +35,14 @@ def _run(flow: Flow[Any], *, stopping: bool = False) -> tuple[Any, list[Effect]]
     return carry_out(flow, effect, no_transaction), seen
 
 
-def _failing(times: int) -> tuple[list[int], Any]:
+def _body() -> tuple[list[int], Any]:
+    """A flow of one database call, and the tries it made."""
     calls: list[int] = []
 
     def body() -> Flow[str]:
         calls.append(len(calls) + 1)
-        if len(calls) <= times:
-            raise psycopg.OperationalError(f"connection lost ({len(calls)})")
-        yield from ()
-        return "done"
+        answer: str = yield Db("load")
+        return answer
 
     return calls, body
 
@@ -42,17 +50,17 @@ def _failing(times: int) -> tuple[list[int], Any]:
 def test_a_transient_error_is_retried_after_a_pause_and_logged_with_its_cause() -> None:
     """Each retry sleeps through a Pause effect (no clock in the flow), and its log line
     names the error that caused it and the attempt that failed."""
-    calls, body = _failing(2)
+    calls, body = _body()
     with capture_logs() as logs:
-        result, seen = _run(retried("record_transition", body))
+        result, seen = _run(retried("record_transition", body), failures=2)
     assert result == "done"
     assert calls == [1, 2, 3]
     pauses = [e for e in seen if isinstance(e, Pause)]
     assert len(pauses) == 2 and all(p.seconds > 0 for p in pauses)
     retries = [e for e in logs if e["event"] == "database_retry"]
     assert [(e["attempt"], e["error"]) for e in retries] == [
-        (1, "OperationalError: connection lost (1)"),
-        (2, "OperationalError: connection lost (2)"),
+        (1, "DatabaseInterrupted: OperationalError: connection lost (1)"),
+        (2, "DatabaseInterrupted: OperationalError: connection lost (2)"),
     ]
 
 
@@ -73,7 +81,8 @@ def test_an_error_that_is_not_transient_is_raised_at_once() -> None:
 def test_an_interruptible_retry_ends_when_the_driver_is_stopping() -> None:
     """While the driver shuts down, an interruptible retry raises the last error instead
     of sleeping again."""
-    calls, body = _failing(5)
-    with pytest.raises(psycopg.OperationalError, match=r"\(1\)"):
-        _run(retried("claim_next_saga", body, interruptible=True), stopping=True)
+    calls, body = _body()
+    with pytest.raises(DatabaseInterrupted, match=r"\(1\)") as raised:
+        _run(retried("claim_next_saga", body, interruptible=True), stopping=True, failures=5)
+    assert isinstance(raised.value.__cause__, psycopg.OperationalError)
     assert calls == [1]

@@ -184,10 +184,10 @@ def test_fresh_saga_invokes_its_first_step() -> None:
     assert op.attempts == 1
     assert op.status == OperationStatus.RUNNING
     assert op.started_at is not None
-    assert op.dirty
     assert planner.saga.status == SagaStatus.RUNNING
-    events = planner.take_events()
-    assert events == [Event("attempt_started", "reserve", "action", 1, {})]
+    write = planner.write(None, owner=None)
+    assert write.new_ops == () and write.changed_ops == (op,)  # its rows are as stored
+    assert list(write.events) == [Event("attempt_started", "reserve", "action", 1, {})]
 
 
 def test_success_moves_to_the_next_step() -> None:

@@ -32,6 +32,9 @@ def _planner(backoff_seconds: float = 2.0) -> Planner:
     @saga.step(retry=policy)
     def reserve(ctx: Any, order: Order) -> None: ...
 
+    @reserve.compensation
+    def release(ctx: Any, order: Order, reserved: None) -> None: ...
+
     @saga.step
     def charge(ctx: Any, order: Order) -> None: ...
 
@@ -65,16 +68,17 @@ def _fail_first_attempt(planner: Planner, at: datetime) -> Sleep:
 
 
 def test_a_write_hands_each_change_over_once_and_keeps_the_lease() -> None:
-    """Starting an attempt renews the lease; the rows handed over are marked written, so
-    the next write sends only what changed after it."""
+    """Starting an attempt renews the lease; the rows a planner is given are as stored,
+    and a write hands over the rows changed since the last one, so the next write sends
+    only what changed after it."""
     planner = _planner()
     nxt = planner.advance(T0)
     assert isinstance(nxt, Invoke)
     write = planner.write(nxt, owner=OWNER)
     assert not write.release and not write.notify and not write.return_state
-    assert [(op.step, op.status) for op in write.new_ops] == [
-        ("reserve", OperationStatus.RUNNING),
-        ("charge", OperationStatus.PENDING),
+    assert write.new_ops == ()
+    assert [(op.step, op.status) for op in write.changed_ops] == [
+        ("reserve", OperationStatus.RUNNING)
     ]
     assert write.events[-1].event == "attempt_started"
     again = planner.write(nxt, owner=OWNER)
@@ -83,6 +87,29 @@ def test_a_write_hands_each_change_over_once_and_keeps_the_lease() -> None:
     after = planner.write(planner.advance(T0), owner=OWNER)
     assert [op.step for op in after.changed_ops] == ["reserve", "charge"]
     assert after.new_ops == ()
+
+
+def test_a_row_the_planner_adds_is_written_new_once_then_as_changed() -> None:
+    """A compensation the planner adds is created by the next write, in the order of
+    the rows, and updated by the writes after it."""
+    planner = _planner()
+    assert isinstance(planner.advance(T0), Invoke)
+    inputs.apply(planner, inputs.Returned("reserve", "action", None), T0)
+    assert isinstance(planner.advance(T0), Invoke)
+    planner.write(None, owner=OWNER)
+    failure = inputs.Raised("charge", "action", "PermanentError: declined", "failed", 0.0)
+    inputs.apply(planner, failure, T0)
+    nxt = planner.advance(T0)
+    assert isinstance(nxt, Invoke) and nxt.op.kind == "compensation"
+    write = planner.write(nxt, owner=OWNER)
+    assert [(op.step, op.kind, op.status) for op in write.new_ops] == [
+        ("reserve", "compensation", OperationStatus.RUNNING)
+    ]
+    assert [(op.step, op.kind) for op in write.changed_ops] == [("charge", "action")]
+    inputs.apply(planner, inputs.Returned("reserve", "compensation", None), T0)
+    after = planner.write(planner.advance(T0), owner=OWNER)
+    assert after.new_ops == ()
+    assert [(op.step, op.kind) for op in after.changed_ops] == [("reserve", "compensation")]
 
 
 def test_a_backoff_longer_than_the_inline_wait_releases_the_lease() -> None:

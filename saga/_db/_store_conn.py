@@ -1,0 +1,132 @@
+# WARNING: generated from saga/_db/_store_conn_async.py by tools/async_to_sync.py:
+# edit the source, then run `python tools/async_to_sync.py`. CI fails on any difference.
+"""The store's connections: the pool, the transactions and pipelines its methods run in,
+and what their answers are read with.
+
+`AsyncStoreConnections` is the base every part of the store builds on (`saga._db.store_async`
+puts them together into `AsyncStore`); `saga._db._store_conn` is generated from this module
+by tools/async_to_sync.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Generic, TypeVar, cast
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg_pool import ConnectionPool
+
+from saga._core.rows import Loaded
+from saga._db._store_base import loaded_from_rows, sql, state_of, translate
+from saga.state import SagaState
+
+Conn = psycopg.Connection[dict[str, Any]]
+T = TypeVar("T")
+
+
+@contextmanager
+def _translated(conninfo: str) -> Iterator[None]:
+    """Raise what PostgreSQL or the pool raised inside the block as the orchestrator's
+    error (`translate`); the transaction was rolled back with it."""
+    try:
+        yield
+    except psycopg.Error as exc:
+        raise translate(exc, conninfo) from exc
+
+
+def sync_pipeline(conn: Conn) -> None:
+    """End a pipeline's batch with a Sync and collect its results (the round trip a fetch
+    would make anyway). A claim's transaction then waits for its client, which plans the
+    first move (user code) with the saga row locked: synced, the server counts that wait
+    as idle in transaction, and ends the transaction of a frozen client once it exceeds
+    idle_in_transaction_session_timeout (unsynced, the server waits for the rest of the
+    batch with no timeout at all)."""
+    pipeline = conn._pipeline
+    if isinstance(pipeline, psycopg.Pipeline):
+        pipeline.sync()
+
+
+def read_loaded(
+    saga: psycopg.Cursor[dict[str, Any]],
+    ops: psycopg.Cursor[dict[str, Any]],
+    confirmations: psycopg.Cursor[dict[str, Any]],
+) -> Loaded | None:
+    """A saga as its lease holder reads it, from the results of its three reads."""
+    return loaded_from_rows(saga.fetchone(), ops.fetchall(), confirmations.fetchall())
+
+
+class DeferredRead(Generic[T]):
+    """The answer of a statement queued in a transaction (`save_txn`, `save_batch_txn`),
+    read by calling this once the transaction has committed: at once in a plain
+    transaction, after the block in a pipelined one."""
+
+    __slots__ = ("_answer", "_cursor")
+
+    def __init__(
+        self,
+        cursor: psycopg.Cursor[dict[str, Any]],
+        answer: Callable[[dict[str, Any] | None], T],
+    ) -> None:
+        self._cursor = cursor
+        self._answer = answer
+
+    def __call__(self) -> T:
+        """The statement's answer, from its result row."""
+        return self._answer(self._cursor.fetchone())
+
+
+def state_answer(row: dict[str, Any] | None) -> SagaState | None:
+    """The state saga.write_saga returned, from its result row (see `save_txn`)."""
+    return state_of(row["state"] if row else None)
+
+
+class StoreConnections:
+    """The pool a store reads and writes through, and the connections it hands its methods.
+
+    The pool's connections are in autocommit mode (as the orchestrator makes them): a
+    single statement commits on its own, and `transaction` or `pipelined` group several.
+    """
+
+    def __init__(
+        self, pool: ConnectionPool[Any], *, transaction_settings: dict[str, str] | None = None
+    ) -> None:
+        self.pool = pool
+        # Through a transaction pooler: the timeouts each transaction sets for itself.
+        self.transaction_settings = transaction_settings
+        # The pool's URL, for errors that say which database (never its password).
+        self._conninfo = pool.conninfo if isinstance(pool.conninfo, str) else ""
+
+    @contextmanager
+    def transaction(self) -> Iterator[Conn]:
+        """A connection inside one transaction, committed when the block exits cleanly."""
+        with self._connection() as conn, conn.transaction():
+            self._set_timeouts(conn)
+            yield conn
+
+    def _set_timeouts(self, conn: Conn) -> None:
+        """The transaction's own timeouts, when the connection may not carry them
+        (`transaction_settings`); queued without a round trip in a pipeline."""
+        if self.transaction_settings is not None:
+            conn.execute(sql("transaction_settings"), self.transaction_settings)
+
+    @contextmanager
+    def _connection(self) -> Iterator[Conn]:
+        # An autocommit connection: one statement is one transaction, and costs no
+        # BEGIN and COMMIT of its own (for statements that need no company). Whatever
+        # psycopg raises inside leaves as the orchestrator's error (`translate`).
+        with _translated(self._conninfo), self.pool.connection() as conn:
+            conn.row_factory = dict_row
+            yield cast(Conn, conn)
+
+    @contextmanager
+    def pipelined(self) -> Iterator[Conn]:
+        """One transaction sent in a pipeline: statements go out without waiting, and the
+        whole of it (BEGIN to COMMIT) costs one round trip unless a result is fetched
+        inside. Results of deferred reads are fetched after the block. A failed fence check
+        (`assert_fence_txn`, or a fenced `save_txn`) becomes `LeaseLost`, with everything
+        queued rolled back."""
+        with self._connection() as conn, conn.pipeline(), conn.transaction():
+            self._set_timeouts(conn)
+            yield conn

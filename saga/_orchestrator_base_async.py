@@ -1,0 +1,333 @@
+"""What an orchestrator stands on: its connection to the database, the reading verbs, and
+the doors it makes (sessions, the ledger, workers).
+
+`AsyncOrchestratorBase` is the base of `AsyncOrchestrator`, `OrchestratorBase` that of
+`Orchestrator`: `saga/_orchestrator_base_async.py` is the source of both, and
+`saga/_orchestrator_base.py` is generated from it by `tools/async_to_sync.py`. The verbs
+that start, drive and change sagas are the orchestrators' own (`saga.orchestrator_async`).
+"""
+
+from __future__ import annotations
+
+import builtins
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, ParamSpec, Self, TypeVar
+
+from saga._db.pool_async import open_store
+from saga._db.store_async import AsyncStore
+from saga._drivers.driver_async import AsyncRunner
+from saga._drivers.leases_async import AsyncLeaseKeeper
+from saga._engine import Engine, list_filters, list_key
+from saga._flows import verbs
+from saga._flows.effects import Flow
+from saga.ledger import AsyncLedger
+from saga.session import AsyncSession
+from saga.state import Confirmation, HistoryEvent, SagaState, SagaStatus, WorkerInfo
+
+if True:  # ASYNC
+    import asyncio
+    from asyncio import Event
+
+    from saga._acompat import sync_only
+
+    _DOOR = "AsyncOrchestrator"
+else:
+    from threading import Event
+
+    from saga._drivers.loopguard import sync_only
+
+    _DOOR = "Orchestrator"
+
+if TYPE_CHECKING:
+    from saga.worker_async import AsyncWorker
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _guarded(method: Callable[P, R]) -> Callable[P, R]:
+    """`sync_only`, with `method` named as the orchestrator's (`Orchestrator.get`), not
+    this base's: the name a blocking call refused in an event loop gives."""
+    method.__qualname__ = f"{_DOOR}.{method.__name__}"
+    return sync_only()(method)
+
+
+class AsyncOrchestratorBase(Engine):
+    """The connection of an `AsyncOrchestrator`, its reading verbs and the doors it makes
+    (see `AsyncOrchestrator`)."""
+
+    def _unconnected(self) -> None:
+        self._store: AsyncStore | None = None
+        self._ledger: AsyncLedger | None = None
+        self._keeper: AsyncLeaseKeeper | None = None
+        if True:  # ASYNC
+            self._connecting: asyncio.Lock | None = None
+            self._loop: asyncio.AbstractEventLoop | None = None
+        else:
+            self._lock = threading.Lock()
+
+    # ----- set-up ------------------------------------------------------------------------
+
+    if True:  # ASYNC
+
+        async def store(self) -> AsyncStore:
+            """The storage layer, connected (and migrated) on first use.
+
+            Its connections belong to the event loop that first used it: using the same
+            orchestrator from another loop raises `RuntimeError` (make one per loop, or
+            `close()` it first)."""
+            loop = asyncio.get_running_loop()
+            if self._loop is not None and self._loop is not loop and self._store is not None:
+                raise RuntimeError(
+                    "this AsyncOrchestrator is connected on another event loop; its "
+                    "connections cannot serve this one: create an AsyncOrchestrator per "
+                    "event loop, or close() it on its own loop first"
+                )
+            self._loop = loop
+            if self._store is None:
+                if self._connecting is None:
+                    self._connecting = asyncio.Lock()
+                async with self._connecting:
+                    if self._store is None:
+                        self._store = await self._connect()
+            return self._store
+
+        async def lease_keeper(self) -> AsyncLeaseKeeper:
+            """The heartbeat that keeps this orchestrator's leases alive while steps run."""
+            return self._keeper_on(await self.store())
+
+    else:
+
+        @property
+        def store(self) -> AsyncStore:
+            """The storage layer, connected (and migrated) on first use."""
+            if self._store is None:
+                with self._lock:
+                    if self._store is None:
+                        self._store = self._connect()
+            return self._store
+
+        @property
+        def lease_keeper(self) -> AsyncLeaseKeeper:
+            """The heartbeat that keeps this orchestrator's leases alive while steps run."""
+            store = self.store
+            with self._lock:
+                return self._keeper_on(store)
+
+    def _keeper_on(self, store: AsyncStore) -> AsyncLeaseKeeper:
+        """The lease keeper on `store`, made on first use."""
+        if self._keeper is None:
+            self._keeper = AsyncLeaseKeeper(
+                store,
+                owner=self.owner,
+                lease_seconds=self.lease_seconds,
+                heartbeat_seconds=self.heartbeat_seconds,
+            )
+        return self._keeper
+
+    async def _connected(self) -> AsyncStore:
+        """The storage layer (`store`), connected on first use."""
+        if True:  # ASYNC
+            return await self.store()
+        else:
+            return self.store
+
+    async def _connect(self) -> AsyncStore:
+        if True:  # ASYNC
+            # Resolving the URL may start the embedded server: blocking work, off the loop.
+            url = await asyncio.to_thread(lambda: self.database_url)
+            name = f"saga-async-{self.owner}"
+        else:
+            url = self.database_url
+            name = f"saga-{self.owner}"
+        self.route, store = await open_store(
+            url,
+            name=name,
+            max_size=self._pool_size,
+            lease_seconds=self.lease_seconds,
+            prepared_statements=self.prepared_statements,
+            auto_migrate=self.auto_migrate,
+        )
+        return store
+
+    @_guarded
+    async def ensure_pool_size(self, connections: int) -> None:
+        """Size the connection pool for a worker that needs `connections` (workers call
+        this): to exactly that when `pool_size` was not given, else at least that."""
+        store = await self._connected()
+        pool = store.pool
+        await pool.resize(
+            min_size=pool.min_size, max_size=self.pool_size_for(connections, pool.max_size)
+        )
+
+    async def runner(
+        self, *, stopping: Event | None = None, max_inline_sleep: float | None = None
+    ) -> AsyncRunner:
+        """A driver of this orchestrator's flows (for an `AsyncOrchestrator`, on the
+        running loop)."""
+        options = (
+            self.runner_options()
+            if max_inline_sleep is None
+            else self.runner_options(max_inline_sleep=max_inline_sleep)
+        )
+        store = await self._connected()
+        if True:  # ASYNC
+            keeper = await self.lease_keeper()
+        else:
+            keeper = self.lease_keeper
+        return AsyncRunner(store, options, keeper=keeper, stopping=stopping)
+
+    async def _runner(self) -> AsyncRunner:
+        """A driver of this orchestrator's flows with the default options."""
+        return await self.runner()
+
+    async def _drive(self, flow: Flow[R]) -> R:
+        """Carry `flow` out with a driver of this orchestrator's (`runner`)."""
+        runner = await self.runner()
+        return await runner.run(flow)
+
+    async def close(self) -> None:
+        """Stop the heartbeat and close the connection pool."""
+        if self._keeper is not None:
+            await self._keeper.aclose()
+            self._keeper = None
+        if self._store is not None:
+            await self._store.pool.close()
+            self._store = None
+        if True:  # ASYNC
+            self._loop = None
+            self._connecting = None
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # ----- reading -----------------------------------------------------------------------
+
+    @_guarded
+    async def get(self, saga_id: str) -> SagaState:
+        """The saga and its operations; `SagaNotFound` when there is none."""
+        return await self._drive(verbs.get(saga_id))
+
+    @_guarded
+    async def list(
+        self,
+        status: str | None = None,
+        saga: str | None = None,
+        tenant: str | None = None,
+        limit: int = 100,
+        *,
+        older_than: timedelta | None = None,
+        key: str | None = None,
+    ) -> builtins.list[SagaState]:
+        """Sagas filtered by status, saga name and tenant, newest first.
+
+        `older_than` keeps sagas whose last change (`updated_at`, by the database
+        clock) is at least that long ago: for a parked saga, how long it has waited.
+        `key` keeps the sagas of that business key (the `key` a saga was started with,
+        matched exactly): one per saga name and tenant, found through an index, so the
+        lookup does not read the finished history.
+        """
+        status, seconds = list_filters(status, limit, older_than)
+        store = await self._connected()
+        return await store.list_states(
+            status=status,
+            name=saga,
+            tenant_id=tenant,
+            limit=limit,
+            older_than_seconds=seconds,
+            key=list_key(key),
+        )
+
+    @_guarded
+    async def workers(self) -> builtins.list[WorkerInfo]:
+        """Live workers of this database and the saga kinds (name:version) each runs."""
+        store = await self._connected()
+        return await store.live_workers()
+
+    @_guarded
+    async def history(self, saga_id: str) -> builtins.list[HistoryEvent]:
+        """The audit trail of a saga, oldest first."""
+        await self.get(saga_id)
+        store = await self._connected()
+        return await store.history(saga_id)
+
+    @_guarded
+    async def confirmations(self, saga_id: str) -> builtins.list[Confirmation]:
+        """Every confirmation a saga asked for, pending and approved, oldest first."""
+        await self.get(saga_id)
+        store = await self._connected()
+        return await store.confirmations(saga_id)
+
+    @_guarded
+    async def preview(self, saga_id: str) -> Confirmation | None:
+        """The confirmation a saga waits for, or None when it waits for none.
+
+        Its `preview` shows exactly what the attempt will read: `payload` (the prepared
+        request, else the whole saga input, volatile fields included), `input` (the whole
+        saga input, beside a prepared request), `results` (of the steps before), and the
+        `target`, `attempt`, `amount` and `policy_checks`. `request_hash`, the hash of
+        all of it, is what an approval is bound to (`approval`, `confirm`)."""
+        state = await self.get(saga_id)
+        if state.status != SagaStatus.AWAITING_CONFIRMATION:
+            return None
+        store = await self._connected()
+        pending = [c for c in await store.confirmations(saga_id) if c.approved_at is None]
+        return max(pending, key=lambda c: c.requested_at) if pending else None
+
+    # ----- the doors it makes ------------------------------------------------------------
+
+    def session(
+        self, run_id: str, *, tenant: str = "", name: str = "session", wait_seconds: float = 0.0
+    ) -> AsyncSession:
+        """A session of durable steps: `with orch.session("ticket-4821") as run:` (`async
+        with`, from an `AsyncOrchestrator`: each durable step call inside is awaited).
+
+        Inside the block, each call of a `@durable_step` function is an operation of the
+        session: the first call under a key runs (`running` committed before, the outcome
+        after), every later one, here or in any later process, returns the stored result.
+        The session is leased while the block runs: another process entering it waits up
+        to `wait_seconds`, then raises `SessionBusy`. A `PermanentError` leaving the
+        block (or `run.fail(reason)`) compensates the succeeded calls in reverse; any
+        other exception leaves the session open for the next entry to resume.
+        """
+        return AsyncSession(self, run_id, tenant=tenant, name=name, wait_seconds=wait_seconds)
+
+    @property
+    def ledger(self) -> AsyncLedger:
+        """The ledger of calls claimed one by one: `claim`, `heartbeat`, `complete`,
+        `fail`, `unknown` (see `saga.Ledger`, and `saga.AsyncLedger` for an
+        `AsyncOrchestrator`)."""
+        if self._ledger is None:
+            self._ledger = AsyncLedger(self)
+        return self._ledger
+
+    def worker(
+        self,
+        concurrency: int = 4,
+        *,
+        poll_seconds: float = 1.0,
+        grace_seconds: float = 10.0,
+        short_wait_seconds: float = 1.0,
+        listen_url: str | None = None,
+    ) -> AsyncWorker:
+        """A worker that claims and drives this orchestrator's registered sagas: a
+        `Worker`, or, from an `AsyncOrchestrator`, an `AsyncWorker` that drives them as
+        tasks on the loop that runs it.
+
+        See `Worker` (`AsyncWorker`) for the meaning of each setting.
+        """
+        from saga.worker_async import AsyncWorker
+
+        return AsyncWorker(
+            self,
+            concurrency=concurrency,
+            poll_seconds=poll_seconds,
+            grace_seconds=grace_seconds,
+            short_wait_seconds=short_wait_seconds,
+            listen_url=listen_url,
+        )
