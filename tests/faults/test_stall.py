@@ -42,13 +42,17 @@ def _open_transactions(url: str) -> int:
     )
 
 
-def _yet_to_call(url: str, pid: int) -> int:
-    """Attempts the stalled worker has in flight that have not called the provider yet."""
+def _mid_call(url: str, pid: int) -> int:
+    """Attempts the stalled worker has in flight inside their function: recorded running a
+    while ago (its steps sleep 0.4 s before they call the provider), and not yet at
+    the provider. An attempt recorded just now may not have been called yet: frozen there,
+    it is never called once thawed, since its owner confirms the lease before a call."""
     return int(
         scalar(
             url,
             "SELECT count(*) FROM saga.sagas s JOIN saga.operations o ON o.saga_id = s.id"
-            " WHERE s.lease_owner = %s AND o.status = 'running' AND NOT EXISTS ("
+            " WHERE s.lease_owner = %s AND o.status = 'running'"
+            " AND o.started_at < now() - interval '100 milliseconds' AND NOT EXISTS ("
             " SELECT 1 FROM fault_provider.requests r WHERE r.idempotency_key ="
             " o.idempotency_key AND r.attempt = o.attempts AND r.pid = %s)",
             (OWNER, pid),
@@ -58,15 +62,16 @@ def _yet_to_call(url: str, pid: int) -> int:
 
 def _freeze_between_transactions(worker: WorkerProcess, url: str) -> None:
     """SIGSTOP the worker at a moment it has no transaction open (so it holds no row
-    lock another worker would wait for), with attempts in flight of which one at least
-    has not called the provider yet (so the thawed worker calls it late: on a loaded
-    machine the freeze can otherwise land just after every call, between it and the
-    write of its outcome)."""
+    lock another worker would wait for), with attempts in flight of which one at least is
+    inside its function and has not called the provider yet (so the thawed worker calls it
+    late: on a loaded machine the freeze can otherwise land just after every call, between
+    it and the write of its outcome, or just before one, which the thawed worker then
+    never makes)."""
     for _ in range(200):
         wait_for(lambda: _in_flight(url), timeout=30, what="attempts in flight")
         worker.signal(signal.SIGSTOP)
         time.sleep(0.05)
-        if _open_transactions(url) == 0 and _in_flight(url) and _yet_to_call(url, worker.pid):
+        if _open_transactions(url) == 0 and _in_flight(url) and _mid_call(url, worker.pid):
             return
         worker.signal(signal.SIGCONT)
         time.sleep(0.02)
