@@ -24,10 +24,9 @@ from saga._codefirst import SessionSaga as SessionSaga  # re-exported: named by 
 from saga._core import inputs
 from saga._core.planner import Planner, SagaRow
 from saga._core.rows import Event, OpRow
-from saga._drivers.observe import log_events
 from saga._flows.claim import Flows
 from saga._flows.drive import Released, retried
-from saga._flows.effects import Flow, Pause, db
+from saga._flows.effects import Flow, Observed, Pause, Watch, db
 from saga._flows.store_ops import StoreOps
 from saga.durable import DurableStep, session_scope
 from saga.errors import (
@@ -132,7 +131,7 @@ class SessionFlows:
         # its new id) knows the first one landed, leased to us.
         outcome = yield from retried("start_session", start)
         if outcome["created"]:
-            log_events(planner, events[1:])
+            yield Observed((Watch(planner, events=events[1:]),))
             return planner, None
         return (yield from self._claim(str(outcome["id"]), wait_seconds))
 

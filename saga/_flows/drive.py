@@ -14,7 +14,7 @@ import math
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -168,9 +168,10 @@ class Loop:
             raise
         if isinstance(nxt, Released):
             return nxt.state
-        # A move that ends the drive is written with the lease given back: not reached.
-        left: SagaState | None = yield from db(StoreOps.get_state, saga.id)  # pragma: no cover
-        return left  # pragma: no cover
+        # The move was planned by a write that read no state back: a start whose first
+        # plan already stops the saga (`verbs.start`, which frees the row as it writes it).
+        left: SagaState | None = yield from db(StoreOps.get_state, saga.id)
+        return left
 
     def carry_on(self, planner: Planner, nxt: Move) -> Flow[Claimed]:
         """Carry out `nxt` and the moves after it until the saga stops, is handed back
@@ -381,11 +382,9 @@ class Loop:
         if written is None or written[0] != unsure.token:
             return None
         _log.info("write_landed", saga_id=planner.saga.id, fence=planner.saga.fence)
-        # Observed as the write would have been, had its reply come back.
-        watch = unsure.watch
-        yield Observed(
-            (Watch(planner, after=watch.after, events=watch.events, records=watch.records),)
-        )
+        # Observed as the write would have been, had its reply come back (its fault point
+        # before it was reached when it was sent).
+        yield Observed((replace(unsure.watch, before=None),))
         if written[1] is None:
             # The write gave the lease back (a stop, a shutdown, a long backoff).
             state = yield from db(StoreOps.get_state, planner.saga.id)
