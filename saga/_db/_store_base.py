@@ -425,13 +425,18 @@ def _event_rows(events: Sequence[Event]) -> list[dict[str, Any]]:
 
 
 def _dumps(value: Any) -> str:
-    return json.dumps(value, default=_encode_extra, separators=(",", ":"))
+    return _ENCODER.encode(value)
 
 
 def _encode_extra(value: Any) -> Any:
     if isinstance(value, datetime):
         return value.isoformat()
     raise TypeError(f"cannot store {type(value).__name__} in a batch row")
+
+
+# What `json.dumps(value, default=_encode_extra, separators=(",", ":"))` makes anew on
+# every call (it holds no state between calls): made once, every write encodes with it.
+_ENCODER = json.JSONEncoder(default=_encode_extra, separators=(",", ":"))
 
 
 def _text(value: Any) -> str | None:
