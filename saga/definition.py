@@ -461,7 +461,10 @@ class Saga(Generic[InputT]):
 
     def step_named(self, name: str) -> Step | None:
         """The step called `name`, or None."""
-        return next((s for s in self.steps if s.name == name), None)
+        for step in self.steps:
+            if step.name == name:
+                return step
+        return None
 
     def validate_input(self, data: InputT | dict[str, Any]) -> InputT:
         """Validate `data` against the input model (pydantic's ValidationError when invalid)."""

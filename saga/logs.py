@@ -54,6 +54,8 @@ class SafeLogger:
         # the saga's own events are "saga.events" there, so an output can tell them apart.
         self.channel = channel or name
         self._initial = initial
+        # `is_enabled_for`'s check, with the structlog configuration it was made under.
+        self._check: tuple[tuple[Any, Any], Any] | None = None
 
     def bind(self, **values: Any) -> SafeLogger:
         """This logger with more bound fields."""
@@ -76,7 +78,15 @@ class SafeLogger:
         try:
             if not structlog.is_configured():
                 return logging.getLogger(self.name).isEnabledFor(level)
-            check = getattr(self.resolve().bind(), "is_enabled_for", None)
+            # The logger bound to check with is made again only when the configuration's
+            # wrapper class or logger factory changes: binding one costs more than the
+            # check, which is made for every committed write (`saga._drivers.observe`).
+            config = structlog.get_config()
+            under = (config["wrapper_class"], config["logger_factory"])
+            made = self._check
+            if made is None or made[0][0] is not under[0] or made[0][1] is not under[1]:
+                made = self._check = (under, getattr(self.resolve().bind(), "is_enabled_for", None))
+            check = made[1]
             return True if check is None else bool(check(level))
         except Exception:
             return True

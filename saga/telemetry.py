@@ -151,6 +151,8 @@ if _API:
         _UNSET_METERS: tuple[type[Any], ...] = (_metrics.NoOpMeterProvider,)
     else:
         _UNSET_METERS = (_metrics.NoOpMeterProvider, _ProxyMeterProvider)
+    # The module holding the API's global MeterProvider (see `_surely_unset`).
+    _meters: Any = getattr(_metrics, "_internal", None)
     _PROPAGATOR = TraceContextTextMapPropagator()
 
 _T = TypeVar("_T")
@@ -194,9 +196,27 @@ class _PerProvider(Generic[_T]):
 
 def _tracer() -> Tracer | None:
     """The tracer of the configured TracerProvider; None when none is configured."""
-    if not _API:
+    if not _API or _surely_unset(_trace, "_TRACER_PROVIDER", _TRACER_ENV):
         return None
     return _tracers.of(_trace.get_tracer_provider(), _UNSET_TRACERS)
+
+
+def _surely_unset(module: object, attribute: str, env: bytes | str) -> bool:
+    """Whether no provider is configured, known without asking the API: its global
+    (`attribute` of `module`) is still None and no environment variable names one.
+
+    The API's `get_*_provider()` answers its placeholder then, but looks the variable up
+    in `os.environ` on every call, which raises and catches a KeyError: microseconds on
+    the path of every call of user code and every write, when nothing observes them. False
+    whenever this cannot be told (another API layout): the API is asked as before."""
+    return getattr(module, attribute, False) is None and env not in _ENVIRON
+
+
+# What `os.environ` holds, keyed as it keys it (bytes on POSIX), to ask without a KeyError.
+_ENVIRON: Any = getattr(os.environ, "_data", os.environ)
+_ENCODE: Callable[[str], bytes | str] = getattr(os.environ, "encodekey", lambda name: name)
+_TRACER_ENV = _ENCODE("OTEL_PYTHON_TRACER_PROVIDER")
+_METER_ENV = _ENCODE("OTEL_PYTHON_METER_PROVIDER")
 
 
 _tracers: _PerProvider[Tracer] = _PerProvider(
@@ -265,7 +285,7 @@ class _Instruments:
 def _instruments() -> _Instruments | None:
     """The instruments of the configured MeterProvider (made on first use, with the
     database gauges); None when none is configured."""
-    if not _API:
+    if not _API or _surely_unset(_meters, "_METER_PROVIDER", _METER_ENV):
         return None
     return _instruments_made.of(_metrics.get_meter_provider(), _UNSET_METERS)
 
@@ -609,11 +629,11 @@ def record_events(saga: str, events: Sequence[Event], *, session: bool = False) 
     claimed also in `saga_lease_expirations_total`."""
     if not events or not _API:
         return
-    ends = [e for e in events if e.event in _ATTEMPT_OUTCOMES and e.step is not None]
-    if not ends:
-        return
     instruments = _instruments()
     if instruments is None:
+        return
+    ends = [e for e in events if e.event in _ATTEMPT_OUTCOMES and e.step is not None]
+    if not ends:
         return
     claimed = any(e.event == "lease_acquired" for e in events)
     counted: list[tuple[str, tuple[tuple[str, str], ...]]] = []

@@ -25,6 +25,7 @@ from typing import Any
 import psycopg
 import pytest
 import structlog
+from hypothesis import HealthCheck, settings
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
@@ -43,6 +44,13 @@ _ENV_SHARED_DIR = "SAGA_TEST_SHARED_EMBEDDED_DIR"
 
 # Fixtures through which a test reaches the suite's database server.
 _SERVER_FIXTURES = frozenset({"server_url", "postgres_server_url"})
+
+
+# Property tests assert what holds for every input, never how fast inputs are made: on a
+# shared machine under load, Hypothesis's timing checks (a deadline per example, "input
+# generation is slow") fail tests whose property held.
+settings.register_profile("suite", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("suite")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

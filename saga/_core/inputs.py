@@ -26,22 +26,27 @@ Verdict = Literal["retry", "failed", "unknown"]
 
 
 @dataclass(frozen=True, slots=True)
-class Returned:
-    """The attempt returned; `result` is its value encoded as JSON."""
+class _OfOperation:
+    """What happened to one operation, named by its step and kind (`action` or
+    `compensation`): the fields every outcome below begins with."""
 
     step: str
     kind: str
+
+
+@dataclass(frozen=True, slots=True)
+class Returned(_OfOperation):
+    """The attempt returned; `result` is its value encoded as JSON."""
+
     result: Any
 
 
 @dataclass(frozen=True, slots=True)
-class Raised:
+class Raised(_OfOperation):
     """The attempt raised `error`, classified by its retry policy: `retry` after `delay`
     seconds, `failed` for good, or `unknown` (no verdict: it may have happened; a same-key
     retry, where one is safe, waits `delay` seconds)."""
 
-    step: str
-    kind: str
     error: str
     verdict: Verdict
     delay: float = 0.0
@@ -49,51 +54,41 @@ class Raised:
 
 
 @dataclass(frozen=True, slots=True)
-class TimedOut:
+class TimedOut(_OfOperation):
     """The attempt ran past its timeout; `still_running` when it still runs here."""
 
-    step: str
-    kind: str
     reason: str
     still_running: bool = False
 
 
 @dataclass(frozen=True, slots=True)
-class NotJson:
+class NotJson(_OfOperation):
     """The attempt (or a reconcile's `Found`) returned a value that cannot be stored."""
 
-    step: str
-    kind: str
     reason: str
     returned: bool = True
 
 
 @dataclass(frozen=True, slots=True)
-class NotCalled:
+class NotCalled(_OfOperation):
     """The orchestrator's machinery failed before any of the operation's code ran."""
 
-    step: str
-    kind: str
     reason: str
 
 
 @dataclass(frozen=True, slots=True)
-class MachineryFailed:
+class MachineryFailed(_OfOperation):
     """The orchestrator's machinery failed after the operation's code had started."""
 
-    step: str
-    kind: str
     reason: str
     traceback: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class Answered:
+class Answered(_OfOperation):
     """A reconcile hook's answer: `found` (with the stored result and reference),
     `absent` (settled or not) or `inconclusive` (with the reason)."""
 
-    step: str
-    kind: str
     answer: Literal["found", "absent", "inconclusive"]
     result: Any = None
     provider_reference: str | None = None
@@ -102,20 +97,16 @@ class Answered:
 
 
 @dataclass(frozen=True, slots=True)
-class Prepared:
+class Prepared(_OfOperation):
     """The prepare hook computed `request` (JSON) for the next attempt."""
 
-    step: str
-    kind: str
     request: Any
 
 
 @dataclass(frozen=True, slots=True)
-class PrepareRaised:
+class PrepareRaised(_OfOperation):
     """The prepare hook raised: nothing was called."""
 
-    step: str
-    kind: str
     error: str
     retryable: bool
     delay: float

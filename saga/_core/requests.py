@@ -615,7 +615,7 @@ def unsettled_call(
             or (op.kind == "compensation" and op.status == OperationStatus.FAILED)
         )
 
-    of_step = [c for c in calls if c.rsplit(".", 1)[0] == step]
+    of_step = _calls_of(calls, step)
     open_steps = {op.step for op in ops if (kind is None or op.kind == kind) and unsettled(op)}
     candidates = [c for c in of_step if c in open_steps]
     if len(candidates) == 1:
@@ -630,8 +630,7 @@ def unsettled_call(
             f"session {session_id} has no unsettled call of durable step {step!r} (its "
             f"calls of it: {', '.join(of_step)}); name a call to resolve it"
         )
-    listed = ", ".join(calls) if calls else "none yet"
-    raise StepStateError(f"session {session_id} has no call {step!r}; its calls: {listed}")
+    raise _no_call(session_id, step, calls)
 
 
 def session_call(session_id: str, ops: Sequence[OpRow], from_step: str) -> str:
@@ -642,7 +641,7 @@ def session_call(session_id: str, ops: Sequence[OpRow], from_step: str) -> str:
     calls = [op.step for op in sorted(ops, key=lambda o: o.position) if op.kind == "action"]
     if from_step in calls:
         return from_step
-    matching = [call for call in calls if call.rsplit(".", 1)[0] == from_step]
+    matching = _calls_of(calls, from_step)
     if len(matching) == 1:
         return matching[0]
     if matching:
@@ -650,8 +649,19 @@ def session_call(session_id: str, ops: Sequence[OpRow], from_step: str) -> str:
             f"session {session_id} called durable step {from_step!r} {len(matching)} times "
             f"({', '.join(matching)}): fork from one of these calls, by its name"
         )
+    raise _no_call(session_id, from_step, calls)
+
+
+def _calls_of(calls: Sequence[str], step: str) -> list[str]:
+    """The calls among `calls` (operation names, `charge.1a2b3c4d5e6f`) of durable step
+    `step`, in their order."""
+    return [call for call in calls if call.rsplit(".", 1)[0] == step]
+
+
+def _no_call(session_id: str, name: str, calls: Sequence[str]) -> StepStateError:
+    """The refusal of a `name` that names no call of the session, listing its `calls`."""
     listed = ", ".join(calls) if calls else "none yet"
-    raise StepStateError(f"session {session_id} has no call {from_step!r}; its calls: {listed}")
+    return StepStateError(f"session {session_id} has no call {name!r}; its calls: {listed}")
 
 
 def fork(

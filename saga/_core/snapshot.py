@@ -12,7 +12,9 @@ comes next (`saga._core.planner`).
 
 from __future__ import annotations
 
+import hashlib
 from datetime import datetime
+from operator import attrgetter
 from typing import Any
 
 from saga._core.moves import Next
@@ -20,13 +22,25 @@ from saga._core.rows import ConfirmationRow, Event, Kind, OpRow, SagaRow, Write
 from saga._core.writes import Changes, lease_after
 from saga.definition import Compensation, OperationSpec, Saga, Step
 from saga.errors import StepStateError
-from saga.keys import operation_key, request_hash
+from saga.keys import canonical_form, operation_key, request_hash
 from saga.state import OperationStatus, SagaStatus
+
+# The sort key of operation rows in step order.
+_position = attrgetter("position")
 
 
 def action_request_hash(step: str, business: dict[str, Any]) -> str:
     """Request hash of a step: its name and the saga input's business fields."""
     return request_hash({"kind": "action", "step": step, "input": business})
+
+
+def _action_hash(step: str, business: bytes) -> str:
+    """`action_request_hash` of `step`, from the canonical form of the business input:
+    RFC 8785 writes an object's members in the order of their keys, which "input",
+    "kind" and "step" already are."""
+    return hashlib.sha256(
+        b'{"input":' + business + b',"kind":"action","step":' + canonical_form(step) + b"}"
+    ).hexdigest()
 
 
 def compensation_request_hash(step: str, business: dict[str, Any], result: Any) -> str:
@@ -38,6 +52,9 @@ def new_action_rows(
     saga: Saga[Any], tenant: str, key: str, business: dict[str, Any]
 ) -> list[OpRow]:
     """The pending action rows created with a saga instance, one per step."""
+    # Every step's request hash covers the same business input: its canonical form is
+    # made once, not once per step (`action_request_hash` gives the same hashes).
+    canonical = canonical_form(business)
     return [
         OpRow(
             step=step.name,
@@ -46,7 +63,7 @@ def new_action_rows(
             idempotency_key=operation_key(
                 saga.name, saga.version, tenant, key, step.name, "action"
             ),
-            request_hash=action_request_hash(step.name, business),
+            request_hash=_action_hash(step.name, canonical),
             status=OperationStatus.PENDING,
             attempts=0,
             max_attempts=step.retry.max_attempts,
@@ -88,17 +105,20 @@ class Snapshot:
     @property
     def actions(self) -> list[OpRow]:
         """Action rows in step order."""
-        return sorted((o for o in self.ops if o.kind == "action"), key=lambda o: o.position)
+        return sorted([o for o in self.ops if o.kind == "action"], key=_position)
 
     def find(self, step: str, kind: Kind) -> OpRow | None:
         """The row of (step, kind), or None."""
-        return next((o for o in self.ops if o.step == step and o.kind == kind), None)
+        for o in self.ops:
+            if o.step == step and o.kind == kind:
+                return o
+        return None
 
     def op(self, step: str, kind: str) -> OpRow:
         """The row of (step, kind); `KeyError` when there is none."""
-        row = next((o for o in self.ops if o.step == step and o.kind == kind), None)
-        if row is not None:
-            return row
+        for o in self.ops:
+            if o.step == step and o.kind == kind:
+                return o
         raise KeyError(f"saga {self.saga.id} has no {kind} operation for step {step!r}")
 
     def step_of(self, op: OpRow) -> Step:

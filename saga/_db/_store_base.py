@@ -102,7 +102,7 @@ def translate(exc: psycopg.Error, conninfo: str) -> SagaError:
 
 
 def refusal_of(sqlstate: str, message: str, conninfo: str) -> SagaError:
-    """The orchestrator's error for one write of a batch that saga.write_sagas_v1 reports
+    """The orchestrator's error for one write of a batch that saga.write_sagas_v2 reports
     refused, by its SQLSTATE and message (`translate`, for an error raised as a value)."""
     if sqlstate == FENCE_SQLSTATE:
         return LeaseLost(message)
@@ -249,7 +249,7 @@ def upgrade_params(
 
 
 def batch_params(writes: Sequence[tuple[Write, str]], *, owner: str, lease_seconds: float) -> Jsonb:
-    """The argument of saga.write_sagas_v1 for lease holders' writes, each with its token."""
+    """The argument of saga.write_sagas_v2 for lease holders' writes, each with its token."""
     return Jsonb(
         [
             write_params(write, owner=owner, lease_seconds=lease_seconds, token=token).obj
@@ -260,7 +260,7 @@ def batch_params(writes: Sequence[tuple[Write, str]], *, owner: str, lease_secon
 
 
 def batch_answers(row: dict[str, Any] | None, conninfo: str) -> list[SagaState | SagaError | None]:
-    """What saga.write_sagas_v1 answered for each write, in order: the saga's state (None
+    """What saga.write_sagas_v2 answered for each write, in order: the saga's state (None
     unless the write asked for it), or the error that refused that write alone."""
     assert row is not None
     return [
@@ -425,7 +425,7 @@ def _event_rows(events: Sequence[Event]) -> list[dict[str, Any]]:
 
 
 def _dumps(value: Any) -> str:
-    return json.dumps(value, default=_encode_extra, separators=(",", ":"))
+    return _ENCODER.encode(value)
 
 
 def _encode_extra(value: Any) -> Any:
@@ -434,12 +434,17 @@ def _encode_extra(value: Any) -> Any:
     raise TypeError(f"cannot store {type(value).__name__} in a batch row")
 
 
+# What `json.dumps(value, default=_encode_extra, separators=(",", ":"))` makes anew on
+# every call (it holds no state between calls): made once, every write encodes with it.
+_ENCODER = json.JSONEncoder(default=_encode_extra, separators=(",", ":"))
+
+
 def _text(value: Any) -> str | None:
     return None if value is None else str(value)
 
 
 def writes_of(batch: Sequence[Jsonb]) -> Jsonb:
-    """The argument of saga.write_sagas_v1 (migration 0014): the `_write` arguments of
+    """The argument of saga.write_sagas_v2 (migration 0025): the `_write` arguments of
     several sagas' writes, in order."""
     return Jsonb([params.obj for params in batch], dumps=_dumps)
 

@@ -120,7 +120,7 @@ class DriveStore(StoreConnections):
         lease_seconds: float,
     ) -> DeferredRead[list[SagaState | SagaError | None]]:
         """Queue the first moves of the sagas a batch claim took, each (write, its token),
-        in one statement (saga.write_sagas_v1): each write is applied on its own, so one
+        in one statement (saga.write_sagas_v2): each write is answered on its own, so one
         that is refused (its error is its answer) leaves the others and every claim in the
         transaction. Returns the read of the answers, in order, to call once the
         transaction has committed: a saga's state when its write gave the lease back."""
@@ -277,7 +277,7 @@ class DriveStore(StoreConnections):
         written: either fails this saga's write alone.
 
         A write that stores approval tokens beside it (`approval_params`) is never
-        grouped: saga.write_sagas_v1 carries write_saga_v4's arguments only."""
+        grouped: saga.write_sagas_v2 carries write_saga_v4's arguments only."""
         if approval_params(write):
             with self._connection() as conn:
                 read = self.save_txn(

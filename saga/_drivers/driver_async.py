@@ -379,12 +379,16 @@ if True:  # ASYNC
         A `BaseException` it raises that is neither an `Exception` nor the cancellation of
         its task (`SystemExit`, `KeyboardInterrupt`) becomes the attempt's outcome
         (`StepExited`): out of a task, it would stop the event loop and every saga on it."""
-        scope = asyncio.timeout(timeout)
+        # Untimed (the common case), no timeout scope is entered: it costs more than the call
+        # of a no-op step, and never expires.
+        scope = asyncio.timeout(timeout) if timeout is not None else None
         try:
+            if scope is None:
+                return await make()
             async with scope:
                 return await make()
         except TimeoutError:
-            if not scope.expired():
+            if scope is None or not scope.expired():
                 raise
             raise AttemptTimedOut(timed_out) from None
         except (Exception, asyncio.CancelledError):

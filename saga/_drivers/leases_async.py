@@ -5,8 +5,8 @@ of its event loop for `AsyncLeaseKeeper` (`leases_async.py`, the source), a thre
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
+from types import TracebackType
 
 from saga._acompat import AEvent, AWorker, aspawn, astop, await_set, aworker_alive
 from saga._db.store_async import AsyncStore
@@ -39,12 +39,13 @@ class AsyncLeaseKeeper:
         self._worker: AWorker | None = None
         self._stopped = AEvent()
 
-    @contextmanager
-    def holding(self, saga_id: str, fence: int) -> Iterator[None]:
+    def holding(self, saga_id: str, fence: int) -> AbstractContextManager[None]:
         """Keep the lease of `saga_id` at `fence` alive for the duration of the block (with
         asyncio, entered on the loop's thread). The heartbeat starts with the first hold,
         and again after `close` or once its loop has ended."""
-        key = (saga_id, fence)
+        return _Holding(self, (saga_id, fence))
+
+    def _hold(self, key: tuple[str, int]) -> None:
         with self._lock:
             self._held[key] = self._held.get(key, 0) + 1
             if self._worker is None or not aworker_alive(self._worker):
@@ -52,15 +53,14 @@ class AsyncLeaseKeeper:
                 self._worker = aspawn(
                     lambda: self._beat(stopped), name=f"saga-heartbeat-{self.owner}"
                 )
-        try:
-            yield
-        finally:
-            with self._lock:
-                left = self._held.get(key, 0) - 1
-                if left > 0:
-                    self._held[key] = left
-                else:
-                    self._held.pop(key, None)
+
+    def _release(self, key: tuple[str, int]) -> None:
+        with self._lock:
+            left = self._held.get(key, 0) - 1
+            if left > 0:
+                self._held[key] = left
+            else:
+                self._held.pop(key, None)
 
     async def aclose(self) -> None:
         """Stop the heartbeat (leases then expire unless renewed by writes)."""
@@ -88,3 +88,25 @@ class AsyncLeaseKeeper:
                     if self._held.pop((saga_id, fence), None) is None:
                         continue  # released meanwhile
                 _log.warning("heartbeat_lease_lost", saga_id=saga_id, fence=fence)
+
+
+class _Holding:
+    """The block of `holding` (every call of user code enters one): a plain object rather
+    than a generator-based context manager, which costs several times as much."""
+
+    __slots__ = ("_keeper", "_key")
+
+    def __init__(self, keeper: AsyncLeaseKeeper, key: tuple[str, int]) -> None:
+        self._keeper = keeper
+        self._key = key
+
+    def __enter__(self) -> None:
+        self._keeper._hold(self._key)
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._keeper._release(self._key)

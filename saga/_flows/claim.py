@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from saga._core.inputs import describe_error
 from saga._core.planner import (
@@ -41,6 +41,8 @@ from saga.state import OperationStatus, SagaState
 _log = get_logger("saga")
 
 Lookup = Callable[[str, int], Saga[Any]]
+
+T = TypeVar("T")
 
 
 class Flows(Loop):
@@ -158,12 +160,7 @@ class Flows(Loop):
             tried[0] = True
             return (yield from self._claim_next_once(kinds, lookup, token))
 
-        try:
-            return (yield from retried("claim_next_saga", once, interruptible=True))
-        except Exception as exc:
-            if isinstance(exc, DatabaseInterrupted) and (yield Stopping()):
-                return None  # stopping while the database was unavailable
-            raise
+        return (yield from _retried_unless_stopping("claim_next_saga", once, lambda: None))
 
     def _claim_next_once(
         self, kinds: Sequence[str], lookup: Lookup, token: str
@@ -228,12 +225,11 @@ class Flows(Loop):
             tried[0] = True
             return (yield from self._claim_batch_once(kinds, lookup, tokens))
 
-        try:
-            return (yield from retried("claim_saga_batch", once, interruptible=True))
-        except Exception as exc:
-            if isinstance(exc, DatabaseInterrupted) and (yield Stopping()):
-                return [c for c in carried.values() if c is not None]
-            raise
+        return (
+            yield from _retried_unless_stopping(
+                "claim_saga_batch", once, lambda: [c for c in carried.values() if c is not None]
+            )
+        )
 
     def _reclaim_one(self, lookup: Lookup, saga_id: str, token: str) -> Flow[Claimed | None]:
         """`_reclaim` of one saga of a batch claim: what it raises (other than a transient
@@ -370,3 +366,17 @@ def _lookup_of(definition: Saga[Any] | Lookup) -> Lookup:
         fixed = definition
         return lambda name, version: fixed
     return definition
+
+
+def _retried_unless_stopping(
+    what: str, body: Callable[[], Flow[T]], stopped: Callable[[], T]
+) -> Flow[T]:
+    """`retried(what, body, interruptible=True)` of a claim; when the database stays
+    unavailable while the driver is stopping, `stopped()` (what the claim holds so far)
+    instead of the error."""
+    try:
+        return (yield from retried(what, body, interruptible=True))
+    except DatabaseInterrupted:
+        if (yield Stopping()):
+            return stopped()
+        raise

@@ -3,11 +3,12 @@ how an error is described and its traceback kept, and the time of an input to th
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 import traceback
-import uuid
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, tzinfo
 from typing import TypeVar
 
 import tenacity
@@ -69,10 +70,32 @@ def traceback_of(exc: BaseException) -> str:
 
 
 def new_token() -> str:
-    """A fresh write token: each write of a saga carries its own (see `Store.write_token`)."""
-    return str(uuid.uuid4())
+    """A fresh write token: each write of a saga carries its own (see `Store.write_token`).
+
+    A random (version 4) UUID in its text form, as `str(uuid.uuid4())` makes it, without
+    building a `UUID` object, which costs more than the random bytes."""
+    raw = bytearray(os.urandom(16))
+    raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
+    raw[8] = (raw[8] & 0x3F) | 0x80  # the RFC 4122 variant
+    h = raw.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+# The local time zone as last looked up, and the second of the clock it was looked up in.
+_zone: tuple[int, tzinfo | None] | None = None
 
 
 def input_time() -> datetime:
-    """The time of an input to the core (which reads no clock itself)."""
-    return datetime.now().astimezone()
+    """The time of an input to the core (which reads no clock itself), in the local time
+    zone, as `datetime.now().astimezone()` gives it. The zone is looked up at most once a
+    second of the clock (a zone's offset changes on a whole second), since the look-up
+    costs several times the rest and every transition makes a few of these."""
+    global _zone
+    now = time.time()
+    second = int(now)
+    zone = _zone
+    if zone is not None and zone[0] == second:
+        return datetime.fromtimestamp(now, zone[1])
+    local = datetime.fromtimestamp(now).astimezone()
+    _zone = (second, local.tzinfo)
+    return local

@@ -83,7 +83,7 @@ import asyncio
 import string
 from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeAlias
 
 from pydantic_core import PydanticSerializationError, to_jsonable_python
@@ -348,16 +348,7 @@ class ApprovalRequest:
 
     def as_metadata(self) -> dict[str, Any]:
         """The request as JSON, for the framework's deferral metadata."""
-        return {
-            "kind": self.KIND,
-            "saga_id": self.saga_id,
-            "step": self.step,
-            "request_hash": self.request_hash,
-            "tool": self.tool,
-            "key": self.key,
-            "arguments": self.arguments,
-            "refused": self.refused,
-        }
+        return {"kind": self.KIND, **asdict(self)}
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any]) -> ApprovalRequest:

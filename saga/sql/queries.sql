@@ -370,11 +370,12 @@ SELECT saga.assert_fence(%(saga_id)s, %(owner)s, %(fence)s, %(lease_seconds)s)
 SELECT saga.write_saga_v4(saga.hashed_under(2, %(write)s::jsonb)) AS state
 
 -- write_sagas --
--- The writes of several sagas in one statement and one commit (group commit, migration
--- 0014): one result per write, in order, each its state or the error that refused it.
--- saga.hashed_under(2, ...): the rows it writes record request hash version 2
--- (saga.keys.HASH_VERSION, migration 0023).
-SELECT saga.write_sagas_v1(saga.hashed_under(2, %(writes)s::jsonb)) AS results
+-- The writes of several sagas in one statement and one commit (group commit): one
+-- result per write, in order, each its state or the error that refused it. Applied as a
+-- few set statements (migration 0025; 0014's saga.write_sagas_v1 takes the same argument
+-- and answers the same). saga.hashed_under(2, ...): the rows it writes record request
+-- hash version 2 (saga.keys.HASH_VERSION, migration 0023).
+SELECT saga.write_sagas_v2(saga.hashed_under(2, %(writes)s::jsonb)) AS results
 
 -- own_claim --
 -- The saga this owner's claim took, found by the token of the claim's first write: a worker

@@ -58,7 +58,7 @@ from faults.proxy import LostReplyProxy
 from saga.testing import FAULT_POINTS
 
 # Every write of the protocol: transitions, claims' first moves, operator changes
-# (saga.write_saga_v4, and saga.write_sagas_v1 for grouped ones), heartbeats
+# (saga.write_saga_v4, and saga.write_sagas_v2 for grouped ones), heartbeats
 # (renew_leases) and workers announcing themselves.
 LOST_REPLY_WRITES = ("saga.write_saga", "AS h(id, fence)", "saga.workers")
 
@@ -233,7 +233,7 @@ def main() -> int:
                     worker.kill()
             lost_replies = len(proxy.lost_replies())
             # Of which, statements that carried several sagas' writes (group commit).
-            grouped = len(proxy.lost_replies("write_sagas_v1"))
+            grouped = len(proxy.lost_replies("write_sagas_v2"))
             quiesce(pg.url, timeout=120)
             elapsed = time.monotonic() - started_at
             print("soak: checking invariants", flush=True)

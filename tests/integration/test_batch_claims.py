@@ -278,7 +278,7 @@ def test_a_batch_claim_whose_reply_was_lost_carries_on_every_saga_it_took(
         ids = [starter.start(saga, Order(order_id=f"o-{i}")).id for i in range(3)]
     with Orchestrator(proxy.url, sagas=[saga], lease_seconds=30.0) as orch:
         runner = _runner(orch)
-        proxy.lose_reply("saga.write_sagas_v1", '"lease_acquired"')
+        proxy.lose_reply("saga.write_sagas_v2", '"lease_acquired"')
         claimed = runner.claim_batch(["lost_batch:1"], orch.definition, 4)
         assert len(proxy.lost_replies()) == 1 and not proxy.lost_replies()[0].failed
         assert sorted(planner.saga.id for planner, _ in claimed) == sorted(ids)
@@ -302,7 +302,7 @@ def test_a_worker_batch_claim_whose_reply_was_lost_strands_none(
     with Orchestrator(database_url, sagas=[saga]) as starter:
         ids = [starter.start(saga, Order(order_id=f"o-{i}")).id for i in range(5)]
     with Orchestrator(proxy.url, sagas=[saga], lease_seconds=60.0) as orch:
-        proxy.lose_reply("saga.write_sagas_v1", '"lease_acquired"')
+        proxy.lose_reply("saga.write_sagas_v2", '"lease_acquired"')
         worker = orch.worker(concurrency=8, poll_seconds=0.2)
         with running(worker, until_idle=True) as thread:
             thread.join(30)

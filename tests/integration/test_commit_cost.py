@@ -8,6 +8,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from faults.proxy import LostReplyProxy
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from support import Order, order_saga
@@ -284,3 +285,44 @@ def test_a_worker_at_concurrency_8_commits_less_per_saga_than_one_commit_per_tra
     assert alone >= 3 + 1
     assert max(grouped) >= 2
     assert together < alone
+
+
+def test_a_workers_grouped_writes_call_no_write_saga_per_saga(
+    database_url: str, server_url: str
+) -> None:
+    """Sagas driven by one sync Worker of 8 threads, with PostgreSQL counting the calls of
+    the saga schema's PL/pgSQL functions: grouped writes are applied as sets by
+    saga.write_sagas_v2 (never falling back to write_sagas_v1), so saga.write_saga_v4 is
+    called only by the statements that call it themselves (a write sent alone, through
+    the lost-reply proxy's record of every statement) and by claims of just-started
+    sagas, never once per saga of a grouped statement."""
+    dbname = str(conninfo_to_dict(database_url)["dbname"])
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} SET track_functions = 'pl'").format(sql.Identifier(dbname))
+        )
+    saga = _saga_of(3)
+    keys = [f"f-{i}" for i in range(WORKER_SAGAS)]
+    with LostReplyProxy(database_url) as proxy:
+        with Orchestrator(proxy.url, sagas=[saga], auto_migrate=False) as orch:
+            ids = [orch.start(saga, Order(order_id=key)).id for key in keys]
+            orch.worker(concurrency=8).run(until_idle=True)
+            assert [orch.get(saga_id).status for saga_id in ids] == ["completed"] * len(ids)
+            largest = orch.store.group.largest
+        statements = proxy.statements()
+    _settled(server_url, dbname)  # every backend has exited and flushed its counters
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        calls = dict(
+            conn.execute(
+                "SELECT funcname, calls FROM pg_stat_user_functions WHERE schemaname = 'saga'"
+            ).fetchall()
+        )
+    grouped = sum("saga.write_sagas_v2(" in s for s in statements)
+    alone = sum("saga.write_saga_v4(" in s for s in statements)
+    claims = calls.get("claim_started_v1", 0)
+    print(f"largest batch {largest}; {grouped} grouped statements, {alone} writes alone;")
+    print(f"calls counted by PostgreSQL: {calls}")
+    assert largest >= 2
+    assert calls["write_sagas_v2"] == grouped > 0
+    assert calls.get("write_sagas_v1", 0) == 0
+    assert alone <= calls.get("write_saga_v4", 0) <= alone + claims

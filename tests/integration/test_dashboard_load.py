@@ -28,8 +28,10 @@ ROOT = HERE.parent.parent
 STORM = 300
 # How long an open page may take to show a change (seconds): the feed polls every second.
 UPDATE_SECONDS = 8.0
-# How long SIGTERM may take to stop the server with streams open (seconds).
-STOP_SECONDS = 6.0
+# How long SIGTERM may take to stop the server with streams open (seconds): the server
+# gives open streams 2 s to end, and without that bound it would wait on them forever; the
+# rest is the process's own exit, which a loaded machine slows.
+STOP_SECONDS = 10.0
 
 
 @dataclass

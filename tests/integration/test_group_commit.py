@@ -1,6 +1,6 @@
 """Group commit: the transitions of sagas driven at once (on one asyncio loop, or by
 threads of the sync door) that are ready at the same moment are written in one statement
-(saga.write_sagas_v1) and one commit, each saga fenced on its own row, with the same rows
+(saga.write_sagas_v2) and one commit, each saga fenced on its own row, with the same rows
 and events as one by one."""
 
 from __future__ import annotations
@@ -15,13 +15,16 @@ from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
+import psycopg.sql
 from async_support import SHAPES, Calls, event_rows, operation_rows
 from faults.proxy import LostReplyProxy
+from psycopg.types.json import Jsonb
 from support import Order, order_saga
 
 from saga import AsyncOrchestrator, LeaseLost, Orchestrator, Saga, SagaState, StepContext
 from saga._core import inputs
 from saga._core.planner import Invoke, Next, Planner, Write
+from saga._db._store_base import write_params, writes_of
 from saga._drivers.driver import Runner
 
 HANG_SECONDS = 60.0
@@ -221,9 +224,9 @@ def test_a_statement_whose_reply_was_lost_is_found_landed_by_each_saga(
             )
 
     with LostReplyProxy(database_url) as proxy:
-        proxy.lose_reply("write_sagas_v1", times=3)
+        proxy.lose_reply("write_sagas_v2", times=3)
         states = asyncio.run(main(proxy.url))
-        lost = proxy.lost_replies("write_sagas_v1")
+        lost = proxy.lost_replies("write_sagas_v2")
     assert lost, "no grouped write lost its reply"
     _each_once_and_none_unknown(database_url, saga, calls, keys, states)
 
@@ -341,14 +344,14 @@ def test_a_threads_statement_whose_reply_was_lost_is_found_landed_by_each_saga(
 
     keys = [f"o-{n}" for n in range(16)]
     with LostReplyProxy(database_url) as proxy:
-        proxy.lose_reply("write_sagas_v1", times=3)
+        proxy.lose_reply("write_sagas_v2", times=3)
         with (
             Orchestrator(proxy.url, sagas=[saga], pool_size=24) as orch,
             ThreadPoolExecutor(max_workers=8) as pool,
         ):
             running = [pool.submit(orch.execute, saga, Order(order_id=k)) for k in keys]
             states = [future.result(timeout=HANG_SECONDS) for future in running]
-        lost = proxy.lost_replies("write_sagas_v1")
+        lost = proxy.lost_replies("write_sagas_v2")
     assert lost, "no grouped write lost its reply"
     _each_once_and_none_unknown(database_url, saga, calls, keys, states)
 
@@ -358,3 +361,291 @@ def _until(condition: Callable[[], bool]) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.005)
+
+
+# ----- the set-based statement (saga.write_sagas_v2) against the write-by-write one ----------
+
+# What differs between two transactions applying the same writes: the clock (now() of the
+# saga and operation rows, clock_timestamp() of the events) and the events' ids.
+_CLOCK_KEYS = ("updated_at", "lease_expires_at", "finished_at")
+WriteArgs = dict[str, dict[str, Any]]
+
+
+def _set_writes_saga() -> Saga[Order]:
+    saga = order_saga("set_writes")
+
+    @saga.step
+    def reserve(ctx: StepContext, o: Order) -> dict[str, Any]:
+        return {}
+
+    @saga.step
+    def ship(ctx: StepContext, o: Order) -> dict[str, Any]:
+        return {}
+
+    return saga
+
+
+def _claimed_writes(
+    database_url: str, names: tuple[str, ...], check: Callable[[WriteArgs, dict[str, str]], None]
+) -> None:
+    """Sagas started and claimed by one owner, one per name, and for each the argument of
+    saga.write_saga_v4 that records its first step's success (new and changed operations
+    and events), each with a token of its own: `check(writes, ids)` runs while the owner
+    still holds every lease."""
+    saga = _set_writes_saga()
+    with Orchestrator(database_url, sagas=[saga], pool_size=4) as orch:
+        ids = {name: orch.start(saga, Order(order_id=name)).id for name in names}
+        runner = Runner(orch.store, orch.runner_options(), keeper=orch.lease_keeper)
+        claimed = [runner.claim_next(["set_writes:1"], orch.definition) for _ in names]
+        writes = _reserve_recorded(claimed, ids, orch.owner)
+        args = {
+            name: dict(
+                write_params(
+                    writes[name],
+                    owner=orch.owner,
+                    lease_seconds=orch.lease_seconds,
+                    token=str(uuid.uuid4()),
+                ).obj
+            )
+            for name in names
+        }
+        check(args, ids)
+
+
+def _applied(
+    database_url: str, function: str, batch: list[dict[str, Any]], ids: list[str]
+) -> tuple[list[Any], dict[str, int], dict[str, list[Any]]]:
+    """`function` (write_sagas_v1 or write_sagas_v2) applied to `batch` in a transaction
+    that is rolled back: its answers, the calls of the write functions it made (counted
+    by PostgreSQL for this transaction), and the rows it left on `ids`' sagas, their
+    operations and events, with what the clock set left out."""
+    with psycopg.connect(database_url) as conn:
+        conn.execute("SET LOCAL track_functions = 'pl'")
+        query = psycopg.sql.SQL("SELECT saga.{}(saga.hashed_under(2, %s::jsonb))").format(
+            psycopg.sql.Identifier(function)
+        )
+        row = conn.execute(query, (writes_of([Jsonb(w) for w in batch]),)).fetchone()
+        assert row is not None
+        calls = dict(
+            conn.execute(
+                "SELECT funcname, calls FROM pg_stat_xact_user_functions"
+                " WHERE schemaname = 'saga' AND funcname LIKE 'write\\_saga%%'"
+            ).fetchall()
+        )
+        masks = list(_CLOCK_KEYS)
+        rows = {
+            "sagas": _column(
+                conn,
+                "SELECT to_jsonb(s) - %s::text[] FROM saga.sagas AS s"
+                " WHERE s.id = ANY(%s::uuid[]) ORDER BY s.id",
+                (masks, ids),
+            ),
+            "operations": _column(
+                conn,
+                "SELECT to_jsonb(o) - %s::text[] FROM saga.operations AS o"
+                " WHERE o.saga_id = ANY(%s::uuid[]) ORDER BY o.saga_id, o.kind, o.step",
+                (masks, ids),
+            ),
+            # Each saga's audit trail in the order of its ids.
+            "events": _column(
+                conn,
+                "SELECT to_jsonb(e) - 'id' - 'at' FROM saga.events AS e"
+                " WHERE e.saga_id = ANY(%s::uuid[]) ORDER BY e.saga_id, e.id",
+                (ids,),
+            ),
+            # The whole batch's events in the order of their ids.
+            "events_by_id": _column(
+                conn,
+                "SELECT e.saga_id::text || ' ' || e.event FROM saga.events AS e"
+                " WHERE e.saga_id = ANY(%s::uuid[]) AND e.id > %s ORDER BY e.id",
+                (ids, _events_before(conn)),
+            ),
+        }
+        conn.rollback()
+    return [_unclocked(answer) for answer in row[0]], calls, rows
+
+
+def _events_before(conn: psycopg.Connection[Any]) -> int:
+    """The largest event id committed before this transaction's writes: the events the
+    transaction wrote are those above it (its own are not visible to another backend, so
+    the highest committed id is read from outside)."""
+    url = conn.info.dsn
+    with psycopg.connect(url) as other:
+        row = other.execute("SELECT COALESCE(max(id), 0) FROM saga.events").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _column(conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...]) -> list[Any]:
+    return [row[0] for row in conn.execute(query.encode(), params).fetchall()]
+
+
+def _unclocked(answer: dict[str, Any]) -> dict[str, Any]:
+    """An answer with what the clock set left out of the state it carries."""
+    state = answer.get("state")
+    if not state:
+        return answer
+    return {
+        "state": {
+            "saga": {k: v for k, v in state["saga"].items() if k not in _CLOCK_KEYS},
+            "operations": [
+                {k: v for k, v in op.items() if k not in _CLOCK_KEYS} for op in state["operations"]
+            ],
+        }
+    }
+
+
+def _as_v1(
+    database_url: str, batch: list[dict[str, Any]], ids: dict[str, str]
+) -> tuple[list[Any], dict[str, int], dict[str, list[Any]]]:
+    """The batch applied by write_sagas_v2 answers and writes what write_sagas_v1 answers
+    and writes for it; v2's answers, function calls and rows."""
+    saga_ids = sorted(ids.values())
+    answers, calls, rows = _applied(database_url, "write_sagas_v2", batch, saga_ids)
+    v1_answers, _, v1_rows = _applied(database_url, "write_sagas_v1", batch, saga_ids)
+    assert answers == v1_answers
+    assert rows["sagas"] == v1_rows["sagas"]
+    assert rows["operations"] == v1_rows["operations"]
+    assert rows["events"] == v1_rows["events"]
+    return answers, calls, rows
+
+
+def test_a_batch_of_ordinary_writes_is_applied_as_a_set_as_v1_applies_it(
+    database_url: str,
+) -> None:
+    """Four sagas' writes, one of them by an owner whose lease was taken over, two asking
+    for their state and one for a notification: write_sagas_v2 answers and writes exactly
+    what write_sagas_v1 does (the refused write's SG001 and message included, its rows
+    left as they were), events in batch order then in each write's order, without calling
+    saga.write_saga_v4 for any of them."""
+    names = ("first", "stolen", "second", "third")
+
+    def check(writes: WriteArgs, ids: dict[str, str]) -> None:
+        _steal(database_url, ids["stolen"])
+        writes["first"]["return_state"] = True
+        writes["third"]["return_state"] = True
+        writes["second"]["notify"] = "set_writes:1"
+        batch = [writes[name] for name in names]
+        answers, calls, rows = _as_v1(database_url, batch, ids)
+        assert calls == {"write_sagas_v2": 1}, calls  # no write_saga_v4, no fallback to v1
+        first, stolen, second, third = answers
+        assert stolen["sqlstate"] == "SG001"
+        assert stolen["message"] == (
+            f"lease of saga {ids['stolen']} (fence {writes['stolen']['fence']}) is no"
+            f" longer held by {writes['stolen']['owner']}"
+        )
+        assert second == {"state": None}
+        for name, answer in (("first", first), ("third", third)):
+            assert answer["state"]["saga"]["id"] == ids[name]
+            assert answer["state"]["saga"]["write_token"] == writes[name]["token"]
+            assert [op["step"] for op in answer["state"]["operations"]] == ["reserve", "ship"]
+        written = [ids[name] for name in names if name != "stolen"]
+        order = [line.split()[0] for line in rows["events_by_id"]]
+        assert order == sorted(order, key=written.index), rows["events_by_id"]
+        assert len(set(order)) == 3
+
+    _claimed_writes(database_url, names, check)
+
+
+def test_the_state_a_set_write_returns_is_the_state_write_saga_v4_returns(
+    database_url: str,
+) -> None:
+    """The state a write asks for, from the set statement and from saga.write_saga_v4
+    called alone: the same object."""
+
+    def check(writes: WriteArgs, ids: dict[str, str]) -> None:
+        write = dict(writes["alone"], return_state=True)
+        answers, calls, _ = _applied(database_url, "write_sagas_v2", [write], [ids["alone"]])
+        assert calls == {"write_sagas_v2": 1}
+        with psycopg.connect(database_url) as conn:
+            row = conn.execute(
+                "SELECT saga.write_saga_v4(saga.hashed_under(2, %s::jsonb) -> 0)",
+                (writes_of([Jsonb(write)]),),
+            ).fetchone()
+            conn.rollback()
+        assert row is not None
+        assert answers == [_unclocked({"state": row[0]})]
+
+    _claimed_writes(database_url, ("alone",), check)
+
+
+def test_confirmations_and_a_saga_named_twice_go_write_by_write(database_url: str) -> None:
+    """A write asking for a confirmation, one using up a confirmation never approved
+    (SG002, refused alone), and two writes of one saga (the second sees the first: its
+    token is the one left) are applied by saga.write_saga_v4 one by one, in batch order
+    of the answers; the ordinary write beside them as a set. Answers and rows are
+    write_sagas_v1's."""
+    names = ("plain", "asks", "twice", "consumes")
+
+    def check(writes: WriteArgs, ids: dict[str, str]) -> None:
+        writes["asks"]["confirmations"] = [
+            {
+                "action": "ask",
+                "step": "ship",
+                "request_hash": "h-ask",
+                "preview": {"ship": True},
+                "expires_at": "2999-01-01T00:00:00+00:00",
+            }
+        ]
+        writes["consumes"]["confirmations"] = [
+            {"action": "consume", "step": "ship", "request_hash": "h-none", "attempt": 1}
+        ]
+        again = dict(writes["twice"], token=str(uuid.uuid4()))
+        batch = [writes["plain"], writes["twice"], writes["asks"], again, writes["consumes"]]
+        answers, calls, rows = _as_v1(database_url, batch, ids)
+        # Four calls of write_saga_v4; the one that raised is not counted by PostgreSQL.
+        assert calls == {"write_sagas_v2": 1, "write_saga_v4": 3}, calls
+        assert [a.get("sqlstate") for a in answers] == [None, None, None, None, "SG002"]
+        tokens = {row["id"]: row["write_token"] for row in rows["sagas"]}
+        assert tokens[ids["twice"]] == again["token"]
+
+    _claimed_writes(database_url, names, check)
+
+
+def test_a_set_statement_that_raises_falls_back_to_v1_for_the_whole_batch(
+    database_url: str,
+) -> None:
+    """Two sagas' writes, the second with an event that has no name: the set INSERT of the
+    events raises, its subtransaction is rolled back, and the batch is applied by
+    write_sagas_v1 (the first write lands, the second is refused alone with the not-null
+    violation)."""
+
+    def check(writes: WriteArgs, ids: dict[str, str]) -> None:
+        writes["other"]["events"][0]["event"] = None
+        answers, calls, rows = _as_v1(database_url, [writes["one"], writes["other"]], ids)
+        # Two calls of write_saga_v4; the one that raised is not counted by PostgreSQL.
+        assert calls == {"write_sagas_v2": 1, "write_sagas_v1": 1, "write_saga_v4": 1}, calls
+        assert [a.get("sqlstate") for a in answers] == [None, "23502"]
+        tokens = {row["id"]: row["write_token"] for row in rows["sagas"]}
+        assert tokens[ids["one"]] == writes["one"]["token"]
+        assert tokens[ids["other"]] != writes["other"]["token"]
+
+    _claimed_writes(database_url, ("one", "other"), check)
+
+
+def test_a_committed_set_write_notifies_and_leaves_its_token(database_url: str) -> None:
+    """A batch committed through the store's statement: the write that asks for it sends
+    its notification, and each written saga carries its write's token (what a writer
+    whose reply was lost reads)."""
+
+    def check(writes: WriteArgs, ids: dict[str, str]) -> None:
+        writes["woken"]["notify"] = "set_writes:1"
+        with psycopg.connect(database_url, autocommit=True) as listener:
+            listener.execute("LISTEN saga_runnable")
+            with psycopg.connect(database_url) as conn:
+                conn.execute(
+                    "SELECT saga.write_sagas_v2(saga.hashed_under(2, %s::jsonb))",
+                    (writes_of([Jsonb(writes["quiet"]), Jsonb(writes["woken"])]),),
+                )
+            heard = [n.payload for n in listener.notifies(timeout=5.0, stop_after=1)]
+        assert heard == ["set_writes:1"]
+        with psycopg.connect(database_url) as conn:
+            tokens = dict(
+                conn.execute(
+                    "SELECT id::text, write_token::text FROM saga.sagas WHERE id = ANY(%s::uuid[])",
+                    (list(ids.values()),),
+                ).fetchall()
+            )
+        assert tokens == {ids[name]: writes[name]["token"] for name in ids}
+
+    _claimed_writes(database_url, ("quiet", "woken"), check)

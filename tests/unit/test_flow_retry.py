@@ -10,7 +10,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from saga._drivers.boundary import carry_out
-from saga._flows.drive import retried
+from saga._flows.claim import Flows
+from saga._flows.drive import RunnerOptions, retried
 from saga._flows.effects import Db, Effect, Flow, Pause, Stopping
 from saga.errors import DatabaseInterrupted
 
@@ -86,3 +87,25 @@ def test_an_interruptible_retry_ends_when_the_driver_is_stopping() -> None:
         _run(retried("claim_next_saga", body, interruptible=True), stopping=True, failures=5)
     assert isinstance(raised.value.__cause__, psycopg.OperationalError)
     assert calls == [1]
+
+
+def _unavailable(pipelined: bool) -> Any:
+    raise psycopg.OperationalError("connection refused")
+
+
+def test_a_claim_holds_nothing_when_the_driver_stops_while_the_database_is_down() -> None:
+    """A claim (of one saga, or of a batch) whose database is unavailable while the
+    driver is stopping answers that it holds nothing, instead of raising the error."""
+    flows = Flows(
+        RunnerOptions(owner="w", lease_seconds=5.0, heartbeat_seconds=1.0),
+        reporter=lambda saga, op: lambda total: None,
+    )
+
+    def lookup(name: str, version: int) -> Any:
+        raise AssertionError("nothing is claimed")
+
+    def stopping(step: Effect, conn: Any) -> Any:
+        return True if isinstance(step, Stopping) else None
+
+    assert carry_out(flows.claim_next(["shop:1"], lookup), stopping, _unavailable) is None
+    assert carry_out(flows.claim_batch(["shop:1"], lookup, 3), stopping, _unavailable) == []

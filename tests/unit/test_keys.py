@@ -447,3 +447,24 @@ def test_the_documented_key_escaping_example_is_what_the_code_writes() -> None:
     odd = operation_key("s", 1, "t", "50%3A:x", "y", "action")
     assert odd == "s:v1:t:50%253A%3Ax:y"
     assert [p.replace("%3A", ":").replace("%25", "%") for p in odd.split(":")][3] == "50%3A:x"
+
+
+@pytest.mark.parametrize(
+    "business",
+    [
+        {},
+        {"amount": 4200.0, "to": "acct-1"},
+        {"id": 2**60, "nested": {"é": [1, 2.5, None, True]}, "\U0001f600": "x", "a": "b"},
+        {"ref": 'line\nbreak "quoted" \\', "big": -(2**70)},
+    ],
+)
+@pytest.mark.parametrize("step", ["charge", "book_hotel", "étape"])
+def test_new_action_rows_hash_each_step_as_action_request_hash(
+    business: dict[str, Any], step: str
+) -> None:
+    """The action rows of a new saga hash the business input's canonical form once for all
+    steps; each hash is the one `action_request_hash` computes from the whole request."""
+    from saga._core.snapshot import _action_hash, action_request_hash
+    from saga.keys import canonical_form
+
+    assert _action_hash(step, canonical_form(business)) == action_request_hash(step, business)
