@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, overload
@@ -103,6 +104,7 @@ class OperationSpec:
         saga: Saga[Any],
     ) -> None:
         self.where = f"{self.label} of saga {saga.name!r}"
+        check_retry(retry, self.where)
         check_signature(fn, self.where, self.takes)
         if callable(guards.cost):
             check_signature(guards.cost, f"cost function of {self.where}", self.takes[1:])
@@ -148,8 +150,8 @@ class OperationSpec:
             retry: Backoff between those asks (its delays are used; the window bounds
                 the asks).
         """
-        if not (isinstance(window_seconds, int | float) and window_seconds >= 0):
-            raise SagaDefinitionError(f"window_seconds must be >= 0, got {window_seconds!r}")
+        check_reconcile_window(window_seconds, f"reconcile of {self.where}")
+        check_retry(retry, f"reconcile of {self.where}")
 
         def register(func: Fn) -> Fn:
             if self.reconcile_fn is not None:
@@ -489,6 +491,26 @@ class Saga(Generic[InputT]):
     def input_hash(self, data: InputT) -> str:
         """Request hash of the saga input."""
         return request_hash(self.business_fields(data))
+
+
+def check_retry(retry: object, where: str) -> None:
+    """Refuse a `retry=` that is neither None nor a `RetryPolicy`, naming `where` it was given."""
+    if retry is not None and not isinstance(retry, RetryPolicy):
+        raise SagaDefinitionError(f"{where}: retry must be a RetryPolicy, got {retry!r}")
+
+
+def check_reconcile_window(window_seconds: object, where: str) -> None:
+    """Refuse a reconcile `window_seconds=` that is not a finite number of seconds >= 0
+    (a bool is not a number of seconds), naming `where` it was given."""
+    if not (
+        isinstance(window_seconds, int | float)
+        and not isinstance(window_seconds, bool)
+        and math.isfinite(window_seconds)
+        and window_seconds >= 0
+    ):
+        raise SagaDefinitionError(
+            f"{where}: window_seconds must be a finite number >= 0, got {window_seconds!r}"
+        )
 
 
 def _check_callable(fn: object, what: str) -> None:

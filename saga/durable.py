@@ -34,7 +34,7 @@ from typing import Any, Generic, ParamSpec, Protocol, TypeVar, overload
 
 from saga.codec import ResultCodec
 from saga.context import StepContext
-from saga.definition import Guards, check_name
+from saga.definition import Guards, check_name, check_reconcile_window, check_retry
 from saga.errors import SagaDefinitionError
 from saga.keys import JsonValue, canonical_json, check_json, request_hash, same_request
 from saga.retry import RetryPolicy
@@ -177,7 +177,7 @@ class DurableStep(Generic[P, R]):
         if "__name__" not in vars(self):
             self.__name__ = self.__qualname__ = self.name
         self.where = f"durable step {self.name!r}"
-        _check_retry(retry, self.where)
+        check_retry(retry, self.where)
         try:
             Guards(timeout_seconds=timeout_seconds)
         except SagaDefinitionError as exc:
@@ -257,7 +257,7 @@ class DurableStep(Generic[P, R]):
             idempotent: The provider dedupes on `ctx.idempotency_key`, so an attempt
                 whose outcome is unknown may be retried with the same key.
         """
-        _check_retry(retry, f"compensation of {self.where}")
+        check_retry(retry, f"compensation of {self.where}")
 
         def register(func: Fn) -> Fn:
             self._check_unset(self.compensation_fn, "a compensation")
@@ -299,15 +299,8 @@ class DurableStep(Generic[P, R]):
                 at the first inconclusive answer.
             retry: Backoff between those asks.
         """
-        if not (
-            isinstance(window_seconds, int | float)
-            and not isinstance(window_seconds, bool)
-            and window_seconds >= 0
-        ):
-            raise SagaDefinitionError(
-                f"reconcile of {self.where}: window_seconds must be >= 0, got {window_seconds!r}"
-            )
-        _check_retry(retry, f"reconcile of {self.where}")
+        check_reconcile_window(window_seconds, f"reconcile of {self.where}")
+        check_retry(retry, f"reconcile of {self.where}")
 
         def register(func: Fn) -> Fn:
             self._check_unset(self.reconcile_fn, "a reconcile function")
@@ -511,11 +504,6 @@ class DurableStep(Generic[P, R]):
                 f"{self.signature}: {exc}"
             ) from None
         return tuple(args), kwargs
-
-
-def _check_retry(retry: object, where: str) -> None:
-    if retry is not None and not isinstance(retry, RetryPolicy):
-        raise SagaDefinitionError(f"{where}: retry must be a RetryPolicy, got {retry!r}")
 
 
 def _not_json(arguments: dict[str, Any]) -> tuple[str, str] | None:

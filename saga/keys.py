@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import rfc8785
@@ -206,6 +206,26 @@ def _jcs_exact_integers(value: JsonValue) -> bytes:
 def request_hash(fields: Mapping[str, JsonValue], *, version: int = HASH_VERSION) -> str:
     """Hex SHA-256 of the canonical form (`canonical_form`) of a request's business fields."""
     return hashlib.sha256(canonical_form(dict(fields), version=version)).hexdigest()
+
+
+def action_request_hashes(
+    steps: Sequence[str], business: Mapping[str, JsonValue], *, version: int = HASH_VERSION
+) -> list[str]:
+    """The request hash of each action step of a saga with this business input:
+    `request_hash({"kind": "action", "step": step, "input": business})` for each step.
+
+    Under version 2 the business input's canonical form is made once for all the steps
+    and the envelope is written around it: RFC 8785 writes an object's members in the
+    order of their keys, which "input", "kind" and "step" already are. Any other version
+    hashes each request whole.
+    """
+    if version != 2:
+        return [
+            request_hash({"kind": "action", "step": step, "input": dict(business)}, version=version)
+            for step in steps
+        ]
+    head = b'{"input":' + canonical_form(dict(business)) + b',"kind":"action","step":'
+    return [hashlib.sha256(head + canonical_form(step) + b"}").hexdigest() for step in steps]
 
 
 def same_request(

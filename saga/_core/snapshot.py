@@ -12,7 +12,6 @@ comes next (`saga._core.planner`).
 
 from __future__ import annotations
 
-import hashlib
 from datetime import datetime
 from operator import attrgetter
 from typing import Any
@@ -22,7 +21,7 @@ from saga._core.rows import ConfirmationRow, Event, Kind, OpRow, SagaRow, Write
 from saga._core.writes import Changes, lease_after
 from saga.definition import Compensation, OperationSpec, Saga, Step
 from saga.errors import StepStateError
-from saga.keys import canonical_form, operation_key, request_hash
+from saga.keys import action_request_hashes, operation_key, request_hash
 from saga.state import OperationStatus, SagaStatus
 
 # The sort key of operation rows in step order.
@@ -34,15 +33,6 @@ def action_request_hash(step: str, business: dict[str, Any]) -> str:
     return request_hash({"kind": "action", "step": step, "input": business})
 
 
-def _action_hash(step: str, business: bytes) -> str:
-    """`action_request_hash` of `step`, from the canonical form of the business input:
-    RFC 8785 writes an object's members in the order of their keys, which "input",
-    "kind" and "step" already are."""
-    return hashlib.sha256(
-        b'{"input":' + business + b',"kind":"action","step":' + canonical_form(step) + b"}"
-    ).hexdigest()
-
-
 def compensation_request_hash(step: str, business: dict[str, Any], result: Any) -> str:
     """Request hash of a compensation: its step, the business input and the step's result."""
     return request_hash({"kind": "compensation", "step": step, "input": business, "result": result})
@@ -52,9 +42,7 @@ def new_action_rows(
     saga: Saga[Any], tenant: str, key: str, business: dict[str, Any]
 ) -> list[OpRow]:
     """The pending action rows created with a saga instance, one per step."""
-    # Every step's request hash covers the same business input: its canonical form is
-    # made once, not once per step (`action_request_hash` gives the same hashes).
-    canonical = canonical_form(business)
+    hashes = action_request_hashes([step.name for step in saga.steps], business)
     return [
         OpRow(
             step=step.name,
@@ -63,12 +51,12 @@ def new_action_rows(
             idempotency_key=operation_key(
                 saga.name, saga.version, tenant, key, step.name, "action"
             ),
-            request_hash=_action_hash(step.name, canonical),
+            request_hash=hashed,
             status=OperationStatus.PENDING,
             attempts=0,
             max_attempts=step.retry.max_attempts,
         )
-        for step in saga.steps
+        for step, hashed in zip(saga.steps, hashes, strict=True)
     ]
 
 

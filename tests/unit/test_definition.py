@@ -1,5 +1,6 @@
 """Declaring sagas: names, order, hooks and the errors raised at declaration time."""
 
+import math
 from typing import Any
 
 import pytest
@@ -207,6 +208,48 @@ def test_second_reconcile_on_a_step_is_refused() -> None:
     charge.reconcile(lambda ctx, o: None)
     with pytest.raises(SagaDefinitionError, match="charge"):
         charge.reconcile(lambda ctx, o: None)
+
+
+@pytest.mark.parametrize("bad", [-1, "1", None, True, math.inf, math.nan])
+def test_reconcile_window_must_be_a_finite_number_of_seconds(bad: Any) -> None:
+    """A declared step's reconcile window is checked as a durable step's is, naming the
+    step: a bool or an endless window is refused at declaration, not met at run time."""
+    saga = _saga()
+
+    @saga.step
+    def charge(ctx: StepContext, o: Order) -> None:
+        return None
+
+    with pytest.raises(
+        SagaDefinitionError, match=r"charge.*window_seconds must be a finite number >= 0"
+    ):
+        charge.reconcile(window_seconds=bad)
+
+
+def test_retry_that_is_not_a_retry_policy_is_refused_naming_the_operation() -> None:
+    """`retry=3` on a step, a compensation or a reconcile hook is refused when declared,
+    with the operation named, instead of failing at the first retry."""
+    saga = _saga()
+    with pytest.raises(SagaDefinitionError, match=r"step 'charge'.*retry must be a RetryPolicy"):
+
+        @saga.step(retry=3)  # type: ignore[arg-type]
+        def charge(ctx: StepContext, o: Order) -> None:
+            return None
+
+    @saga.step
+    def reserve(ctx: StepContext, o: Order) -> None:
+        return None
+
+    with pytest.raises(SagaDefinitionError, match=r"compensation of step 'reserve'.*RetryPolicy"):
+
+        @reserve.compensation(retry={"max_attempts": 2})  # type: ignore[arg-type]
+        def release(ctx: StepContext, o: Order, result: None) -> None:
+            return None
+
+    with pytest.raises(SagaDefinitionError, match=r"reconcile of step 'reserve'.*RetryPolicy"):
+        reserve.reconcile(retry=1.5)  # type: ignore[arg-type]
+    assert reserve.compensation_op is None and reserve.reconcile_fn is None
+    assert [step.name for step in saga.steps] == ["reserve"]
 
 
 def test_second_reconcile_on_a_compensation_is_refused() -> None:

@@ -11,6 +11,7 @@ import asyncio
 import functools
 import inspect
 import json
+import math
 import re
 import threading
 import uuid
@@ -409,9 +410,9 @@ def test_bare_reconcile_and_prepare_may_be_async() -> None:
     assert charge.prepare_is_async is True
 
 
-@pytest.mark.parametrize("bad", [-1, "1", None])
-def test_reconcile_window_must_not_be_negative(bad: Any) -> None:
-    with pytest.raises(SagaDefinitionError, match="window_seconds must be >= 0"):
+@pytest.mark.parametrize("bad", [-1, "1", None, True, math.inf, math.nan])
+def test_reconcile_window_must_be_a_finite_number_of_seconds(bad: Any) -> None:
+    with pytest.raises(SagaDefinitionError, match="window_seconds must be a finite number >= 0"):
         _charge_step().reconcile(window_seconds=bad)
 
 

@@ -18,6 +18,8 @@ import saga
 from saga import Saga
 from saga.keys import (
     HASH_VERSION,
+    HASH_VERSIONS,
+    action_request_hashes,
     call_operation_name,
     canonical_form,
     canonical_json,
@@ -458,13 +460,14 @@ def test_the_documented_key_escaping_example_is_what_the_code_writes() -> None:
         {"ref": 'line\nbreak "quoted" \\', "big": -(2**70)},
     ],
 )
-@pytest.mark.parametrize("step", ["charge", "book_hotel", "étape"])
-def test_new_action_rows_hash_each_step_as_action_request_hash(
-    business: dict[str, Any], step: str
+@pytest.mark.parametrize("version", HASH_VERSIONS)
+def test_action_request_hashes_are_each_steps_whole_request_hash(
+    business: dict[str, Any], version: int
 ) -> None:
     """The action rows of a new saga hash the business input's canonical form once for all
-    steps; each hash is the one `action_request_hash` computes from the whole request."""
-    from saga._core.snapshot import _action_hash, action_request_hash
-    from saga.keys import canonical_form
-
-    assert _action_hash(step, canonical_form(business)) == action_request_hash(step, business)
+    steps; under every hash version each hash is the one the whole request gives."""
+    steps = ["charge", "book_hotel", "étape"]
+    assert action_request_hashes(steps, business, version=version) == [
+        request_hash({"kind": "action", "step": step, "input": business}, version=version)
+        for step in steps
+    ]
