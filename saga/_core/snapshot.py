@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from datetime import datetime
+from functools import lru_cache
 from operator import attrgetter
 from typing import Any
 
@@ -39,8 +40,14 @@ def _action_hash(step: str, business: bytes) -> str:
     RFC 8785 writes an object's members in the order of their keys, which "input",
     "kind" and "step" already are."""
     return hashlib.sha256(
-        b'{"input":' + business + b',"kind":"action","step":' + canonical_form(step) + b"}"
+        b'{"input":' + business + b',"kind":"action","step":' + _step_form(step) + b"}"
     ).hexdigest()
+
+
+@lru_cache(maxsize=1024)
+def _step_form(step: str) -> bytes:
+    """The canonical form of a step's name: the same few names, at every saga's start."""
+    return canonical_form(step)
 
 
 def compensation_request_hash(step: str, business: dict[str, Any], result: Any) -> str:
@@ -49,12 +56,19 @@ def compensation_request_hash(step: str, business: dict[str, Any], result: Any) 
 
 
 def new_action_rows(
-    saga: Saga[Any], tenant: str, key: str, business: dict[str, Any]
+    saga: Saga[Any],
+    tenant: str,
+    key: str,
+    business: dict[str, Any],
+    *,
+    canonical: bytes | None = None,
 ) -> list[OpRow]:
-    """The pending action rows created with a saga instance, one per step."""
+    """The pending action rows created with a saga instance, one per step. `canonical`,
+    when the caller has it, is `canonical_form(business)`."""
     # Every step's request hash covers the same business input: its canonical form is
     # made once, not once per step (`action_request_hash` gives the same hashes).
-    canonical = canonical_form(business)
+    if canonical is None:
+        canonical = canonical_form(business)
     return [
         OpRow(
             step=step.name,
