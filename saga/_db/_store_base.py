@@ -16,6 +16,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any, LiteralString
 
+import orjson
 import psycopg
 from psycopg.types.json import Jsonb
 
@@ -442,8 +443,17 @@ def _event_rows(events: Sequence[Event]) -> list[dict[str, Any]]:
     return rows
 
 
-def _dumps(value: Any) -> str:
-    return _ENCODER.encode(value)
+def _dumps(value: Any) -> bytes | str:
+    """The JSON text of a write's parameters: orjson's, which costs a tenth of the json
+    module's here (datetimes included, as isoformat() writes them), else the json
+    module's for what orjson refuses (an integer beyond 64 bits, a non-str key, a string
+    that is not valid Unicode, deeper nesting), which it encodes or refuses as before.
+    Every float reaching here is finite (amounts, input and results are checked so): a
+    NaN would be null in orjson's text, not refused."""
+    try:
+        return orjson.dumps(value, default=_encode_extra, option=orjson.OPT_PASSTHROUGH_DATACLASS)
+    except orjson.JSONEncodeError:
+        return _ENCODER.encode(value)
 
 
 def _encode_extra(value: Any) -> Any:
