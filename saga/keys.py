@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
 from typing import Any
 
 import rfc8785
@@ -209,23 +210,36 @@ def request_hash(fields: Mapping[str, JsonValue], *, version: int = HASH_VERSION
 
 
 def action_request_hashes(
-    steps: Sequence[str], business: Mapping[str, JsonValue], *, version: int = HASH_VERSION
+    steps: Sequence[str],
+    business: Mapping[str, JsonValue],
+    *,
+    version: int = HASH_VERSION,
+    canonical: bytes | None = None,
 ) -> list[str]:
     """The request hash of each action step of a saga with this business input:
     `request_hash({"kind": "action", "step": step, "input": business})` for each step.
 
     Under version 2 the business input's canonical form is made once for all the steps
-    and the envelope is written around it: RFC 8785 writes an object's members in the
-    order of their keys, which "input", "kind" and "step" already are. Any other version
-    hashes each request whole.
+    (or passed in as `canonical`, `canonical_form(business)` under that version) and the
+    envelope is written around it: RFC 8785 writes an object's members in the order of
+    their keys, which "input", "kind" and "step" already are. Any other version hashes
+    each request whole.
     """
     if version != 2:
         return [
             request_hash({"kind": "action", "step": step, "input": dict(business)}, version=version)
             for step in steps
         ]
-    head = b'{"input":' + canonical_form(dict(business)) + b',"kind":"action","step":'
-    return [hashlib.sha256(head + canonical_form(step) + b"}").hexdigest() for step in steps]
+    if canonical is None:
+        canonical = canonical_form(dict(business))
+    head = b'{"input":' + canonical + b',"kind":"action","step":'
+    return [hashlib.sha256(head + _step_form(step) + b"}").hexdigest() for step in steps]
+
+
+@lru_cache(maxsize=1024)
+def _step_form(step: str) -> bytes:
+    """The version 2 canonical form of a step's name: the same few names at every start."""
+    return canonical_form(step, version=2)
 
 
 def same_request(

@@ -39,10 +39,18 @@ def compensation_request_hash(step: str, business: dict[str, Any], result: Any) 
 
 
 def new_action_rows(
-    saga: Saga[Any], tenant: str, key: str, business: dict[str, Any]
+    saga: Saga[Any],
+    tenant: str,
+    key: str,
+    business: dict[str, Any],
+    *,
+    canonical: bytes | None = None,
 ) -> list[OpRow]:
-    """The pending action rows created with a saga instance, one per step."""
-    hashes = action_request_hashes([step.name for step in saga.steps], business)
+    """The pending action rows created with a saga instance, one per step. `canonical`,
+    when the caller has it, is `canonical_form(business)`."""
+    hashes = action_request_hashes(
+        [step.name for step in saga.steps], business, canonical=canonical
+    )
     return [
         OpRow(
             step=step.name,

@@ -9,6 +9,7 @@ its registry and the sagas it has just started, never the orchestrator itself.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 import uuid
 from collections.abc import Callable
@@ -42,8 +43,7 @@ from saga._flows.started import Started, StartedSagas
 from saga._flows.store_ops import StoreOps
 from saga.definition import Saga
 from saga.errors import IdempotencyConflict, NotRegistered, SagaNotFound, StepStateError
-from saga.keys import check_saga_input, same_request
-from saga.keys import request_hash as hash_business_fields
+from saga.keys import canonical_form, check_saga_input, same_request
 from saga.logs import events_logger, get_logger
 from saga.remedies import LEDGER_PREFIX, SESSION_PREFIX
 from saga.state import HistoryEvent, SagaHandle, SagaState, SagaStatus
@@ -145,6 +145,9 @@ def start(
     stored = model.model_dump(mode="json")
     check_saga_input(saga.name, model.model_dump(), stored, identity=(tenant, key))
     business = saga.business_fields(model)
+    # The canonical form of the business input, made once: the saga's input hash and
+    # every step's request hash are computed over it.
+    canonical = canonical_form(business)
     deadline = saga.ceilings.deadline_seconds
     row = SagaRow(
         id=str(uuid.uuid4()),
@@ -153,7 +156,7 @@ def start(
         tenant_id=tenant,
         key=key,
         input=stored,
-        input_hash=hash_business_fields(business),  # = saga.input_hash(model)
+        input_hash=hashlib.sha256(canonical).hexdigest(),  # = saga.input_hash(model)
         status=SagaStatus.PENDING,
         error=None,
         direction="forward",
@@ -169,7 +172,7 @@ def start(
         # Whoever drives the saga continues the trace of the code starting it.
         trace_context=trace_context,
     )
-    ops = new_action_rows(saga, tenant, key, business)
+    ops = new_action_rows(saga, tenant, key, business, canonical=canonical)
     events = [Event("saga_started", detail={"input_hash": row.input_hash})]
     claimed: tuple[Planner, Next] | None = None
     if claim:

@@ -467,7 +467,10 @@ def test_action_request_hashes_are_each_steps_whole_request_hash(
     """The action rows of a new saga hash the business input's canonical form once for all
     steps; under every hash version each hash is the one the whole request gives."""
     steps = ["charge", "book_hotel", "étape"]
-    assert action_request_hashes(steps, business, version=version) == [
+    whole = [
         request_hash({"kind": "action", "step": step, "input": business}, version=version)
         for step in steps
     ]
+    assert action_request_hashes(steps, business, version=version) == whole
+    canonical = canonical_form(business, version=version)
+    assert action_request_hashes(steps, business, version=version, canonical=canonical) == whole
