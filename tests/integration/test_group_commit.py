@@ -649,3 +649,23 @@ def test_a_committed_set_write_notifies_and_leaves_its_token(database_url: str) 
         assert tokens == {ids[name]: writes[name]["token"] for name in ids}
 
     _claimed_writes(database_url, ("quiet", "woken"), check)
+
+
+def test_the_set_writes_are_planned_for_any_batch_and_leave_the_callers_setting(
+    database_url: str,
+) -> None:
+    """saga.write_sagas_v2 runs with generic plans (migration 0028): its statements take the
+    batch as arrays, and plans made for each batch's length were made again on most calls,
+    which cost a worker's batches of two or three writes more than the set statements
+    saved. The setting holds inside the function only: the caller's is as it was."""
+    with Orchestrator(database_url):
+        pass  # migrated
+    with psycopg.connect(database_url) as conn:
+        config = conn.execute(
+            "SELECT proconfig FROM pg_proc WHERE oid = 'saga.write_sagas_v2(jsonb)'::regprocedure"
+        ).fetchone()
+        assert config == (["plan_cache_mode=force_generic_plan"],)
+        conn.execute("SET plan_cache_mode = force_custom_plan")
+        answers = conn.execute("SELECT saga.write_sagas_v2('[]'::jsonb)").fetchone()
+        assert answers == ([],)
+        assert conn.execute("SHOW plan_cache_mode").fetchone() == ("force_custom_plan",)

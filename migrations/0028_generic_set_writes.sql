@@ -1,0 +1,26 @@
+-- saga.write_sagas_v2 (migration 0025) plans its statements once per connection, not once
+-- per call.
+--
+-- Its set statements take the batch as arrays (`id = ANY(v_set_ids)`, `unnest(...)`). For
+-- a statement whose parameters are arrays, PostgreSQL's plan cache compares a plan made
+-- for the values at hand (a custom plan, which knows the batch's length) with one made for
+-- any values (a generic plan, which assumes 10 elements): a custom plan for a batch of two
+-- or three writes is always estimated cheaper, so the statements that scale with the batch
+-- (the fenced UPDATE of the saga rows, the UPDATE of changed operations, the read of the
+-- states asked for) were planned again on most calls. The writes of a sync worker at
+-- concurrency 8 come in batches of two or three (its leader sends what is ready when the
+-- wire is free), and planning then cost more than the set statements saved over
+-- saga.write_sagas_v1: measured through one sync Worker of 8 threads, 1,000 sagas of 3
+-- steps, PostgreSQL 15, the grouped writes took about 1.7 ms of the server's time per saga
+-- where write_sagas_v1 took 1.4 and write_sagas_v2 with this setting 1.35.
+--
+-- The generic plans are the index lookups the statements were written for (primary keys
+-- through `= ANY(...)`); the function's behaviour, its answers and its locks are
+-- unchanged. The setting holds while the function runs (and what it calls: the
+-- write-by-write path of write_saga_v4 and the fallback to write_sagas_v1) and the
+-- caller's own is restored when it returns.
+--
+-- Compatibility (README, "Upgrades"): no function is added or changed in what it does;
+-- the previous release calls saga.write_sagas_v2 as it did.
+
+ALTER FUNCTION saga.write_sagas_v2(jsonb) SET plan_cache_mode = force_generic_plan;
