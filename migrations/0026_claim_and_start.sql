@@ -68,6 +68,8 @@ DECLARE
     v_n      bigint[];
     v_side   integer[];
     v_dead   double precision[];
+    v_fence  bigint[];   -- ... and their fences and attempts as this claim leaves them
+    v_att    integer[];
 BEGIN
     SELECT array_agg(c.id ORDER BY c.run_after, c.id)
     INTO v_ids
@@ -92,10 +94,12 @@ BEGIN
         BEGIN
             SELECT array_agg(m.id ORDER BY m.n), array_agg(m.step ORDER BY m.n),
                    array_agg(m.n ORDER BY m.n), array_agg(m.side_effect ORDER BY m.n),
-                   array_agg(m.deadline ORDER BY m.n)
-            INTO v_moved, v_steps, v_n, v_side, v_dead
+                   array_agg(m.deadline ORDER BY m.n), array_agg(m.fence ORDER BY m.n),
+                   array_agg(m.attempt ORDER BY m.n)
+            INTO v_moved, v_steps, v_n, v_side, v_dead, v_fence, v_att
             FROM (
-                SELECT k.id, k.n, o.step, st.side_effect, st.deadline
+                SELECT k.id, k.n, o.step, st.side_effect, st.deadline, s.fence + 1 AS fence,
+                       o.attempts + 1 AS attempt
                 FROM unnest(v_ids) WITH ORDINALITY AS k(id, n)
                 JOIN saga.sagas AS s ON s.id = k.id
                 JOIN LATERAL (
@@ -160,22 +164,14 @@ BEGIN
 
                 INSERT INTO saga.events (saga_id, event, step, kind, attempt, detail)
                 SELECT e.saga_id, e.event, e.step, e.kind, e.attempt, e.detail
-                FROM (
-                    SELECT m.n, 1 AS k, s.id AS saga_id, 'lease_acquired' AS event,
-                           NULL::text AS step, NULL::text AS kind, NULL::integer AS attempt,
-                           jsonb_build_object('owner', p_owner, 'fence', s.fence) AS detail
-                    FROM unnest(v_moved, v_n) AS m(id, n)
-                    JOIN saga.sagas AS s ON s.id = m.id
-                    WHERE s.id = ANY(v_moved)
-                    UNION ALL
-                    SELECT m.n, 2, o.saga_id, 'attempt_started', o.step, o.kind, o.attempts,
-                           '{}'::jsonb
-                    FROM unnest(v_moved, v_steps, v_n) AS m(id, step, n)
-                    JOIN saga.operations AS o
-                        ON o.saga_id = m.id AND o.kind = 'action' AND o.step = m.step
-                    WHERE o.saga_id = ANY(v_moved)
-                ) AS e
-                ORDER BY e.n, e.k;
+                FROM unnest(v_moved, v_steps, v_n, v_fence, v_att) AS m(id, step, n, fence, attempt)
+                CROSS JOIN LATERAL (
+                    VALUES (1, m.id, 'lease_acquired', NULL::text, NULL::text, NULL::integer,
+                            jsonb_build_object('owner', p_owner, 'fence', m.fence)),
+                           (2, m.id, 'attempt_started', m.step, 'action', m.attempt,
+                            '{}'::jsonb)
+                ) AS e(k, saga_id, event, step, kind, attempt, detail)
+                ORDER BY m.n, e.k;
             END IF;
         EXCEPTION WHEN OTHERS THEN
             -- Everything the starts did is rolled back: every saga is claimed only.
