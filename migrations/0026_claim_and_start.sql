@@ -60,6 +60,7 @@ CREATE FUNCTION saga.claim_batch_v2(
 LANGUAGE plpgsql
 SET enable_seqscan = off
 SET enable_bitmapscan = off
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_ids    uuid[];     -- the sagas taken, in run_after then id order
@@ -92,6 +93,15 @@ BEGIN
 
     IF p_start_steps IS NOT NULL AND cardinality(p_start_steps) > 0 THEN
         BEGIN
+            -- The rows of the sagas taken are read by their primary key (materialized: the
+            -- planner would otherwise read them through the partial index of runnable
+            -- sagas, which the conditions below match, and walk the whole queue).
+            WITH s AS MATERIALIZED (
+                SELECT id, name, version, status, direction, deadline_at, max_operations,
+                       max_side_effects, spend_budget, fence
+                FROM saga.sagas
+                WHERE id = ANY(v_ids)
+            )
             SELECT array_agg(m.id ORDER BY m.n), array_agg(m.step ORDER BY m.n),
                    array_agg(m.n ORDER BY m.n), array_agg(m.side_effect ORDER BY m.n),
                    array_agg(m.deadline ORDER BY m.n), array_agg(m.fence ORDER BY m.n),
@@ -101,9 +111,10 @@ BEGIN
                 SELECT k.id, k.n, o.step, st.side_effect, st.deadline, s.fence + 1 AS fence,
                        o.attempts + 1 AS attempt
                 FROM unnest(v_ids) WITH ORDINALITY AS k(id, n)
-                JOIN saga.sagas AS s ON s.id = k.id
+                JOIN s ON s.id = k.id
                 JOIN LATERAL (
-                    SELECT x.*
+                    SELECT x.step, x.status, x.retrying_unknown, x.attempts, x.max_attempts,
+                           x.next_attempt_at, x.deadline_at
                     FROM saga.operations AS x
                     WHERE x.saga_id = s.id AND x.kind = 'action' AND x.status <> 'succeeded'
                     ORDER BY x.position
@@ -112,8 +123,7 @@ BEGIN
                 JOIN unnest(p_start_kinds, p_start_steps, p_start_side_effects,
                             p_start_deadlines) AS st(kind, step, side_effect, deadline)
                     ON st.kind = s.name || ':' || s.version AND st.step = o.step
-                WHERE s.id = ANY(v_ids)
-                  AND s.status IN ('pending', 'running')
+                WHERE s.status IN ('pending', 'running')
                   AND s.direction = 'forward'
                   AND s.deadline_at IS NULL
                   AND s.max_operations IS NULL

@@ -501,3 +501,52 @@ def test_a_mixed_batch_claim_whose_reply_was_lost_carries_on_every_saga(
         for i in range(2)
         for step in ("a", "b")
     )
+
+
+def test_a_claim_that_starts_attempts_reads_the_head_of_a_long_queue_not_all_of_it(
+    make_orch: OrchestratorFactory,
+) -> None:
+    """A claim of 8 that starts their first attempts reads those 8 and their operations, not
+    the queue behind them: with 6,000 sagas queued (and stale statistics) it reads about
+    the buffers of the same claim of 8 with nothing queued at all."""
+    warm = _variant("queued_warm", "plain")
+    first, second = _variant("queued_one", "plain"), _variant("queued_two", "plain")
+    orch = make_orch(warm, first, second)
+    heads = {
+        saga.name: [orch.start(saga, Order(order_id=f"head-{i}")).id for i in range(8)]
+        for saga in (warm, first, second)
+    }
+    call = (
+        "SELECT * FROM saga.claim_batch_v2(%s, 'probe', 10, 8, now(),"
+        " ARRAY(SELECT gen_random_uuid() FROM generate_series(1, 8)),"
+        " ARRAY(SELECT gen_random_uuid() FROM generate_series(1, 8)),"
+        " %s, ARRAY['a', 'b'], ARRAY[0, 1], ARRAY[30, NULL]::float8[])"
+    )
+
+    def claim(conn: psycopg.Connection[Any], kind: str) -> int:
+        plan = conn.execute(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {call}", ([kind], [kind] * 2))
+        top = plan.fetchone()[0][0]["Plan"]  # type: ignore[index]
+        return int(top["Shared Hit Blocks"]) + int(top["Shared Read Blocks"])
+
+    with psycopg.connect(orch.database_url, autocommit=True) as conn:
+        conn.execute("UPDATE saga.sagas SET run_after = now() - interval '1 day'")
+        # A first claim in the session reads the catalogs and plans the statements.
+        claim(conn, "queued_warm:1")
+        alone = claim(conn, "queued_two:1")
+        conn.execute(
+            "INSERT INTO saga.sagas (id, name, version, tenant_id, key, input, input_hash,"
+            " run_after)"
+            " SELECT gen_random_uuid(), 'queued_one', 1, 't', 'k' || i, '{}', 'h',"
+            "        now() - make_interval(secs => 6001 - i)"
+            " FROM generate_series(1, 6000) AS i"
+        )
+        queued = claim(conn, "queued_one:1")
+        started = conn.execute(
+            "SELECT s.name, s.id::text FROM saga.sagas AS s JOIN saga.operations AS o"
+            " ON o.saga_id = s.id AND o.step = 'a' AND o.status = 'running'"
+            " WHERE s.lease_owner = 'probe'"
+        ).fetchall()
+    assert sorted(started) == sorted((name, i) for name, ids in heads.items() for i in ids)
+    # The queue is about 175 heap pages and its index entries; with it, each index the
+    # claim writes to is a level deeper (one more page per entry, about 60 in all).
+    assert queued < alone + 120, f"a claim of 8 read {queued} buffers, {alone} with no queue"
