@@ -508,7 +508,8 @@ def test_a_claim_that_starts_attempts_reads_the_head_of_a_long_queue_not_all_of_
 ) -> None:
     """A claim of 8 that starts their first attempts reads those 8 and their operations, not
     the queue behind them: with 6,000 sagas queued (and stale statistics) it reads about
-    the buffers of the same claim of 8 with nothing queued at all."""
+    the buffers of the same claim of 8 with nothing queued at all, far from one per saga
+    queued."""
     warm = _variant("queued_warm", "plain")
     first, second = _variant("queued_one", "plain"), _variant("queued_two", "plain")
     orch = make_orch(warm, first, second)
@@ -547,6 +548,7 @@ def test_a_claim_that_starts_attempts_reads_the_head_of_a_long_queue_not_all_of_
             " WHERE s.lease_owner = 'probe'"
         ).fetchall()
     assert sorted(started) == sorted((name, i) for name, ids in heads.items() for i in ids)
-    # The queue is about 175 heap pages and its index entries; with it, each index the
-    # claim writes to is a level deeper (one more page per entry, about 60 in all).
-    assert queued < alone + 120, f"a claim of 8 read {queued} buffers, {alone} with no queue"
+    # Reading the queue through an index costs a buffer access per saga queued (6,000);
+    # with the queue there, the indexes the claim writes to are a level deeper, and the
+    # claim a few dozen accesses dearer (60 to 130 measured).
+    assert queued < alone + 1000, f"a claim of 8 read {queued} buffers, {alone} with no queue"
