@@ -17,6 +17,7 @@ move. The checks before an attempt live beside it (`saga._core.ceilings`,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -66,12 +67,14 @@ __all__ = [
     "Prepare",
     "SagaRow",
     "Sleep",
+    "StartInSql",
     "Stop",
     "Write",
     "Yield",
     "action_request_hash",
     "compensation_request_hash",
     "new_action_rows",
+    "starts_in_sql",
     "unknown_remedy",
 ]
 
@@ -325,6 +328,37 @@ class Planner(Outcomes):
             self.saga.error = verdict.error
         self.events.extend(verdict.events)
         return verdict.held
+
+
+@dataclass(frozen=True, slots=True)
+class StartInSql:
+    """A step whose attempt the database may start as it claims a saga (saga.claim_batch_v2,
+    migration 0026), where `Planner._start_or_wait` would start it with nothing to decide
+    but the rows: `side_effect` counts the attempt as a side effect, `deadline_seconds`
+    sets the operation's deadline when it has none yet."""
+
+    step: str
+    side_effect: bool
+    deadline_seconds: float | None
+
+
+def starts_in_sql(definition: Saga[Any]) -> tuple[StartInSql, ...]:
+    """The steps of `definition` whose next attempt the planner starts from the rows alone:
+    no prepare hook (the request is the input), no declared cost (its function is user
+    code, its value a ceiling's business) and no confirmation rule. The rest of what
+    `_start_or_wait` and `advance` check before it starts one (the saga runs forward with
+    no saga-level ceiling and no confirmation; none of its operations running, unknown,
+    failed or a compensation; the step is the first action not succeeded, pending, below
+    its ceiling, out of its backoff, before its deadline) is in the rows, and the database
+    checks it there; every other saga is claimed only, and planned here. A session's calls
+    are its code's to make: none."""
+    if definition.is_session:
+        return ()
+    return tuple(
+        StartInSql(step.name, step.guards.side_effect, step.guards.deadline_seconds)
+        for step in definition.steps
+        if step.prepare_fn is None and step.guards.cost is None and step.guards.confirm is False
+    )
 
 
 def unknown_remedy(compensation: Compensation | None) -> str:

@@ -7,13 +7,14 @@ decides, and the reads a lease holder makes. The flows name these methods in
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from datetime import datetime
 from typing import Any
 
 import psycopg
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from saga._core.planner import Event, OpRow, SagaRow, Write
+from saga._core.planner import Event, OpRow, SagaRow, StartInSql, Write
 from saga._core.rows import Loaded
 from saga._db._store_base import (
     approval_params,
@@ -96,22 +97,48 @@ class AsyncDriveStore(AsyncStoreConnections):
         await sync_pipeline(conn)
         return await read_loaded(claim, ops, confirmations)
 
-    async def claim_batch_txn(
-        self, conn: AConn, *, kinds: Sequence[str], owner: str, lease_seconds: float, limit: int
-    ) -> list[Loaded]:
-        """Take the leases of up to `limit` runnable sagas of the given name:version kinds,
-        the longest-waiting first, and read what each has (saga.claim_batch, migration
-        0019): one statement, and with its reads one round trip. In run_after order."""
+    async def claim_batch_started_txn(
+        self,
+        conn: AConn,
+        *,
+        kinds: Sequence[str],
+        owner: str,
+        lease_seconds: float,
+        now: datetime,
+        tokens: Sequence[str],
+        claim_tokens: Sequence[str],
+        starts: Sequence[tuple[str, StartInSql]],
+    ) -> DeferredRead[list[tuple[Loaded, bool]]]:
+        """Queue a batch claim of up to `len(tokens)` sagas of these name:version kinds that
+        also starts, in the same statement, the attempt of the next pending step of each
+        saga whose first move is that alone (saga.claim_batch_v2, migration 0026): `starts`
+        names the steps, by kind, that the database may start (`starts_in_sql`), `now` is
+        the time of the decision. The reads of the claimed sagas' operations and
+        confirmations are queued behind it: with the commit, one round trip.
+
+        Returns the read, to call once the transaction has committed, of the sagas taken
+        as their lease holder now has them, in run_after order, each with whether its
+        attempt was started (its write token is one of `tokens`; a saga claimed only
+        stores one of `claim_tokens`)."""
         claim = await conn.execute(
-            sql("claim_saga_batch"),
-            {"kinds": list(kinds), "owner": owner, "lease_seconds": lease_seconds, "limit": limit},
+            sql("claim_saga_batch_started"),
+            {
+                "kinds": list(kinds),
+                "owner": owner,
+                "lease_seconds": lease_seconds,
+                "limit": len(tokens),
+                "now": now,
+                "tokens": list(tokens),
+                "claim_tokens": list(claim_tokens),
+                "start_kinds": [kind for kind, _ in starts],
+                "start_steps": [start.step for _, start in starts],
+                "start_side_effects": [int(start.side_effect) for _, start in starts],
+                "start_deadlines": [start.deadline_seconds for _, start in starts],
+            },
         )
         ops = await conn.execute(sql("claimed_batch_operations"))
         confirmations = await conn.execute(sql("claimed_batch_confirmations"))
-        await sync_pipeline(conn)
-        return loaded_batch(
-            await claim.fetchall(), await ops.fetchall(), await confirmations.fetchall()
-        )
+        return _DeferredClaim(claim, ops, confirmations, tokens)
 
     async def save_batch_txn(
         self,
@@ -360,3 +387,28 @@ class AsyncDriveStore(AsyncStoreConnections):
             cur = await conn.execute(sql("get_history"), {"saga_id": saga_id})
             rows = await cur.fetchall()
         return [HistoryEvent.model_validate(r) for r in rows]
+
+
+class _DeferredClaim(DeferredRead[list[tuple[Loaded, bool]]]):
+    """The read of what `claim_batch_started_txn` took: the claimed rows, their operations
+    and confirmations, and which sagas store one of the `started` tokens."""
+
+    __slots__ = ("_confirmations", "_ops", "_started")
+
+    def __init__(
+        self,
+        claim: psycopg.AsyncCursor[dict[str, Any]],
+        ops: psycopg.AsyncCursor[dict[str, Any]],
+        confirmations: psycopg.AsyncCursor[dict[str, Any]],
+        started: Sequence[str],
+    ) -> None:
+        super().__init__(claim, lambda row: [])
+        self._ops = ops
+        self._confirmations = confirmations
+        self._started = frozenset(started)
+
+    async def __call__(self) -> list[tuple[Loaded, bool]]:
+        rows = await self._cursor.fetchall()
+        started = {str(r["id"]) for r in rows if str(r["write_token"]) in self._started}
+        batch = loaded_batch(rows, await self._ops.fetchall(), await self._confirmations.fetchall())
+        return [(loaded, loaded[0].id in started) for loaded in batch]

@@ -19,15 +19,27 @@ from typing import Any, TypeVar
 
 from saga._db.dbretry import is_transient
 from saga._db.store_async import AConn
+from saga._drivers import faults
 from saga._drivers.observe import Observer
-from saga._flows.effects import Begin, Call, Commit, Db, Drive, Effect, Flow, Observed, Reached
+from saga._flows.effects import (
+    Armed,
+    Begin,
+    Call,
+    Commit,
+    Db,
+    Drive,
+    Effect,
+    Flow,
+    Observed,
+    Reached,
+)
 from saga.errors import DatabaseInterrupted
 
 T = TypeVar("T")
 
 # The effects that may carry a `Watch`, and those the boundary carries out itself.
 _WATCHED = (Db, Commit, Call)
-_OWN = frozenset({Begin, Commit, Reached, Observed, Drive})
+_OWN = frozenset({Begin, Commit, Reached, Observed, Drive, Armed})
 
 
 async def acarry_out(
@@ -81,6 +93,8 @@ async def acarry_out(
                     seen.done(step, each)
             elif isinstance(step, Drive):
                 seen.drive(step)
+            elif isinstance(step, Armed):
+                value = faults.armed is not None
         except BaseException as exc:
             if txn is not None:
                 # The transaction is rolled back before the flow hears of the error.

@@ -10,21 +10,27 @@ from typing import Any, TypeVar
 
 from saga._core.inputs import describe_error
 from saga._core.planner import (
+    Event,
     Next,
     OpRow,
     Planner,
     SagaRow,
+    StartInSql,
     Write,
+    starts_in_sql,
 )
 from saga._core.rows import Loaded
+from saga._flows.call import SpendReporter
 from saga._flows.common import input_time, new_token, retried
-from saga._flows.drive import Claimed, Loop, Released, before_record
+from saga._flows.drive import Claimed, Loop, Released, RunnerOptions, before_record
 from saga._flows.effects import (
+    Armed,
     Begin,
     Commit,
     Fetch,
     Flow,
     Observed,
+    Reached,
     Stopping,
     Watch,
     db,
@@ -47,6 +53,12 @@ T = TypeVar("T")
 
 class Flows(Loop):
     """The flows a driver runs: claim sagas, then drive them (`Loop`)."""
+
+    def __init__(self, options: RunnerOptions, *, reporter: SpendReporter) -> None:
+        super().__init__(options, reporter=reporter)
+        # The steps a batch claim may start in the database (`_starts`), for the last set
+        # of definitions claimed: (kind, definition id) pairs.
+        self._starts_of: dict[tuple[tuple[str, int], ...], list[tuple[str, StartInSql]]] = {}
 
     # ----- entry points ------------------------------------------------------------------
 
@@ -192,20 +204,24 @@ class Flows(Loop):
 
     def claim_batch(self, kinds: Sequence[str], lookup: Lookup, limit: int) -> Flow[list[Claimed]]:
         """Claim up to `limit` of the longest-waiting runnable sagas of these name:version
-        kinds in one statement, and plan and record the first move of each, all in one
-        transaction and one commit; each saga has its own lease, fence and first write.
-        The sagas claimed, in run_after order, to be driven each by a driver of its own
-        (none when there was nothing to claim). A limit of 1 is `claim_next`.
+        kinds, each with its own lease, fence and first write; the sagas claimed, in
+        run_after order, to be driven each by a driver of its own (none when there was
+        nothing to claim).
+
+        One statement claims them and, for each saga whose first move is only to start the
+        attempt of its next pending step (`starts_in_sql`: the hot path), records that
+        attempt as running with the claim, in one commit: the attempt is called right
+        after it. Every other saga is claimed only, and its first move is planned here and
+        written in one more statement for all of them, each answered on its own (a saga
+        whose first write alone is refused is parked with the reason).
 
         A transient database error is retried. A claim that had landed although its reply
-        was lost is found again by the tokens of its first writes (one per saga it could
-        take): every saga it holds is carried on, none is left to its lease's expiry. A
-        saga whose first write alone is refused is parked with the reason; the others of
-        the batch are driven."""
-        if limit <= 1:
-            one = yield from self.claim_next(kinds, lookup)
-            return [] if one is None else [one]
-        tokens = [new_token() for _ in range(limit)]
+        was lost is found again by the tokens the claim and the first writes store (two per
+        saga it could take): every saga it holds is carried on, none is left to its
+        lease's expiry."""
+        tokens = [new_token() for _ in range(max(limit, 1))]
+        claim_tokens = [new_token() for _ in tokens]
+        only_claimed = frozenset(claim_tokens)
         tried = [False]
         # Sagas of a landed claim carried on so far, by id: a retry after an error in the
         # middle of carrying them on does not look for them again.
@@ -214,16 +230,19 @@ class Flows(Loop):
         def once() -> Flow[list[Claimed]]:
             if tried[0]:
                 owned: dict[str, str] = yield from db(
-                    StoreOps.own_claims, owner=self.owner, tokens=tokens
+                    StoreOps.own_claims, owner=self.owner, tokens=tokens + claim_tokens
                 )
-                for saga_id, token in sorted(owned.items(), key=lambda item: tokens.index(item[1])):
+                order = {token: i for i, token in enumerate(tokens + claim_tokens)}
+                for saga_id, token in sorted(owned.items(), key=lambda item: order[item[1]]):
                     if saga_id not in carried:
-                        carried[saga_id] = yield from self._reclaim_one(lookup, saga_id, token)
+                        carried[saga_id] = yield from self._reclaim_one(
+                            lookup, saga_id, token, claimed_only=token in only_claimed
+                        )
                 reclaimed = [c for c in carried.values() if c is not None]
                 if carried:
                     return reclaimed
             tried[0] = True
-            return (yield from self._claim_batch_once(kinds, lookup, tokens))
+            return (yield from self._claim_batch_once(kinds, lookup, tokens, claim_tokens))
 
         return (
             yield from _retried_unless_stopping(
@@ -231,62 +250,128 @@ class Flows(Loop):
             )
         )
 
-    def _reclaim_one(self, lookup: Lookup, saga_id: str, token: str) -> Flow[Claimed | None]:
+    def _reclaim_one(
+        self, lookup: Lookup, saga_id: str, token: str, *, claimed_only: bool = False
+    ) -> Flow[Claimed | None]:
         """`_reclaim` of one saga of a batch claim: what it raises (other than a transient
         error, retried) is that saga's alone, which is then left to the next owner once
         its lease expires; the other sagas of the claim are carried on."""
         try:
-            return (yield from self._reclaim(lookup, saga_id, token))
+            return (yield from self._reclaim(lookup, saga_id, token, claimed_only=claimed_only))
         except Exception as exc:
             if isinstance(exc, DatabaseInterrupted):
                 raise
             _log.error("reclaim_failed", saga_id=saga_id, error=describe_error(exc))
             return None
 
+    def _starts(self, kinds: Sequence[str], lookup: Lookup) -> list[tuple[str, StartInSql]]:
+        """The steps, by kind, whose attempts the claim may start in the database (the
+        core's `starts_in_sql` of each kind's definition), once per set of definitions."""
+        definitions: list[tuple[str, Saga[Any]]] = []
+        for kind in kinds:
+            name, _, version = kind.rpartition(":")
+            try:
+                definitions.append((kind, lookup(name, int(version))))
+            except Exception as exc:
+                if isinstance(exc, DatabaseInterrupted):
+                    raise
+                continue  # not registered (any more): its sagas are planned here
+        key = tuple((kind, id(definition)) for kind, definition in definitions)
+        known = self._starts_of.get(key)
+        if known is None:
+            known = [
+                (kind, start)
+                for kind, definition in definitions
+                for start in starts_in_sql(definition)
+            ]
+            self._starts_of = {key: known}
+        return known
+
     def _claim_batch_once(
-        self, kinds: Sequence[str], lookup: Lookup, tokens: Sequence[str]
+        self,
+        kinds: Sequence[str],
+        lookup: Lookup,
+        tokens: Sequence[str],
+        claim_tokens: Sequence[str],
     ) -> Flow[list[Claimed]]:
+        # Nothing new starts while the driver stops: every saga is claimed only, and its
+        # first move planned here gives it back.
+        starts = [] if (yield Stopping()) else self._starts(kinds, lookup)
+        armed = yield Armed()
         sent = time.monotonic()
         yield Begin()
-        batch: list[Loaded] = yield from db_txn(
-            StoreOps.claim_batch_txn,
+        read = yield from db_txn(
+            StoreOps.claim_batch_started_txn,
             kinds=kinds,
             owner=self.owner,
             lease_seconds=self.lease_seconds,
-            limit=len(tokens),
+            now=input_time(),
+            tokens=tokens,
+            claim_tokens=claim_tokens,
+            starts=starts,
         )
+        if armed:
+            # Which attempts the claim started is known from its answer alone: read before
+            # the commit, so that their `before_record` points come before it (crash
+            # tests; otherwise the answer is read after the commit, in the same round trip).
+            batch: list[tuple[Loaded, bool]] = yield Fetch(read)
+            for loaded, started in batch:
+                for op in loaded[1] if started else ():
+                    if op.status == OperationStatus.RUNNING:
+                        yield Reached(("before_record", op.step, op.kind))
+            yield Commit()
+        else:
+            yield Commit()
+            batch = yield Fetch(read)
+        claimed: list[Claimed] = []
+        committed: list[Watch] = []
         planned: list[tuple[Planner, Next, Write, str]] = []
-        unplanned: list[SagaRow] = []
-        for loaded, token in zip(batch, tokens, strict=False):
+        for (loaded, started), token in zip(batch, tokens, strict=False):
             row = loaded[0]
             try:
                 definition = lookup(row.name, row.version)
             except Exception as exc:
                 if isinstance(exc, DatabaseInterrupted):
                     raise
-                # The claim reads only registered kinds: a registry changed meanwhile.
+                # The claim reads only registered kinds: a registry changed meanwhile. An
+                # attempt the claim started is left running, its outcome unknown to the
+                # next owner, as after any lost lease.
                 _log.error("saga_not_plannable", saga_id=row.id, error=describe_error(exc))
-                unplanned.append(row)
+                yield from self.release_after_error(row)
                 continue
-            planner = self._new_planner(definition, *loaded)
-            nxt, write = yield from self._plan(planner)
-            planned.append((planner, nxt, write, token))
-        read = None
+            if started:
+                planner = self._planner(definition, loaded)
+                op = next(o for o in planner.ops if o.status == OperationStatus.RUNNING)
+                planner.lease_confirmed_at = sent
+                committed.append(Watch(planner, events=_started_events(self.owner, row, op)))
+                claimed.append((planner, planner.invoke(op)))
+            else:
+                planner = self._new_planner(definition, *loaded)
+                nxt, write = yield from self._plan(planner)
+                planned.append((planner, nxt, write, token))
+        yield Observed(tuple(committed))
         if planned:
-            read = yield from db_txn(
-                StoreOps.save_batch_txn,
-                [(write, token) for _, _, write, token in planned],
-                owner=self.owner,
-                lease_seconds=self.lease_seconds,
-            )
-            yield Observed(
-                tuple(Watch(planner, before=before_record(nxt)) for planner, nxt, _, _ in planned)
-            )
+            claimed.extend((yield from self._first_moves(planned, sent)))
+        return claimed
+
+    def _first_moves(
+        self, planned: list[tuple[Planner, Next, Write, str]], sent: float
+    ) -> Flow[list[Claimed]]:
+        """Write the first moves planned for sagas a batch claim took, each (planner, move,
+        write, token), in one statement and one commit (saga.write_sagas_v2); the sagas
+        whose write landed, with their moves. One whose write alone is refused is parked
+        with the reason; the others are driven."""
+        yield Begin()
+        read = yield from db_txn(
+            StoreOps.save_batch_txn,
+            [(write, token) for _, _, write, token in planned],
+            owner=self.owner,
+            lease_seconds=self.lease_seconds,
+        )
+        yield Observed(
+            tuple(Watch(planner, before=before_record(nxt)) for planner, nxt, _, _ in planned)
+        )
         yield Commit()
-        for row in unplanned:
-            yield from self.release_after_error(row)
-        if read is None:
-            return []
         answers: list[SagaState | Exception | None] = yield Fetch(read)
         claimed: list[Claimed] = []
         committed: list[Watch] = []
@@ -305,12 +390,17 @@ class Flows(Loop):
         yield Observed(tuple(committed))
         return claimed
 
-    def _reclaim(self, lookup: Lookup, saga_id: str, token: str) -> Flow[Claimed | None]:
+    def _reclaim(
+        self, lookup: Lookup, saga_id: str, token: str, *, claimed_only: bool = False
+    ) -> Flow[Claimed | None]:
         """The saga our claim took, when that claim landed although its reply was lost
         (its first write carries `token` and the lease is still ours); None otherwise.
 
         The claim's first move was committed with it: an attempt it started is ours to
-        call now; any other move is planned again from what was committed."""
+        call now; any other move is planned again from what was committed. With
+        `claimed_only`, `token` is the claim's alone (saga.claim_batch_v2 stores it on a
+        saga it takes without its first move): nothing running is ours, and the first
+        move is planned from the rows, as after any claim."""
         written = yield from db(StoreOps.write_token, saga_id)
         if written is None or written[0] != token or written[1] != self.owner:
             return None
@@ -324,10 +414,14 @@ class Flows(Loop):
         if again != written:
             _log.info("claim_taken_over", saga_id=saga_id, fence=loaded[0].fence)
             return None
-        planner = self._planner(lookup(loaded[0].name, loaded[0].version), loaded)
+        definition = lookup(loaded[0].name, loaded[0].version)
+        if claimed_only:
+            planner = self._new_planner(definition, *loaded)
+        else:
+            planner = self._planner(definition, loaded)
         _log.info("claim_landed", saga_id=saga_id, fence=planner.saga.fence)
         started = [o for o in planner.ops if o.status == OperationStatus.RUNNING]
-        if started:
+        if started and not claimed_only:
             # Every attempt running before the claim was marked unknown by its first move:
             # a running one now is the attempt that move started.
             return planner, planner.invoke(started[0])
@@ -357,6 +451,15 @@ class Flows(Loop):
         nxt = planner.advance(input_time(), may_call=may_call)
         write = self._write(planner, nxt)
         return planner, nxt, write
+
+
+def _started_events(owner: str, row: SagaRow, op: OpRow) -> tuple[Event, ...]:
+    """The audit events saga.claim_batch_v2 records for a saga whose attempt it started,
+    as the planner records them (logged once committed)."""
+    return (
+        Event("lease_acquired", detail={"owner": owner, "fence": row.fence}),
+        Event("attempt_started", op.step, op.kind, op.attempts, {}),
+    )
 
 
 def _lookup_of(definition: Saga[Any] | Lookup) -> Lookup:

@@ -165,6 +165,14 @@ class Stopping:
 
 
 @dataclass(frozen=True, slots=True)
+class Armed:
+    """Answers whether fault points are armed (`saga.testing`, `SAGA_FAULT`): a flow whose
+    transaction records attempts it learns of only from the transaction's own answer reads
+    that answer before the commit when they are, to reach their `before_record` points
+    there (answered by the boundary)."""
+
+
+@dataclass(frozen=True, slots=True)
 class AwaitAbandoned:
     """Wait, under the lease `hold`, for attempts of an operation abandoned at their
     timeout that still run in this process; answers those still running after the wait."""
@@ -184,6 +192,7 @@ Effect = (
     | Wait
     | Pause
     | Stopping
+    | Armed
     | AwaitAbandoned
     | Reached
     | Observed

@@ -18,10 +18,11 @@ by the driver, so flows call it with `db_txn`, without the connection. A method 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from datetime import datetime
 from typing import Any, Protocol
 
 from saga._core.live_calls import RunningCall
-from saga._core.planner import ConfirmationRow, Event, OpRow, SagaRow, Write
+from saga._core.planner import ConfirmationRow, Event, OpRow, SagaRow, StartInSql, Write
 from saga._core.rows import Loaded
 from saga.state import HistoryEvent, SagaState
 
@@ -44,9 +45,18 @@ class StoreOps(Protocol):
         self, conn: Any, *, kinds: Sequence[str], owner: str, lease_seconds: float
     ) -> Loaded | None: ...
 
-    def claim_batch_txn(
-        self, conn: Any, *, kinds: Sequence[str], owner: str, lease_seconds: float, limit: int
-    ) -> list[Loaded]: ...
+    def claim_batch_started_txn(
+        self,
+        conn: Any,
+        *,
+        kinds: Sequence[str],
+        owner: str,
+        lease_seconds: float,
+        now: datetime,
+        tokens: Sequence[str],
+        claim_tokens: Sequence[str],
+        starts: Sequence[tuple[str, StartInSql]],
+    ) -> Deferred: ...
 
     def save_batch_txn(
         self, conn: Any, writes: Sequence[tuple[Write, str]], *, owner: str, lease_seconds: float

@@ -131,6 +131,18 @@ SELECT * FROM saga.claim_next(%(kinds)s::text[], %(owner)s, %(lease_seconds)s::f
 SELECT * FROM saga.claim_batch(%(kinds)s::text[], %(owner)s, %(lease_seconds)s::float8,
                                %(limit)s::integer)
 
+-- claim_saga_batch_started --
+-- claim_saga_batch that also starts, in the same statement, the attempt of the next
+-- pending step of each saga taken whose first move is only that (migration 0026): the
+-- steps the database may start come from the worker's core, by kind; every other saga is
+-- claimed only. The claimed sagas are named in saga.claimed_batch for the reads below.
+SELECT * FROM saga.claim_batch_v2(%(kinds)s::text[], %(owner)s, %(lease_seconds)s::float8,
+                                  %(limit)s::integer, %(now)s::timestamptz,
+                                  %(tokens)s::uuid[], %(claim_tokens)s::uuid[],
+                                  %(start_kinds)s::text[], %(start_steps)s::text[],
+                                  %(start_side_effects)s::integer[],
+                                  %(start_deadlines)s::float8[])
+
 -- claimed_batch_operations --
 -- get_operations of every saga the current transaction has just claimed with
 -- claim_saga_batch, saga by saga; none when nothing was claimed.

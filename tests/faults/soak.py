@@ -58,9 +58,10 @@ from faults.proxy import LostReplyProxy
 from saga.testing import FAULT_POINTS
 
 # Every write of the protocol: transitions, claims' first moves, operator changes
-# (saga.write_saga_v4, and saga.write_sagas_v2 for grouped ones), heartbeats
-# (renew_leases) and workers announcing themselves.
-LOST_REPLY_WRITES = ("saga.write_saga", "AS h(id, fence)", "saga.workers")
+# (saga.write_saga_v4, and saga.write_sagas_v2 for grouped ones), batch claims that start
+# their sagas' attempts (saga.claim_batch_v2), heartbeats (renew_leases) and workers
+# announcing themselves.
+LOST_REPLY_WRITES = ("saga.write_saga", "saga.claim_batch_v2", "AS h(id, fence)", "saga.workers")
 
 
 def _env(name: str, default: str) -> str:

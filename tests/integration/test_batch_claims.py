@@ -270,15 +270,16 @@ def _unknown_events(orch: Orchestrator, saga_id: str) -> list[str]:
 def test_a_batch_claim_whose_reply_was_lost_carries_on_every_saga_it_took(
     database_url: str, proxy: LostReplyProxy, calls: list[tuple[str, str, int]]
 ) -> None:
-    """The commit of a claim of three sagas lands and its reply is lost: the retry finds
-    all three by the tokens of their first writes and carries each on from the attempt
-    that write started; none is called twice, none is left to its lease's expiry."""
+    """The commit of a claim of three sagas, which starts each one's first attempt, lands
+    and its reply is lost: the retry finds all three by the tokens the claim stored and
+    carries each on from the attempt it started; none is called twice, none is left to
+    its lease's expiry."""
     saga = _two_steps(database_url, "lost_batch")
     with Orchestrator(database_url, sagas=[saga]) as starter:
         ids = [starter.start(saga, Order(order_id=f"o-{i}")).id for i in range(3)]
     with Orchestrator(proxy.url, sagas=[saga], lease_seconds=30.0) as orch:
         runner = _runner(orch)
-        proxy.lose_reply("saga.write_sagas_v2", '"lease_acquired"')
+        proxy.lose_reply("saga.claim_batch_v2")
         claimed = runner.claim_batch(["lost_batch:1"], orch.definition, 4)
         assert len(proxy.lost_replies()) == 1 and not proxy.lost_replies()[0].failed
         assert sorted(planner.saga.id for planner, _ in claimed) == sorted(ids)
@@ -302,7 +303,7 @@ def test_a_worker_batch_claim_whose_reply_was_lost_strands_none(
     with Orchestrator(database_url, sagas=[saga]) as starter:
         ids = [starter.start(saga, Order(order_id=f"o-{i}")).id for i in range(5)]
     with Orchestrator(proxy.url, sagas=[saga], lease_seconds=60.0) as orch:
-        proxy.lose_reply("saga.write_sagas_v2", '"lease_acquired"')
+        proxy.lose_reply("saga.claim_batch_v2")
         worker = orch.worker(concurrency=8, poll_seconds=0.2)
         with running(worker, until_idle=True) as thread:
             thread.join(30)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +15,9 @@ from psycopg.conninfo import conninfo_to_dict
 from support import Order, order_saga
 
 from saga import Orchestrator, Saga, SagaState, StepContext, durable_step
+from saga._core.planner import Invoke
 from saga._db.group import GroupCommit
+from saga._drivers.driver import Runner
 
 
 def _counters(server_url: str, dbname: str) -> tuple[int, int]:
@@ -238,6 +241,65 @@ def test_a_session_costs_two_commits_per_call_plus_its_opening_and_closing(
     assert more - warm == SESSION_COMMITS[calls] == 2 * calls + 2
 
 
+# Sagas one batch claim takes in the claim measurement.
+CLAIM_BATCH = 8
+
+
+def test_a_batch_claim_starts_its_sagas_first_attempts_in_one_statement_and_one_commit(
+    database_url: str, server_url: str
+) -> None:
+    """Sagas started, then one batch claim takes CLAIM_BATCH of them and records each one's
+    first attempt as running, to be called once it has committed: one commit and one
+    round trip for the whole batch (BEGIN, saga.claim_batch_v2, the reads of the
+    operations and confirmations it took, COMMIT), no write statement beside it: as many
+    commits as one read alone. The claim and the first move cost a saga 1/CLAIM_BATCH of
+    a commit."""
+    saga = _saga_of(3)
+    kind = f"{saga.name}:{saga.version}"
+    sent: list[list[str]] = []
+
+    def work(claim: bool, attempt: int) -> Callable[[], None]:
+        with Orchestrator(database_url, sagas=[saga], auto_migrate=False) as starter:
+            for i in range(CLAIM_BATCH):
+                starter.start(saga, Order(order_id=f"c-{claim}-{attempt}-{i}"))
+
+        def run() -> None:
+            with (
+                LostReplyProxy(database_url) as proxy,
+                Orchestrator(proxy.url, sagas=[saga], auto_migrate=False) as orch,
+            ):
+                if not claim:
+                    # One statement alone: one commit.
+                    assert orch.store.write_token(str(uuid.uuid4())) is None
+                    return
+                runner = Runner(orch.store, orch.runner_options(), keeper=orch.lease_keeper)
+                before = len(proxy.statements())
+                claimed = runner.claim_batch([kind], orch.definition, CLAIM_BATCH)
+                sent.append(proxy.statements()[before:])
+                assert len(claimed) == CLAIM_BATCH
+                for planner, nxt in claimed:
+                    assert isinstance(nxt, Invoke) and nxt.op.attempts == 1
+                    assert planner.saga.fence == 1
+
+        return run
+
+    one_read = _least_commits_of(server_url, database_url, lambda a: work(False, a))
+    claiming = _least_commits_of(server_url, database_url, lambda a: work(True, a))
+    print(f"statements of one batch claim of {CLAIM_BATCH} sagas: {sent[-1]}")
+    assert claiming == one_read
+    assert len(sent) == TRIES
+    for statements in sent:
+        assert [s.split()[0] for s in statements] == [
+            "BEGIN",
+            "SELECT",
+            "SELECT",
+            "SELECT",
+            "COMMIT",
+        ]
+        assert sum("saga.claim_batch_v2(" in s for s in statements) == 1
+        assert not any("write_saga" in s for s in statements)
+
+
 # Sagas of the worker measurement: enough that a worker at concurrency 8 keeps 8 in flight
 # for most of the run.
 WORKER_SAGAS = 200
@@ -323,6 +385,11 @@ def test_a_workers_grouped_writes_call_no_write_saga_per_saga(
     print(f"largest batch {largest}; {grouped} grouped statements, {alone} writes alone;")
     print(f"calls counted by PostgreSQL: {calls}")
     assert largest >= 2
+    # Every batch claim starts its sagas' first attempts itself: no write of a first move
+    # follows it (saga.claim_batch, which the previous release calls, is not called).
+    assert calls["claim_batch_v2"] >= 1
+    assert calls.get("claim_batch", 0) == 0
+    assert not any('"lease_acquired"' in s for s in statements if "saga.write_saga" in s)
     assert calls["write_sagas_v2"] == grouped > 0
     assert calls.get("write_sagas_v1", 0) == 0
     assert alone <= calls.get("write_saga_v4", 0) <= alone + claims

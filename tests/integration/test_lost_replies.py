@@ -80,12 +80,13 @@ def test_claim_of_run_whose_reply_was_lost_is_carried_on(
 def test_worker_claim_whose_reply_was_lost_is_carried_on(
     database_url: str, proxy: LostReplyProxy, calls: list[tuple[str, int]]
 ) -> None:
-    """A worker's claim commits, its reply is lost: the worker drives the saga it took."""
+    """A worker's claim, which starts the saga's first attempt in the same statement,
+    commits and its reply is lost: the worker drives the saga it took from that attempt."""
     saga = _two_steps(database_url, "lost_worker_claim")
     with Orchestrator(database_url, sagas=[saga]) as starter:
         handle = starter.start(saga, Order(order_id="o-1"))
     with Orchestrator(proxy.url, sagas=[saga], lease_seconds=2.0) as orch:
-        proxy.lose_reply("saga.write_saga", '"lease_acquired"')
+        proxy.lose_reply("saga.claim_batch_v2")
         orch.worker(concurrency=2, poll_seconds=0.2).run(until_idle=True)
         assert len(proxy.lost_replies()) == 1
         state = orch.get(handle.id)
