@@ -654,7 +654,7 @@ def test_a_committed_set_write_notifies_and_leaves_its_token(database_url: str) 
 def test_the_set_writes_are_planned_for_any_batch_and_leave_the_callers_setting(
     database_url: str,
 ) -> None:
-    """saga.write_sagas_v2 runs with generic plans (migration 0028): its statements take the
+    """saga.write_sagas_v2 runs with generic plans (migration 0027): its statements take the
     batch as arrays, and plans made for each batch's length were made again on most calls,
     which cost a worker's batches of two or three writes more than the set statements
     saved. The setting holds inside the function only: the caller's is as it was."""
