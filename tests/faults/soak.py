@@ -235,6 +235,8 @@ def main() -> int:
             lost_replies = len(proxy.lost_replies())
             # Of which, statements that carried several sagas' writes (group commit).
             grouped = len(proxy.lost_replies("write_sagas_v2"))
+            # ... and batch claims that started their sagas' first attempts.
+            claims = len(proxy.lost_replies("claim_batch_v2"))
             quiesce(pg.url, timeout=120)
             elapsed = time.monotonic() - started_at
             print("soak: checking invariants", flush=True)
@@ -249,7 +251,7 @@ def main() -> int:
             kills=f"{kills} ({armed_kills} at a fault point)",
             restarts=pg.restarts,
             terminations=terminations,
-            lost_replies=f"{lost_replies} ({grouped} of grouped writes)",
+            lost_replies=f"{lost_replies} ({grouped} of grouped writes, {claims} of batch claims)",
             seconds=f"{elapsed:.0f}",
         )
     )
