@@ -204,9 +204,15 @@ def _jcs_exact_integers(value: JsonValue) -> bytes:
     return rfc8785.dumps(value)
 
 
+def hash_of_form(form: bytes) -> str:
+    """The request hash of a canonical form already made (`canonical_form`): its hex
+    SHA-256. Every request and input hash is computed here."""
+    return hashlib.sha256(form).hexdigest()
+
+
 def request_hash(fields: Mapping[str, JsonValue], *, version: int = HASH_VERSION) -> str:
     """Hex SHA-256 of the canonical form (`canonical_form`) of a request's business fields."""
-    return hashlib.sha256(canonical_form(dict(fields), version=version)).hexdigest()
+    return hash_of_form(canonical_form(dict(fields), version=version))
 
 
 def action_request_hashes(
@@ -233,7 +239,7 @@ def action_request_hashes(
     if canonical is None:
         canonical = canonical_form(dict(business))
     head = b'{"input":' + canonical + b',"kind":"action","step":'
-    return [hashlib.sha256(head + _step_form(step) + b"}").hexdigest() for step in steps]
+    return [hash_of_form(head + _step_form(step) + b"}") for step in steps]
 
 
 @lru_cache(maxsize=1024)

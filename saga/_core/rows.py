@@ -118,6 +118,16 @@ class Event:
     detail: dict[str, Any] = field(default_factory=dict)
 
 
+def operation_event(name: str, op: OpRow, **detail: Any) -> Event:
+    """Audit event `name` about `op` and its current attempt (None before its first)."""
+    return Event(name, op.step, op.kind, op.attempts or None, detail)
+
+
+def lease_acquired(owner: str, fence: int) -> Event:
+    """The audit event of a lease taken by `owner`, at `fence`."""
+    return Event("lease_acquired", detail={"owner": owner, "fence": fence})
+
+
 @dataclass(frozen=True, slots=True)
 class ConfirmationChange:
     """A confirmation to write: asked for (`ask`), approved (`approve`), or used up by

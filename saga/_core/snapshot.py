@@ -17,7 +17,7 @@ from operator import attrgetter
 from typing import Any
 
 from saga._core.moves import Next
-from saga._core.rows import ConfirmationRow, Event, Kind, OpRow, SagaRow, Write
+from saga._core.rows import ConfirmationRow, Event, Kind, OpRow, SagaRow, Write, operation_event
 from saga._core.writes import Changes, lease_after
 from saga.definition import Compensation, OperationSpec, Saga, Step
 from saga.errors import StepStateError
@@ -269,7 +269,7 @@ class Snapshot:
 
     def event(self, name: str, op: OpRow, **detail: Any) -> None:
         """Record audit event `name` about `op` (and its current attempt)."""
-        self.events.append(Event(name, op.step, op.kind, op.attempts or None, detail))
+        self.events.append(operation_event(name, op, **detail))
 
     def park(self, reason: str, *, ceiling: dict[str, Any] | None = None) -> None:
         """Stop in needs_review with the reason recorded; a human decides what comes next."""

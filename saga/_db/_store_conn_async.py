@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import psycopg
 from psycopg.rows import dict_row
@@ -22,6 +22,7 @@ from saga.state import SagaState
 
 AConn = psycopg.AsyncConnection[dict[str, Any]]
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 
 @asynccontextmanager
@@ -57,10 +58,17 @@ async def read_loaded(
     )
 
 
-class DeferredRead(Generic[T]):
-    """The answer of a statement queued in a transaction (`save_txn`, `save_batch_txn`),
-    read by calling this once the transaction has committed: at once in a plain
-    transaction, after the block in a pipelined one."""
+class DeferredRead(Protocol[T_co]):
+    """The answer of a statement queued in a transaction (`save_txn`, `save_batch_txn`,
+    `claim_batch_started_txn`), read by calling this once the transaction has committed:
+    at once in a plain transaction, after the block in a pipelined one."""
+
+    async def __call__(self) -> T_co: ...
+
+
+class RowRead(Generic[T]):
+    """A `DeferredRead` of a statement that answers in one result row, made into its
+    answer by `answer`."""
 
     __slots__ = ("_answer", "_cursor")
 

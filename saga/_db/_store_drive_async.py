@@ -34,6 +34,7 @@ from saga._db._store_conn_async import (
     AConn,
     AsyncStoreConnections,
     DeferredRead,
+    RowRead,
     read_loaded,
     state_answer,
     sync_pipeline,
@@ -156,7 +157,7 @@ class AsyncDriveStore(AsyncStoreConnections):
         params = batch_params(writes, owner=owner, lease_seconds=lease_seconds)
         written = await conn.execute(sql("write_sagas"), {"writes": params})
         conninfo = self._conninfo
-        return DeferredRead(written, lambda row: batch_answers(row, conninfo))
+        return RowRead(written, lambda row: batch_answers(row, conninfo))
 
     async def renew_leases(
         self, held: Collection[tuple[str, int]], *, owner: str, lease_seconds: float
@@ -293,7 +294,7 @@ class AsyncDriveStore(AsyncStoreConnections):
         written = await conn.execute(sql("write_saga"), {"write": params})
         for approval in approval_params(write):
             await conn.execute(sql("record_approval"), approval)
-        return DeferredRead(written, state_answer)
+        return RowRead(written, state_answer)
 
     async def apply_transition(
         self, write: Write, *, owner: str, lease_seconds: float, token: str | None = None
@@ -389,11 +390,12 @@ class AsyncDriveStore(AsyncStoreConnections):
         return [HistoryEvent.model_validate(r) for r in rows]
 
 
-class _DeferredClaim(DeferredRead[list[tuple[Loaded, bool]]]):
-    """The read of what `claim_batch_started_txn` took: the claimed rows, their operations
-    and confirmations, and which sagas store one of the `started` tokens."""
+class _DeferredClaim:
+    """The read of what `claim_batch_started_txn` took (a `DeferredRead`): the claimed
+    rows, their operations and confirmations, and which sagas store one of the `started`
+    tokens."""
 
-    __slots__ = ("_confirmations", "_ops", "_started")
+    __slots__ = ("_claim", "_confirmations", "_ops", "_started")
 
     def __init__(
         self,
@@ -402,13 +404,13 @@ class _DeferredClaim(DeferredRead[list[tuple[Loaded, bool]]]):
         confirmations: psycopg.AsyncCursor[dict[str, Any]],
         started: Sequence[str],
     ) -> None:
-        super().__init__(claim, lambda row: [])
+        self._claim = claim
         self._ops = ops
         self._confirmations = confirmations
         self._started = frozenset(started)
 
     async def __call__(self) -> list[tuple[Loaded, bool]]:
-        rows = await self._cursor.fetchall()
+        rows = await self._claim.fetchall()
         started = {str(r["id"]) for r in rows if str(r["write_token"]) in self._started}
         batch = loaded_batch(rows, await self._ops.fetchall(), await self._confirmations.fetchall())
         return [(loaded, loaded[0].id in started) for loaded in batch]

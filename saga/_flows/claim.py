@@ -19,7 +19,7 @@ from saga._core.planner import (
     Write,
     starts_in_sql,
 )
-from saga._core.rows import Loaded
+from saga._core.rows import Loaded, lease_acquired, operation_event
 from saga._flows.call import SpendReporter
 from saga._flows.common import input_time, new_token, retried
 from saga._flows.drive import Claimed, Loop, Released, RunnerOptions, before_record
@@ -456,10 +456,7 @@ class Flows(Loop):
 def _started_events(owner: str, row: SagaRow, op: OpRow) -> tuple[Event, ...]:
     """The audit events saga.claim_batch_v2 records for a saga whose attempt it started,
     as the planner records them (logged once committed)."""
-    return (
-        Event("lease_acquired", detail={"owner": owner, "fence": row.fence}),
-        Event("attempt_started", op.step, op.kind, op.attempts, {}),
-    )
+    return (lease_acquired(owner, row.fence), operation_event("attempt_started", op))
 
 
 def _lookup_of(definition: Saga[Any] | Lookup) -> Lookup:

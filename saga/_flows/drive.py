@@ -23,7 +23,6 @@ from saga._core.inputs import describe_error
 from saga._core.planner import (
     AskReconcile,
     ConfirmationRow,
-    Event,
     Hold,
     Invoke,
     Next,
@@ -36,7 +35,7 @@ from saga._core.planner import (
     Write,
     Yield,
 )
-from saga._core.rows import Loaded
+from saga._core.rows import Loaded, lease_acquired
 from saga._flows.call import Answer, Calls, SpendReporter
 from saga._flows.common import input_time, new_token, retried, traceback_of
 from saga._flows.effects import (
@@ -281,9 +280,7 @@ class Loop:
     ) -> Planner:
         """A planner for a saga whose lease we have just taken."""
         planner = self._planner(definition, (row, ops, confirmations))
-        planner.events.append(
-            Event("lease_acquired", detail={"owner": self.owner, "fence": row.fence})
-        )
+        planner.events.append(lease_acquired(self.owner, row.fence))
         return planner
 
     def _plan(

@@ -9,7 +9,6 @@ its registry and the sagas it has just started, never the orchestrator itself.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
 import uuid
 from collections.abc import Callable
@@ -43,7 +42,7 @@ from saga._flows.started import Started, StartedSagas
 from saga._flows.store_ops import StoreOps
 from saga.definition import Saga
 from saga.errors import IdempotencyConflict, NotRegistered, SagaNotFound, StepStateError
-from saga.keys import canonical_form, check_saga_input, same_request
+from saga.keys import canonical_form, check_saga_input, hash_of_form, same_request
 from saga.logs import events_logger, get_logger
 from saga.remedies import LEDGER_PREFIX, SESSION_PREFIX
 from saga.state import HistoryEvent, SagaHandle, SagaState, SagaStatus
@@ -156,7 +155,7 @@ def start(
         tenant_id=tenant,
         key=key,
         input=stored,
-        input_hash=hashlib.sha256(canonical).hexdigest(),  # = saga.input_hash(model)
+        input_hash=hash_of_form(canonical),  # = saga.input_hash(model)
         status=SagaStatus.PENDING,
         error=None,
         direction="forward",

@@ -24,6 +24,7 @@ from saga.keys import (
     canonical_form,
     canonical_json,
     check_json,
+    hash_of_form,
     operation_key,
     request_hash,
     saga_key_prefix,
@@ -474,3 +475,13 @@ def test_action_request_hashes_are_each_steps_whole_request_hash(
     assert action_request_hashes(steps, business, version=version) == whole
     canonical = canonical_form(business, version=version)
     assert action_request_hashes(steps, business, version=version, canonical=canonical) == whole
+
+
+@pytest.mark.parametrize("version", HASH_VERSIONS)
+def test_a_canonical_form_made_ahead_hashes_as_its_request(version: int) -> None:
+    """A start hashes the input's canonical form it made once for the steps' hashes: that
+    hash is the request hash of the same fields, the hex SHA-256 of the form."""
+    business = {"order_id": "o-1", "amount": 4200.0, "lines": [1, 2**60]}
+    form = canonical_form(business, version=version)
+    assert hash_of_form(form) == request_hash(business, version=version)
+    assert hash_of_form(form) == hashlib.sha256(form).hexdigest()
