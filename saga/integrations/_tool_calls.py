@@ -859,6 +859,15 @@ def run_failure(error: BaseException, fail_on: tuple[type[BaseException], ...]) 
     return failed
 
 
+def check_policy(policy: object, tool: str, where: str) -> ToolPolicy:
+    """The policy an adapter was given for `tool`, checked to be a `ToolPolicy`."""
+    if not isinstance(policy, ToolPolicy):
+        raise SagaDefinitionError(
+            f"{where}: the policy of tool {tool!r} must be a ToolPolicy, got {policy!r}"
+        )
+    return policy
+
+
 def _in_key_order(value: Any) -> Any:
     """`value` (JSON) with every object's keys sorted, so that a framework that shows the
     model a result as text shows a replay as it showed the first call."""

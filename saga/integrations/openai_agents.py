@@ -120,6 +120,7 @@ from saga.integrations._tool_calls import (
     ToolCalls,
     ToolPolicy,
     check_fail_on,
+    check_policy,
     run_failure,
     sign_approval,
 )
@@ -352,12 +353,9 @@ class DurableTools:
                 f"DurableTools.wrap takes a FunctionTool, got {type(tool).__name__}; only "
                 "function tools are made durable (hosted tools run at the model's provider)"
             )
-        if policy is not None and not isinstance(policy, ToolPolicy):
-            raise SagaDefinitionError(
-                f"DurableTools.wrap: the policy of tool {tool.name!r} must be a ToolPolicy, "
-                f"got {policy!r}"
-            )
-        return self._wrap(tool, ToolPolicy() if policy is None else policy, None)
+        if policy is None:
+            policy = ToolPolicy()
+        return self._wrap(tool, check_policy(policy, tool.name, "DurableTools.wrap"), None)
 
     def _wrap(
         self, tool: FunctionTool, policy: ToolPolicy, validator: type[BaseModel] | None

@@ -113,6 +113,7 @@ from saga.integrations._tool_calls import (
     ToolCalls,
     ToolPolicy,
     check_fail_on,
+    check_policy,
     run_failure,
     sign_approval,
 )
@@ -260,15 +261,12 @@ class DurableTools(AbstractCapability[Any]):
         fail_on: tuple[type[BaseException], ...] = (),
     ) -> None:
         super().__init__()
-        for tool, policy in (policies or {}).items():
-            if not isinstance(policy, ToolPolicy):
-                raise SagaDefinitionError(
-                    f"DurableTools: the policy of tool {tool!r} must be a ToolPolicy, got "
-                    f"{policy!r}"
-                )
+        self._policies: dict[str, ToolPolicy] = {
+            tool: check_policy(policy, tool, "DurableTools")
+            for tool, policy in (policies or {}).items()
+        }
         self._fail_on = check_fail_on(fail_on, "DurableTools")
         self._approval_key = approval_key
-        self._policies: dict[str, ToolPolicy] = dict(policies or {})
         self._seen: dict[str, ToolPolicy] = {}
         self._agent: AbstractAgent[Any, Any] | None = None
         self._calls: ToolCalls | None = None if name is None else self._tool_calls(name)

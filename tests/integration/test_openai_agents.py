@@ -305,6 +305,9 @@ def test_tools_are_made_durable_only_in_ways_that_keep_their_errors(database_url
         durable.tool(failure_error_function=lambda ctx, exc: "oops")(lookup)
     with pytest.raises(SagaDefinitionError, match="timeout_seconds"):
         durable.tool(timeout=5.0)(lookup)
+    made = function_tool(lookup, failure_error_function=None)
+    with pytest.raises(SagaDefinitionError, match="policy of tool 'lookup' must be a ToolPolicy"):
+        durable.wrap(made, {"key": "{order_id}"})  # type: ignore[arg-type]
     tool = durable.tool(key="{order_id}")(lookup)
     with pytest.raises(SagaDefinitionError, match="a tool named 'lookup' already"):
         durable.wrap(tool)

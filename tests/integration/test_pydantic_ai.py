@@ -259,6 +259,11 @@ def test_a_tool_called_outside_a_session_is_refused_before_it_runs(database_url:
     assert provider.calls == []
 
 
+def test_a_policy_that_is_not_a_tool_policy_is_refused_naming_its_tool() -> None:
+    with pytest.raises(SagaDefinitionError, match="policy of tool 'refund' must be a ToolPolicy"):
+        DurableTools(name="support", policies={"refund": {"key": "{order_id}"}})  # type: ignore[dict-item]
+
+
 # ----- (2) a process killed during a tool call --------------------------------------------------
 
 
