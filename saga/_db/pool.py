@@ -56,4 +56,8 @@ def open_store(
     except Exception as exc:
         pool.close()
         raise unavailable(url, exc) from None
-    return route, Store(pool, transaction_settings=transaction_settings(route, lease_seconds))
+    return route, Store(
+        pool,
+        transaction_settings=transaction_settings(route, lease_seconds),
+        session_hash_version=not route.pooled,
+    )

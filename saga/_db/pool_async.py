@@ -63,4 +63,8 @@ async def open_store(
     except Exception as exc:
         await pool.close()
         raise unavailable(url, exc) from None
-    return route, AsyncStore(pool, transaction_settings=transaction_settings(route, lease_seconds))
+    return route, AsyncStore(
+        pool,
+        transaction_settings=transaction_settings(route, lease_seconds),
+        session_hash_version=not route.pooled,
+    )
