@@ -575,6 +575,11 @@ SELECT set_config('idle_in_transaction_session_timeout', %(idle_ms)s, true),
        set_config('lock_timeout', %(lock_ms)s, true),
        set_config('saga.hash_version', %(hash_version)s, true)
 
+-- session_hash_version --
+-- The request hash version a connection's session says (its startup options on a direct
+-- connection, saga._db.database.session_options); empty when it says none.
+SELECT current_setting('saga.hash_version', true)
+
 -- upgrade_saga --
 -- An operator moves a saga no worker holds to a newer version of its definition (under
 -- its row lock, see saga/upgrade.py): the fence grows and any expired lease ends, so the

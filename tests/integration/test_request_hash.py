@@ -18,6 +18,7 @@ from support import OrchestratorFactory, scalar
 
 from saga import IdempotencyConflict, Orchestrator, Saga, StepContext, durable_step
 from saga._db._store_base import sql
+from saga._db.database import connection_kwargs
 from saga.durable import isolated_steps
 from saga.ledger import CHANNEL_SAGA
 
@@ -374,3 +375,30 @@ def test_updating_operations_takes_no_row_lock_for_a_trigger(database_url: str) 
             " AND tgtype & 1 = 1 AND tgtype & 2 = 2 AND tgtype & 16 = 16"
         ).fetchall()
     assert before_update_row == []
+
+
+def test_the_statements_say_the_version_when_the_session_does_not(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a direct connection the session says the version and the statements leave it
+    out; a pooler that passes for a direct connection may drop the startup options, and
+    then the store, finding its session saying nothing, keeps saying it in each statement:
+    the rows are marked 2 either way."""
+    import saga._db.pool as pool_module
+
+    saga = _invoice_saga()
+    with Orchestrator(database_url, sagas=[saga]) as orch:
+        assert orch.store.session_hash_version is True
+        orch.execute(saga, Invoice(invoice_id="i-1", lines={}))
+
+    def options_dropped(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        given = connection_kwargs(*args, **kwargs)
+        given.pop("options", None)
+        return given
+
+    monkeypatch.setattr(pool_module, "connection_kwargs", options_dropped)
+    with Orchestrator(database_url, sagas=[saga]) as orch:
+        assert orch.store.session_hash_version is False
+        orch.execute(saga, Invoice(invoice_id="i-2", lines={}))
+    assert scalar(database_url, "SELECT min(hash_version) FROM saga.sagas") == 2
+    assert scalar(database_url, "SELECT min(hash_version) FROM saga.operations") == 2
