@@ -116,9 +116,9 @@ class StoreConnections:
         """The named statement `name`, one that writes operations or sagas, as these
         connections need it. Through a pooler, `name` says the request hash version of the
         rows it writes in the statement (saga.hashed_under, migration 0023), since the
-        statement may run in a transaction of its own; on a direct connection the session
-        says it from the start and `name`_direct, the same statement without
-        saga.hashed_under, is sent."""
+        statement may run in a transaction of its own; on a direct connection whose session
+        says it from the start (read when the pool opens) `name`_direct, the same statement
+        without saga.hashed_under, is sent."""
         return sql(f"{name}_direct") if self.session_hash_version else sql(name)
 
     def _set_timeouts(self, conn: Conn) -> None:
