@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Generic, Protocol, TypeVar, cast
+from typing import Any, Generic, LiteralString, Protocol, TypeVar, cast
 
 import psycopg
 from psycopg.rows import dict_row
@@ -98,11 +98,18 @@ class AsyncStoreConnections:
     """
 
     def __init__(
-        self, pool: AsyncConnectionPool[Any], *, transaction_settings: dict[str, str] | None = None
+        self,
+        pool: AsyncConnectionPool[Any],
+        *,
+        transaction_settings: dict[str, str] | None = None,
+        session_hash_version: bool = False,
     ) -> None:
         self.pool = pool
         # Through a transaction pooler: the timeouts each transaction sets for itself.
         self.transaction_settings = transaction_settings
+        # On a direct connection: the session says the request hash version (a startup
+        # option, `session_options`), so the writing statements need not (`hashed`).
+        self.session_hash_version = session_hash_version
         # The pool's URL, for errors that say which database (never its password).
         self._conninfo = pool.conninfo if isinstance(pool.conninfo, str) else ""
 
@@ -112,6 +119,15 @@ class AsyncStoreConnections:
         async with self._connection() as conn, conn.transaction():
             await self._set_timeouts(conn)
             yield conn
+
+    def hashed(self, name: str) -> LiteralString:
+        """The named statement `name`, one that writes operations or sagas, as these
+        connections need it. Through a pooler, `name` says the request hash version of the
+        rows it writes in the statement (saga.hashed_under, migration 0023), since the
+        statement may run in a transaction of its own; on a direct connection whose session
+        says it from the start (read when the pool opens) `name`_direct, the same statement
+        without saga.hashed_under, is sent."""
+        return sql(f"{name}_direct") if self.session_hash_version else sql(name)
 
     async def _set_timeouts(self, conn: AConn) -> None:
         """The transaction's own timeouts, when the connection may not carry them

@@ -50,9 +50,17 @@ class DriveStore(StoreConnections):
     """Claims, leases, starts and writes of the sagas the workers and doors drive."""
 
     def __init__(
-        self, pool: ConnectionPool[Any], *, transaction_settings: dict[str, str] | None = None
+        self,
+        pool: ConnectionPool[Any],
+        *,
+        transaction_settings: dict[str, str] | None = None,
+        session_hash_version: bool = False,
     ) -> None:
-        super().__init__(pool, transaction_settings=transaction_settings)
+        super().__init__(
+            pool,
+            transaction_settings=transaction_settings,
+            session_hash_version=session_hash_version,
+        )
         self.group: GroupCommit[Jsonb, SagaState | None] = GroupCommit(
             self._write_one, self._write_many
         )
@@ -155,7 +163,7 @@ class DriveStore(StoreConnections):
         transaction. Returns the read of the answers, in order, to call once the
         transaction has committed: a saga's state when its write gave the lease back."""
         params = batch_params(writes, owner=owner, lease_seconds=lease_seconds)
-        written = conn.execute(sql("write_sagas"), {"writes": params})
+        written = conn.execute(self.hashed("write_sagas"), {"writes": params})
         conninfo = self._conninfo
         return RowRead(written, lambda row: batch_answers(row, conninfo))
 
@@ -197,7 +205,7 @@ class DriveStore(StoreConnections):
         start = start_params(
             saga, ops, events, lease_seconds=lease_seconds, notify=notify, token=token
         )
-        cur = conn.execute(sql("start_saga"), {"start": start})
+        cur = conn.execute(self.hashed("start_saga"), {"start": start})
         row = cur.fetchone()
         assert row is not None
         return started(saga, row["outcome"])
@@ -234,7 +242,7 @@ class DriveStore(StoreConnections):
             write, start_token=start_token, owner=owner, lease_seconds=lease_seconds, token=token
         )
         with self._connection() as conn:
-            cur = conn.execute(sql("claim_started"), {"claim": claim})
+            cur = conn.execute(self.hashed("claim_started"), {"claim": claim})
             row = cur.fetchone()
         assert row is not None
         return claimed_started(row["outcome"])
@@ -291,7 +299,7 @@ class DriveStore(StoreConnections):
         `write.return_state`), to call once the statement's result has arrived: at once
         in a plain transaction, after the block in a pipelined one."""
         params = write_params(write, owner=owner, lease_seconds=lease_seconds, token=token)
-        written = conn.execute(sql("write_saga"), {"write": params})
+        written = conn.execute(self.hashed("write_saga"), {"write": params})
         for approval in approval_params(write):
             conn.execute(sql("record_approval"), approval)
         return RowRead(written, state_answer)
@@ -319,13 +327,13 @@ class DriveStore(StoreConnections):
 
     def _write_one(self, params: Jsonb) -> SagaState | None:
         with self._connection() as conn:
-            cur = conn.execute(sql("write_saga"), {"write": params})
+            cur = conn.execute(self.hashed("write_saga"), {"write": params})
             row = cur.fetchone()
         return state_answer(row)
 
     def _write_many(self, batch: Sequence[Jsonb]) -> list[SagaState | SagaError | None]:
         with self._connection() as conn:
-            cur = conn.execute(sql("write_sagas"), {"writes": writes_of(batch)})
+            cur = conn.execute(self.hashed("write_sagas"), {"writes": writes_of(batch)})
             row = cur.fetchone()
         return batch_answers(row, self._conninfo)
 

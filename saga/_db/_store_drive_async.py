@@ -48,9 +48,17 @@ class AsyncDriveStore(AsyncStoreConnections):
     """Claims, leases, starts and writes of the sagas the workers and doors drive."""
 
     def __init__(
-        self, pool: AsyncConnectionPool[Any], *, transaction_settings: dict[str, str] | None = None
+        self,
+        pool: AsyncConnectionPool[Any],
+        *,
+        transaction_settings: dict[str, str] | None = None,
+        session_hash_version: bool = False,
     ) -> None:
-        super().__init__(pool, transaction_settings=transaction_settings)
+        super().__init__(
+            pool,
+            transaction_settings=transaction_settings,
+            session_hash_version=session_hash_version,
+        )
         self.group: GroupCommit[Jsonb, SagaState | None] = GroupCommit(
             self._write_one, self._write_many
         )
@@ -155,7 +163,7 @@ class AsyncDriveStore(AsyncStoreConnections):
         transaction. Returns the read of the answers, in order, to call once the
         transaction has committed: a saga's state when its write gave the lease back."""
         params = batch_params(writes, owner=owner, lease_seconds=lease_seconds)
-        written = await conn.execute(sql("write_sagas"), {"writes": params})
+        written = await conn.execute(self.hashed("write_sagas"), {"writes": params})
         conninfo = self._conninfo
         return RowRead(written, lambda row: batch_answers(row, conninfo))
 
@@ -197,7 +205,7 @@ class AsyncDriveStore(AsyncStoreConnections):
         start = start_params(
             saga, ops, events, lease_seconds=lease_seconds, notify=notify, token=token
         )
-        cur = await conn.execute(sql("start_saga"), {"start": start})
+        cur = await conn.execute(self.hashed("start_saga"), {"start": start})
         row = await cur.fetchone()
         assert row is not None
         return started(saga, row["outcome"])
@@ -234,7 +242,7 @@ class AsyncDriveStore(AsyncStoreConnections):
             write, start_token=start_token, owner=owner, lease_seconds=lease_seconds, token=token
         )
         async with self._connection() as conn:
-            cur = await conn.execute(sql("claim_started"), {"claim": claim})
+            cur = await conn.execute(self.hashed("claim_started"), {"claim": claim})
             row = await cur.fetchone()
         assert row is not None
         return claimed_started(row["outcome"])
@@ -291,7 +299,7 @@ class AsyncDriveStore(AsyncStoreConnections):
         `write.return_state`), to call once the statement's result has arrived: at once
         in a plain transaction, after the block in a pipelined one."""
         params = write_params(write, owner=owner, lease_seconds=lease_seconds, token=token)
-        written = await conn.execute(sql("write_saga"), {"write": params})
+        written = await conn.execute(self.hashed("write_saga"), {"write": params})
         for approval in approval_params(write):
             await conn.execute(sql("record_approval"), approval)
         return RowRead(written, state_answer)
@@ -319,13 +327,13 @@ class AsyncDriveStore(AsyncStoreConnections):
 
     async def _write_one(self, params: Jsonb) -> SagaState | None:
         async with self._connection() as conn:
-            cur = await conn.execute(sql("write_saga"), {"write": params})
+            cur = await conn.execute(self.hashed("write_saga"), {"write": params})
             row = await cur.fetchone()
         return state_answer(row)
 
     async def _write_many(self, batch: Sequence[Jsonb]) -> list[SagaState | SagaError | None]:
         async with self._connection() as conn:
-            cur = await conn.execute(sql("write_sagas"), {"writes": writes_of(batch)})
+            cur = await conn.execute(self.hashed("write_sagas"), {"writes": writes_of(batch)})
             row = await cur.fetchone()
         return batch_answers(row, self._conninfo)
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from psycopg.rows import tuple_row
 from psycopg_pool import ConnectionPool
 
+from saga._db._store_base import sql
 from saga._db.database import (
     Route,
     check_connection,
@@ -22,6 +24,7 @@ from saga._db.database import (
 )
 from saga._db.migrate import migrate_database
 from saga._db.store import Store
+from saga.keys import HASH_VERSION
 
 # How long opening the pool may wait for its first connection (seconds).
 OPEN_TIMEOUT_SECONDS = 10.0
@@ -53,7 +56,25 @@ def open_store(
     )
     try:
         pool.open(wait=True, timeout=OPEN_TIMEOUT_SECONDS)
+        said = not route.pooled and _session_says_hash_version(pool)
     except Exception as exc:
         pool.close()
         raise unavailable(url, exc) from None
-    return route, Store(pool, transaction_settings=transaction_settings(route, lease_seconds))
+    return route, Store(
+        pool,
+        transaction_settings=transaction_settings(route, lease_seconds),
+        session_hash_version=said,
+    )
+
+
+def _session_says_hash_version(pool: ConnectionPool[Any]) -> bool:
+    """Whether the pool's connections carry the request hash version from their startup
+    options (`session_options`), so that the store may leave it out of its statements.
+    A pooler `behind_pooler` does not detect may drop the options (PgBouncer's
+    `ignore_startup_parameters`): its connections say nothing, and the statements keep
+    saying the version themselves."""
+    with pool.connection() as conn:
+        cur = conn.cursor(row_factory=tuple_row)
+        cur.execute(sql("session_hash_version"))
+        row = cur.fetchone()
+    return row is not None and row[0] == str(HASH_VERSION)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from psycopg.rows import tuple_row
 from psycopg_pool import AsyncConnectionPool
 
+from saga._db._store_base import sql
 from saga._db.database import (
     Route,
     check_connection,
@@ -20,6 +22,7 @@ from saga._db.database import (
 )
 from saga._db.migrate import migrate_database
 from saga._db.store_async import AsyncStore
+from saga.keys import HASH_VERSION
 
 if True:  # ASYNC
     import asyncio
@@ -60,7 +63,25 @@ async def open_store(
     )
     try:
         await pool.open(wait=True, timeout=OPEN_TIMEOUT_SECONDS)
+        said = not route.pooled and await _session_says_hash_version(pool)
     except Exception as exc:
         await pool.close()
         raise unavailable(url, exc) from None
-    return route, AsyncStore(pool, transaction_settings=transaction_settings(route, lease_seconds))
+    return route, AsyncStore(
+        pool,
+        transaction_settings=transaction_settings(route, lease_seconds),
+        session_hash_version=said,
+    )
+
+
+async def _session_says_hash_version(pool: AsyncConnectionPool[Any]) -> bool:
+    """Whether the pool's connections carry the request hash version from their startup
+    options (`session_options`), so that the store may leave it out of its statements.
+    A pooler `behind_pooler` does not detect may drop the options (PgBouncer's
+    `ignore_startup_parameters`): its connections say nothing, and the statements keep
+    saying the version themselves."""
+    async with pool.connection() as conn:
+        cur = conn.cursor(row_factory=tuple_row)
+        await cur.execute(sql("session_hash_version"))
+        row = await cur.fetchone()
+    return row is not None and row[0] == str(HASH_VERSION)

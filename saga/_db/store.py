@@ -111,7 +111,7 @@ class Store(DriveStore, VerbStore, ReadStore):
         """Claim one call of a ledger channel (saga.ledger_claim, one statement): the
         verdict row."""
         with self._connection() as conn:
-            cur = conn.execute(sql("ledger_claim"), ledger_params(params))
+            cur = conn.execute(self.hashed("ledger_claim"), ledger_params(params))
             row = cur.fetchone()
         assert row is not None
         return row

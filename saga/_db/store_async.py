@@ -109,7 +109,7 @@ class AsyncStore(AsyncDriveStore, AsyncVerbStore, AsyncReadStore):
         """Claim one call of a ledger channel (saga.ledger_claim, one statement): the
         verdict row."""
         async with self._connection() as conn:
-            cur = await conn.execute(sql("ledger_claim"), ledger_params(params))
+            cur = await conn.execute(self.hashed("ledger_claim"), ledger_params(params))
             row = await cur.fetchone()
         assert row is not None
         return row

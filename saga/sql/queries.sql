@@ -381,6 +381,11 @@ SELECT saga.assert_fence(%(saga_id)s, %(owner)s, %(fence)s, %(lease_seconds)s)
 -- (saga.keys.HASH_VERSION, migration 0023).
 SELECT saga.write_saga_v4(saga.hashed_under(2, %(write)s::jsonb)) AS state
 
+-- write_saga_direct --
+-- `write_saga` on a direct connection, whose session says the request hash version
+-- (a startup option, saga._db.database.session_options): no saga.hashed_under.
+SELECT saga.write_saga_v4(%(write)s::jsonb) AS state
+
 -- write_sagas --
 -- The writes of several sagas in one statement and one commit (group commit): one
 -- result per write, in order, each its state or the error that refused it. Applied as a
@@ -388,6 +393,11 @@ SELECT saga.write_saga_v4(saga.hashed_under(2, %(write)s::jsonb)) AS state
 -- and answers the same). saga.hashed_under(2, ...): the rows it writes record request
 -- hash version 2 (saga.keys.HASH_VERSION, migration 0023).
 SELECT saga.write_sagas_v2(saga.hashed_under(2, %(writes)s::jsonb)) AS results
+
+-- write_sagas_direct --
+-- `write_sagas` on a direct connection, whose session says the request hash version
+-- (a startup option, saga._db.database.session_options): no saga.hashed_under.
+SELECT saga.write_sagas_v2(%(writes)s::jsonb) AS results
 
 -- own_claim --
 -- The saga this owner's claim took, found by the token of the claim's first write: a worker
@@ -425,12 +435,22 @@ WHERE id = %(saga_id)s
 -- (saga.keys.HASH_VERSION, migration 0023).
 SELECT saga.start_saga_v3(saga.hashed_under(2, %(start)s::jsonb)) AS outcome
 
+-- start_saga_direct --
+-- `start_saga` on a direct connection, whose session says the request hash version
+-- (a startup option, saga._db.database.session_options): no saga.hashed_under.
+SELECT saga.start_saga_v3(%(start)s::jsonb) AS outcome
+
 -- claim_started --
 -- Claim a saga unclaimed and unchanged since the start that stored `start_token`, and
 -- record the first move its starter planned, in one statement (migration 0020).
 -- saga.hashed_under(2, ...): the rows it writes record request hash version 2
 -- (saga.keys.HASH_VERSION, migration 0023).
 SELECT saga.claim_started_v1(saga.hashed_under(2, %(claim)s::jsonb)) AS outcome
+
+-- claim_started_direct --
+-- `claim_started` on a direct connection, whose session says the request hash version
+-- (a startup option, saga._db.database.session_options): no saga.hashed_under.
+SELECT saga.claim_started_v1(%(claim)s::jsonb) AS outcome
 
 -- database_gauges --
 -- What the telemetry's gauges report of the database, per saga name (saga.telemetry): sagas
@@ -515,6 +535,16 @@ FROM saga.ledger_claim_v2(%(tenant)s, %(name)s, %(channel)s, %(new_id)s, %(input
                           %(request)s::jsonb, %(owner)s, %(lease_seconds)s::float8,
                           %(max_attempts)s::integer)
 
+-- ledger_claim_direct --
+-- `ledger_claim` on a direct connection, whose session says the request hash version
+-- (a startup option, saga._db.database.session_options): no saga.hashed_under.
+SELECT *
+FROM saga.ledger_claim_v2(%(tenant)s, %(name)s, %(channel)s, %(new_id)s, %(input_hash)s,
+                          %(step)s, %(long_step)s, %(idempotency_key)s,
+                          %(request_hash)s::text,
+                          %(request)s::jsonb, %(owner)s, %(lease_seconds)s::float8,
+                          %(max_attempts)s::integer)
+
 -- ledger_settle --
 -- The holder of a ledger claim records its call's outcome, or extends its lease; SG001
 -- when the claim is no longer the holder's.
@@ -544,6 +574,11 @@ FROM saga.ledger_close(%(tenant)s, %(name)s, %(channel)s, %(actor)s)
 SELECT set_config('idle_in_transaction_session_timeout', %(idle_ms)s, true),
        set_config('lock_timeout', %(lock_ms)s, true),
        set_config('saga.hash_version', %(hash_version)s, true)
+
+-- session_hash_version --
+-- The request hash version a connection's session says (its startup options on a direct
+-- connection, saga._db.database.session_options); empty when it says none.
+SELECT current_setting('saga.hash_version', true)
 
 -- upgrade_saga --
 -- An operator moves a saga no worker holds to a newer version of its definition (under

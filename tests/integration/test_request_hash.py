@@ -12,10 +12,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.types.json import Jsonb
 from pydantic import BaseModel
 from support import OrchestratorFactory, scalar
 
 from saga import IdempotencyConflict, Orchestrator, Saga, StepContext, durable_step
+from saga._db._store_base import sql
+from saga._db.database import connection_kwargs
 from saga.durable import isolated_steps
 from saga.ledger import CHANNEL_SAGA
 
@@ -237,3 +240,165 @@ def test_an_approval_given_before_the_upgrade_still_releases_its_attempt(
         done = orch.run(state.id)
         assert (done.status, calls) == ("completed", [1])
         assert [c.consumed_attempt for c in orch.confirmations(state.id)] == [1]
+
+
+# ----- a request hash changed later (migrations 0023 and 0028) ----------------------------
+
+
+_SAGA_ROW = {
+    "status": "running",
+    "direction": "forward",
+    "operations_executed": 0,
+    "spent": 0,
+    "side_effects": 0,
+}
+
+
+def _operation(url: str, version: int) -> uuid.UUID:
+    """A saga with one operation whose request hash `h1` was written under `version`."""
+    saga_id = uuid.uuid4()
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO saga.sagas (id, name, version, tenant_id, key, input, input_hash,"
+            " status) VALUES (%s, 'invoice', 1, '', %s, '{}', 'i', 'running')",
+            (saga_id, str(saga_id)),
+        )
+        conn.execute(
+            "INSERT INTO saga.operations (saga_id, step, kind, position, idempotency_key,"
+            " request_hash, max_attempts, hash_version)"
+            " VALUES (%s, 'bill', 'action', 0, %s, 'h1', 3, %s)",
+            (saga_id, f"k-{saga_id}", version),
+        )
+    return saga_id
+
+
+def _changed_op(request_hash: str) -> dict[str, Any]:
+    """The operation `bill` as a write sends it, its request hash changed (prepared again)."""
+    return {
+        "kind": "action",
+        "step": "bill",
+        "status": "pending",
+        "attempts": 0,
+        "max_attempts": 3,
+        "request_hash": request_hash,
+        "reconcile_asks": 0,
+        "retrying_unknown": False,
+    }
+
+
+def _version(url: str, saga_id: uuid.UUID) -> tuple[str, int]:
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            "SELECT request_hash, hash_version FROM saga.operations WHERE saga_id = %s",
+            (saga_id,),
+        ).fetchone()
+    assert row is not None
+    return row[0], row[1]
+
+
+def test_a_changed_request_hash_takes_the_version_of_whoever_changed_it(
+    database_url: str,
+) -> None:
+    """A request hash changed by a release that does not know hash versions (through its
+    write function, or a plain UPDATE, on a connection that says no version) is marked 1;
+    one changed by this release (its session or its statement says 2, direct or through a
+    pooler) is marked 2, in the state the write reads back too; an update that leaves the
+    hash as it is leaves its version."""
+    with Orchestrator(database_url):
+        pass  # migrated
+
+    # An older release's worker: saga.write_saga_v3 (migration 0011), no version said.
+    older = _operation(database_url, 2)
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            "SELECT saga.write_saga_v3(%s)",
+            (Jsonb({"saga_id": str(older), "ops": [_changed_op("h-old")]}),),
+        )
+    assert _version(database_url, older) == ("h-old", 1)
+
+    # A plain UPDATE, without and with the version said.
+    plain = _operation(database_url, 2)
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE saga.operations SET request_hash = 'h-plain' WHERE saga_id = %s", (plain,)
+        )
+    assert _version(database_url, plain) == ("h-plain", 1)
+    with psycopg.connect(database_url, autocommit=True, options="-c saga.hash_version=2") as conn:
+        conn.execute(
+            "UPDATE saga.operations SET request_hash = 'h-plain-2' WHERE saga_id = %s", (plain,)
+        )
+    assert _version(database_url, plain) == ("h-plain-2", 2)
+
+    # This release, on a direct connection: the session says 2, the statement does not.
+    direct = _operation(database_url, 1)
+    write = {
+        "saga_id": str(direct),
+        "saga": _SAGA_ROW,
+        "ops": [_changed_op("h-direct")],
+        "return_state": True,
+    }
+    with psycopg.connect(database_url, autocommit=True, options="-c saga.hash_version=2") as conn:
+        row = conn.execute(sql("write_sagas_direct"), {"writes": Jsonb([write])}).fetchone()
+    assert row is not None
+    [answer] = row[0]
+    assert [op["hash_version"] for op in answer["state"]["operations"]] == [2]
+    assert _version(database_url, direct) == ("h-direct", 2)
+
+    # Through a pooler: the statement says 2 (saga.hashed_under), the session nothing.
+    pooled = _operation(database_url, 1)
+    write = {"saga_id": str(pooled), "saga": _SAGA_ROW, "ops": [_changed_op("h-pooled")]}
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(sql("write_sagas"), {"writes": Jsonb([write])})
+        conn.execute(
+            sql("write_saga"),
+            {"write": Jsonb({"saga_id": str(pooled), "ops": [_changed_op("h-pooled-2")]})},
+        )
+    assert _version(database_url, pooled) == ("h-pooled-2", 2)
+
+    # The hash sent again as it is: the row keeps the version it was hashed under.
+    kept = _operation(database_url, 1)
+    write = {"saga_id": str(kept), "saga": _SAGA_ROW, "ops": [_changed_op("h1")]}
+    with psycopg.connect(database_url, autocommit=True, options="-c saga.hash_version=2") as conn:
+        conn.execute(sql("write_sagas_direct"), {"writes": Jsonb([write])})
+    assert _version(database_url, kept) == ("h1", 1)
+
+
+def test_updating_operations_takes_no_row_lock_for_a_trigger(database_url: str) -> None:
+    """No row-level BEFORE UPDATE trigger on saga.operations (migration 0028): the executor
+    locks each row it updates for one (one more WAL record a row), whatever the trigger's
+    columns and WHEN clause, and a saga's writes update its operation rows six times."""
+    with Orchestrator(database_url):
+        pass  # migrated
+    with psycopg.connect(database_url) as conn:
+        before_update_row = conn.execute(
+            "SELECT tgname FROM pg_trigger WHERE tgrelid = 'saga.operations'::regclass"
+            " AND tgtype & 1 = 1 AND tgtype & 2 = 2 AND tgtype & 16 = 16"
+        ).fetchall()
+    assert before_update_row == []
+
+
+def test_the_statements_say_the_version_when_the_session_does_not(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a direct connection the session says the version and the statements leave it
+    out; a pooler that passes for a direct connection may drop the startup options, and
+    then the store, finding its session saying nothing, keeps saying it in each statement:
+    the rows are marked 2 either way."""
+    import saga._db.pool as pool_module
+
+    saga = _invoice_saga()
+    with Orchestrator(database_url, sagas=[saga]) as orch:
+        assert orch.store.session_hash_version is True
+        orch.execute(saga, Invoice(invoice_id="i-1", lines={}))
+
+    def options_dropped(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        given = connection_kwargs(*args, **kwargs)
+        given.pop("options", None)
+        return given
+
+    monkeypatch.setattr(pool_module, "connection_kwargs", options_dropped)
+    with Orchestrator(database_url, sagas=[saga]) as orch:
+        assert orch.store.session_hash_version is False
+        orch.execute(saga, Invoice(invoice_id="i-2", lines={}))
+    assert scalar(database_url, "SELECT min(hash_version) FROM saga.sagas") == 2
+    assert scalar(database_url, "SELECT min(hash_version) FROM saga.operations") == 2

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 import saga
 from saga import Saga
+from saga._db._store_base import QUERIES
 from saga.keys import (
     HASH_VERSION,
     HASH_VERSIONS,
@@ -427,6 +428,26 @@ def test_the_writing_statements_record_the_current_hash_version() -> None:
     marks = re.findall(r"saga\.hashed_under\((\d+),", code)
     assert len(marks) == 5
     assert set(marks) == {str(HASH_VERSION)}
+
+
+def test_each_writing_statement_has_a_direct_twin_without_the_wrapper() -> None:
+    """On a direct connection the session says the request hash version (a startup option),
+    and the store sends `name`_direct: the same statement as `name` without
+    saga.hashed_under, which cost a function call a statement (migration 0023)."""
+    wrapped = {name: text for name, text in QUERIES.items() if "saga.hashed_under(" in text}
+    assert sorted(wrapped) == [
+        "claim_started",
+        "ledger_claim",
+        "start_saga",
+        "write_saga",
+        "write_sagas",
+    ]
+    for name, text in wrapped.items():
+        body = "\n".join(line for line in text.splitlines() if not line.startswith("--"))
+        plain = re.sub(r"saga\.hashed_under\(\d+, (%\(\w+\)s::\w+)\)", r"\1", body)
+        direct = QUERIES[f"{name}_direct"]
+        code = "\n".join(line for line in direct.splitlines() if not line.startswith("--"))
+        assert code == plain and "hashed_under" not in code
 
 
 def test_the_documented_key_escaping_example_is_what_the_code_writes() -> None:
