@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from psycopg import Connection
 from psycopg_pool import ConnectionPool
 
 from saga._db.database import (
@@ -20,6 +21,7 @@ from saga._db.database import (
     transaction_settings,
     unavailable,
 )
+from saga._db.jsonloads import use_on
 from saga._db.migrate import migrate_database
 from saga._db.store import Store
 
@@ -50,6 +52,7 @@ def open_store(
         kwargs=connection_kwargs(url, lease_seconds, route, prepared_statements),
         open=False,
         name=name,
+        configure=_configure,
     )
     try:
         pool.open(wait=True, timeout=OPEN_TIMEOUT_SECONDS)
@@ -57,3 +60,9 @@ def open_store(
         pool.close()
         raise unavailable(url, exc) from None
     return route, Store(pool, transaction_settings=transaction_settings(route, lease_seconds))
+
+
+def _configure(conn: Connection[Any]) -> None:
+    """A new connection of the pool reads JSON with orjson where that reads it as the
+    json module does (`saga._db.jsonloads`)."""
+    use_on(conn)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
 from saga._db.database import (
@@ -18,6 +19,7 @@ from saga._db.database import (
     transaction_settings,
     unavailable,
 )
+from saga._db.jsonloads import use_on
 from saga._db.migrate import migrate_database
 from saga._db.store_async import AsyncStore
 
@@ -57,6 +59,7 @@ async def open_store(
         kwargs=connection_kwargs(url, lease_seconds, route, prepared_statements),
         open=False,
         name=name,
+        configure=_configure,
     )
     try:
         await pool.open(wait=True, timeout=OPEN_TIMEOUT_SECONDS)
@@ -64,3 +67,9 @@ async def open_store(
         await pool.close()
         raise unavailable(url, exc) from None
     return route, AsyncStore(pool, transaction_settings=transaction_settings(route, lease_seconds))
+
+
+async def _configure(conn: AsyncConnection[Any]) -> None:
+    """A new connection of the pool reads JSON with orjson where that reads it as the
+    json module does (`saga._db.jsonloads`)."""
+    use_on(conn)
