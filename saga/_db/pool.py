@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from psycopg import Connection
 from psycopg.rows import tuple_row
 from psycopg_pool import ConnectionPool
 
@@ -22,6 +23,7 @@ from saga._db.database import (
     transaction_settings,
     unavailable,
 )
+from saga._db.jsonloads import use_on
 from saga._db.migrate import migrate_database
 from saga._db.store import Store
 from saga.keys import HASH_VERSION
@@ -53,6 +55,7 @@ def open_store(
         kwargs=connection_kwargs(url, lease_seconds, route, prepared_statements),
         open=False,
         name=name,
+        configure=_configure,
     )
     try:
         pool.open(wait=True, timeout=OPEN_TIMEOUT_SECONDS)
@@ -78,3 +81,9 @@ def _session_says_hash_version(pool: ConnectionPool[Any]) -> bool:
         cur.execute(sql("session_hash_version"))
         row = cur.fetchone()
     return row is not None and row[0] == str(HASH_VERSION)
+
+
+def _configure(conn: Connection[Any]) -> None:
+    """A new connection of the pool reads JSON with orjson where that reads it as the
+    json module does (`saga._db.jsonloads`)."""
+    use_on(conn)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from psycopg import AsyncConnection
 from psycopg.rows import tuple_row
 from psycopg_pool import AsyncConnectionPool
 
@@ -20,6 +21,7 @@ from saga._db.database import (
     transaction_settings,
     unavailable,
 )
+from saga._db.jsonloads import use_on
 from saga._db.migrate import migrate_database
 from saga._db.store_async import AsyncStore
 from saga.keys import HASH_VERSION
@@ -60,6 +62,7 @@ async def open_store(
         kwargs=connection_kwargs(url, lease_seconds, route, prepared_statements),
         open=False,
         name=name,
+        configure=_configure,
     )
     try:
         await pool.open(wait=True, timeout=OPEN_TIMEOUT_SECONDS)
@@ -85,3 +88,9 @@ async def _session_says_hash_version(pool: AsyncConnectionPool[Any]) -> bool:
         await cur.execute(sql("session_hash_version"))
         row = await cur.fetchone()
     return row is not None and row[0] == str(HASH_VERSION)
+
+
+async def _configure(conn: AsyncConnection[Any]) -> None:
+    """A new connection of the pool reads JSON with orjson where that reads it as the
+    json module does (`saga._db.jsonloads`)."""
+    use_on(conn)
