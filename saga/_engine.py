@@ -200,8 +200,11 @@ class Engine:
             return code_first
         return self._registry.get((name, version))
 
-    def runner_options(self, *, max_inline_sleep: float = math.inf) -> RunnerOptions:
-        """Lease settings of this orchestrator, for runners."""
+    def runner_options(
+        self, *, max_inline_sleep: float = math.inf, answers: bool = True
+    ) -> RunnerOptions:
+        """Lease settings of this orchestrator, for runners (`answers`: see
+        `RunnerOptions`)."""
         return RunnerOptions(
             owner=self.owner,
             lease_seconds=self.lease_seconds,
@@ -209,6 +212,7 @@ class Engine:
             max_inline_sleep=max_inline_sleep,
             approval_verifier=self.approval_verifier,
             telemetry_keys=self.telemetry_keys,
+            answers=answers,
         )
 
     def purge_cutoff_days(self, older_than_days: float | None = None) -> float:

@@ -111,14 +111,19 @@ class OrchestratorBase(Engine):
         pool.resize(min_size=pool.min_size, max_size=self.pool_size_for(connections, pool.max_size))
 
     def runner(
-        self, *, stopping: Event | None = None, max_inline_sleep: float | None = None
+        self,
+        *,
+        stopping: Event | None = None,
+        max_inline_sleep: float | None = None,
+        answers: bool = True,
     ) -> Runner:
         """A driver of this orchestrator's flows (for an `AsyncOrchestrator`, on the
-        running loop)."""
+        running loop); `answers` False for a driver that drops the state a drive ends
+        with (`RunnerOptions.answers`)."""
         options = (
-            self.runner_options()
+            self.runner_options(answers=answers)
             if max_inline_sleep is None
-            else self.runner_options(max_inline_sleep=max_inline_sleep)
+            else self.runner_options(max_inline_sleep=max_inline_sleep, answers=answers)
         )
         store = self._connected()
         keeper = self.lease_keeper

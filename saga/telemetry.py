@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from saga.errors import LeaseLost
 from saga.logs import get_logger
-from saga.state import OperationStatus
+from saga.state import OperationStatus, SagaStatus
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
     from saga._core.planner import OpRow, Planner, SagaRow
     from saga._core.rows import Event
-    from saga.state import DatabaseGauges, SagaState
+    from saga.state import DatabaseGauges
 
 try:
     from opentelemetry import context as _context
@@ -410,11 +410,14 @@ def watch_run(saga: SagaRow, *, keys: bool) -> RunWatch | None:
     return watch
 
 
-def end_run(watch: RunWatch, state: SagaState | None, failure: BaseException | None = None) -> None:
-    """End a drive's span, and count it by how it ended: the state it left the saga in, or
-    `failure`, what it raised (`abandoned` for a flow closed unfinished)."""
+def end_run(
+    watch: RunWatch, status: SagaStatus | None, failure: BaseException | None = None
+) -> None:
+    """End a drive's span, and count it by how it ended: the status it left the saga in
+    (None: the lease was lost), or `failure`, what it raised (`abandoned` for a flow
+    closed unfinished)."""
     if failure is None:
-        outcome = _run_outcome(state)
+        outcome = _run_outcome(status)
     else:
         outcome = "abandoned" if isinstance(failure, GeneratorExit) else "error"
     if watch.span is not None:
@@ -426,15 +429,15 @@ def end_run(watch: RunWatch, state: SagaState | None, failure: BaseException | N
             watch.instruments.tally.add(FENCING_REJECTIONS, ("saga", watch.saga))
 
 
-def _run_outcome(state: SagaState | None) -> str:
+def _run_outcome(status: SagaStatus | None) -> str:
     """How a drive ended: the status it left the saga in (completed, compensated,
     needs_review, awaiting_confirmation, cancelled), `handed_back` when the saga is still
     runnable (a long backoff, a shutdown), `lease_lost` when another owner took it over."""
-    if state is None:
+    if status is None:
         return "lease_lost"
-    if state.status.is_runnable:
+    if status.is_runnable:
         return "handed_back"
-    return state.status.value
+    return status.value
 
 
 @dataclass(slots=True)

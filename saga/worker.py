@@ -80,7 +80,11 @@ class WorkerEngine(Protocol):
     def ensure_pool_size(self, connections: int) -> None: ...
 
     def runner(
-        self, *, stopping: Event | None = None, max_inline_sleep: float | None = None
+        self,
+        *,
+        stopping: Event | None = None,
+        max_inline_sleep: float | None = None,
+        answers: bool = True,
     ) -> Runner: ...
 
 
@@ -288,8 +292,11 @@ class Worker:
         while not self._stopping.is_set():
             attempt += 1
             try:
+                # A worker drops the state a drive ends with: it is not read back.
                 runner = orch.runner(
-                    stopping=self._stopping, max_inline_sleep=self.short_wait_seconds
+                    stopping=self._stopping,
+                    max_inline_sleep=self.short_wait_seconds,
+                    answers=False,
                 )
                 runner.store.check_privileges("worker")
                 return runner

@@ -102,7 +102,11 @@ class AsyncWorkerEngine(Protocol):
     async def ensure_pool_size(self, connections: int) -> None: ...
 
     async def runner(
-        self, *, stopping: Event | None = None, max_inline_sleep: float | None = None
+        self,
+        *,
+        stopping: Event | None = None,
+        max_inline_sleep: float | None = None,
+        answers: bool = True,
     ) -> AsyncRunner: ...
 
 
@@ -331,8 +335,11 @@ class AsyncWorker:
         while not self._stopping.is_set():
             attempt += 1
             try:
+                # A worker drops the state a drive ends with: it is not read back.
                 runner = await orch.runner(
-                    stopping=self._stopping, max_inline_sleep=self.short_wait_seconds
+                    stopping=self._stopping,
+                    max_inline_sleep=self.short_wait_seconds,
+                    answers=False,
                 )
                 await runner.store.check_privileges("worker")
                 return runner

@@ -349,13 +349,15 @@ def transition(
     may_call: bool,
     owner: str | None,
     max_inline_sleep: float,
+    answer: bool = True,
 ) -> Transition:
     """Apply `outcome` (None: none, only the moves that need no call) at time `now`,
     plan the moves that follow (`Planner.advance`, nothing new started unless
     `may_call`), and make the write of all of it for the lease holder `owner`
-    (`Planner.write`). A saga that cannot be planned (an operation its definition no
-    longer declares, user code in a cost function, confirm rule or input model that
-    raises) is parked with the reason instead: the planner calls user code before it
+    (`Planner.write`, reading the state back when it gives the lease up and `answer`).
+    A saga that cannot be planned (an operation its definition no longer declares, user
+    code in a cost function, confirm rule or input model that raises) is parked with
+    the reason instead: the planner calls user code before it
     changes the operation concerned, so what it recorded before the error are whole
     transitions, kept with the park."""
     if outcome is not None:
@@ -370,7 +372,7 @@ def transition(
             f"definition: {describe_error(exc)}"
         )
         nxt, unplannable = Stop(planner.saga.status), exc
-    write = planner.write(nxt, owner=owner, max_inline_sleep=max_inline_sleep)
+    write = planner.write(nxt, owner=owner, max_inline_sleep=max_inline_sleep, answer=answer)
     return Transition(nxt, write, unplannable)
 
 

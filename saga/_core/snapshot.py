@@ -306,11 +306,20 @@ class Snapshot:
         else:
             self.event("outcome_unknown", op, reason=reason, traceback=traceback)
 
-    def write(self, nxt: Next | None, *, owner: str | None, max_inline_sleep: float = 0.0) -> Write:
+    def write(
+        self,
+        nxt: Next | None,
+        *,
+        owner: str | None,
+        max_inline_sleep: float = 0.0,
+        answer: bool = True,
+    ) -> Write:
         """The write of everything changed since the last one (the rows noted, the
         events), and what becomes of the lease given the next move `nxt`
         (`saga._core.writes.lease_after`, with the lease holder `owner` and
-        `max_inline_sleep`); the record of changes starts afresh."""
+        `max_inline_sleep`); the record of changes starts afresh. A write that gives the
+        lease back reads the saga's state back with it when `answer` (a caller that
+        ends its drive there returns that state); a worker, which drops it, says False."""
         release, notify = lease_after(
             self.saga,
             nxt,
@@ -328,7 +337,7 @@ class Snapshot:
             events=tuple(self.take_events()),
             release=release,
             notify=notify,
-            return_state=release,
+            return_state=release and answer,
         )
 
     def take_events(self) -> list[Event]:

@@ -90,7 +90,7 @@ class Observer:
             self._run = telemetry.watch_run(effect.saga, keys=self._keys)
         elif self._run is not None:
             run, self._run = self._run, None
-            telemetry.end_run(run, effect.state)
+            telemetry.end_run(run, effect.status)
 
     def ended(self, failure: BaseException | None) -> None:
         """The flow returned (`failure` None) or raised `failure`: close what is open."""

@@ -56,7 +56,7 @@ from saga._flows.store_ops import StoreOps
 from saga.definition import Saga
 from saga.errors import DatabaseInterrupted, LeaseLost
 from saga.logs import get_logger, log_retry
-from saga.state import SagaState
+from saga.state import SagaState, SagaStatus
 
 if TYPE_CHECKING:
     from saga.approvals import ApprovalVerifier
@@ -89,6 +89,9 @@ class RunnerOptions:
             attempt a confirmation holds back starts only with a signed approval that
             verifies (None: HMAC approvals, the confirmation row is trusted).
         telemetry_keys: Spans carry keys and request hashes (`saga.telemetry`).
+        answers: A drive returns the state it left the saga in, read back by the write
+            that gave the lease up (`run()`, `execute()`); False for a driver that drops
+            it (a worker), so neither the server builds it nor the client reads it.
     """
 
     owner: str
@@ -97,6 +100,7 @@ class RunnerOptions:
     max_inline_sleep: float = math.inf
     approval_verifier: ApprovalVerifier | None = None
     telemetry_keys: bool = False
+    answers: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,15 +139,20 @@ class Loop:
         """Carry out `nxt` and every move after it until the saga stops or is handed back.
 
         Returns the saga's state as the last transaction left it, read in that same
-        transaction; None when the lease was lost to another owner. The driver traces the
-        drive as `saga.run` (`Drive`) when telemetry is configured (`saga.telemetry`).
+        transaction; None when the lease was lost to another owner, or when the runner
+        does not answer (`RunnerOptions.answers`). The driver traces the drive as
+        `saga.run` (`Drive`) when telemetry is configured (`saga.telemetry`).
         """
         yield Drive(planner.saga)
-        state = yield from self._drive(planner, nxt)
-        yield Drive(planner.saga, ended=True, state=state)
+        status, state = yield from self._drive(planner, nxt)
+        yield Drive(planner.saga, ended=True, status=status)
         return state
 
-    def _drive(self, planner: Planner, nxt: Move) -> Flow[SagaState | None]:
+    def _drive(
+        self, planner: Planner, nxt: Move
+    ) -> Flow[tuple[SagaStatus | None, SagaState | None]]:
+        """`drive`'s state, and the status the drive left the saga in (None: the lease
+        was lost)."""
         saga = planner.saga
         try:
             planner, nxt = yield from self.carry_on(planner, nxt)
@@ -151,26 +160,25 @@ class Loop:
                 # A session driven outside its block (an operator's run): what it does
                 # next is its code's to say; give the lease back to the next entry.
                 yield from self.release_after_error(planner.saga)
-                state: SagaState | None = yield from db(StoreOps.get_state, saga.id)
-                return state
+                return _left((yield from db(StoreOps.get_state, saga.id)))
         except LeaseLost as exc:
             _log.warning("lease_lost", saga_id=saga.id, fence=saga.fence, error=str(exc))
-            return None
+            return None, None
         except Exception as exc:
             if isinstance(exc, DatabaseInterrupted):
                 yield from self.release_after_error(saga)
                 raise
             # One saga never takes its driver down: the saga is parked with the reason.
-            return (yield from self._park_broken(planner, exc))
+            return _left((yield from self._park_broken(planner, exc)))
         except BaseException:
             yield from self.release_after_error(saga)
             raise
         if isinstance(nxt, Released):
-            return nxt.state
+            # The write that gave the lease back left the saga as the planner has it.
+            return planner.saga.status, nxt.state
         # The move was planned by a write that read no state back: a start whose first
         # plan already stops the saga (`verbs.start`, which frees the row as it writes it).
-        left: SagaState | None = yield from db(StoreOps.get_state, saga.id)
-        return left
+        return _left((yield from db(StoreOps.get_state, saga.id)))
 
     def carry_on(self, planner: Planner, nxt: Move) -> Flow[Claimed]:
         """Carry out `nxt` and the moves after it until the saga stops, is handed back
@@ -238,7 +246,12 @@ class Loop:
             tried[0] = True
             fresh = yield from self._reload(planner)
             inputs.apply(fresh, inputs.Parked(reason), input_time())
-            write = self._write(fresh, Stop(fresh.saga.status))
+            # Read back whatever the runner answers: the park's None means a lost lease.
+            write = fresh.write(
+                Stop(fresh.saga.status),
+                owner=self.owner,
+                max_inline_sleep=self.options.max_inline_sleep,
+            )
             watch = Watch(fresh, events=write.events)
             return (yield from self._transact_at_once(fresh, write, token, watch))
 
@@ -297,6 +310,7 @@ class Loop:
             may_call=not stopping,
             owner=self.owner,
             max_inline_sleep=self.options.max_inline_sleep,
+            answer=self.options.answers,
         )
         if done.unplannable is not None:
             exc, saga = done.unplannable, planner.saga
@@ -384,6 +398,8 @@ class Loop:
         yield Observed((replace(unsure.watch, before=None),))
         if written[1] is None:
             # The write gave the lease back (a stop, a shutdown, a long backoff).
+            if not self.options.answers:
+                return Released(unsure.nxt, None)
             state = yield from db(StoreOps.get_state, planner.saga.id)
             return Released(unsure.nxt, state)
         return unsure.nxt
@@ -447,7 +463,17 @@ class Loop:
 
     def _write(self, planner: Planner, nxt: Next) -> Write:
         """What the transaction that plans `nxt` writes, as the core decides it."""
-        return planner.write(nxt, owner=self.owner, max_inline_sleep=self.options.max_inline_sleep)
+        return planner.write(
+            nxt,
+            owner=self.owner,
+            max_inline_sleep=self.options.max_inline_sleep,
+            answer=self.options.answers,
+        )
+
+
+def _left(state: SagaState | None) -> tuple[SagaStatus | None, SagaState | None]:
+    """A drive's end as read from the database: the saga's status, and its state."""
+    return (None if state is None else state.status), state
 
 
 class _Unsure(Exception):

@@ -18,7 +18,7 @@ from saga._core.inputs import StepExited
 if TYPE_CHECKING:
     from saga._core.planner import Event, OpRow, Planner, SagaRow
     from saga._flows.store_ops import StoreOps
-    from saga.state import SagaState
+    from saga.state import SagaStatus
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -81,12 +81,12 @@ class Observed:
 
 @dataclass(frozen=True, slots=True)
 class Drive:
-    """A drive of a saga begins (`ended` False) or ends, leaving the saga in `state` (None:
-    the lease was lost); the driver traces it as one `saga.run` span."""
+    """A drive of a saga begins (`ended` False) or ends, leaving the saga in `status`
+    (None: the lease was lost); the driver traces it as one `saga.run` span."""
 
     saga: SagaRow
     ended: bool = False
-    state: SagaState | None = None
+    status: SagaStatus | None = None
 
 
 @dataclass(frozen=True, slots=True)
