@@ -246,12 +246,9 @@ class Loop:
             tried[0] = True
             fresh = yield from self._reload(planner)
             inputs.apply(fresh, inputs.Parked(reason), input_time())
-            # Read back whatever the runner answers: the park's None means a lost lease.
-            write = fresh.write(
-                Stop(fresh.saga.status),
-                owner=self.owner,
-                max_inline_sleep=self.options.max_inline_sleep,
-            )
+            # The state is read back whatever the runner answers: the park's None means
+            # a lost lease.
+            write = self._write(fresh, Stop(fresh.saga.status), answer=True)
             watch = Watch(fresh, events=write.events)
             return (yield from self._transact_at_once(fresh, write, token, watch))
 
@@ -461,13 +458,15 @@ class Loop:
         # The caller's answer, read in the last transaction rather than in one more.
         return read if write.release else None
 
-    def _write(self, planner: Planner, nxt: Next) -> Write:
-        """What the transaction that plans `nxt` writes, as the core decides it."""
+    def _write(self, planner: Planner, nxt: Next, *, answer: bool | None = None) -> Write:
+        """What the transaction that plans `nxt` writes, as the core decides it; it reads
+        the state back on giving the lease up when `answer` (the runner's
+        `RunnerOptions.answers` unless said)."""
         return planner.write(
             nxt,
             owner=self.owner,
             max_inline_sleep=self.options.max_inline_sleep,
-            answer=self.options.answers,
+            answer=self.options.answers if answer is None else answer,
         )
 
 
