@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -15,7 +14,7 @@ import pytest
 from faults.proxy import LostReplyProxy
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
-from support import Order, order_saga
+from support import Order, order_saga, starts_held, wait_until
 
 from saga import AsyncOrchestrator, Orchestrator, Saga, SagaState, StepContext, durable_step
 from saga._core.planner import Invoke
@@ -430,30 +429,18 @@ def test_a_worker_reads_no_state_back_from_its_writes(
 CONCURRENT_STARTS = 8
 
 
-@contextlib.contextmanager
-def _starts_held(database_url: str) -> Iterator[None]:
-    """Starts block on the wire while the block runs (a transaction holds a lock on the
-    sagas table that their INSERT waits for), and go on when it ends: the starts made
-    meanwhile queue behind the first, as they would behind a slow one. The transaction
-    is rolled back: it commits nothing."""
-    with psycopg.connect(database_url) as conn:
-        conn.execute("LOCK TABLE saga.sagas IN SHARE MODE")
-        try:
-            yield
-        finally:
-            conn.rollback()
-
-
 def _all_sent_or_queued(starts: Any, count: int) -> bool:
     """Whether `count` starts are on the wire or queued behind it (`GroupCommit`)."""
     return bool(starts.batches >= 1 and starts.largest + len(starts._queue) == count)
 
 
-def _until(condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + 30.0
-    while not condition():
-        assert time.monotonic() < deadline, "the starts did not queue"
-        time.sleep(0.005)
+def _written_as_a_lone_start(database_url: str, saga: Saga[Order], keys: list[str]) -> None:
+    """The sagas of `keys` were written as a start made alone writes its saga."""
+    with Orchestrator(database_url, sagas=[saga], auto_migrate=False) as orch:
+        orch.start(saga, Order(order_id="lone"))
+    lone = _start_rows(database_url, "lone")
+    for key in keys:
+        assert _start_rows(database_url, key) == lone
 
 
 def _start_rows(database_url: str, key: str) -> tuple[Any, ...]:
@@ -502,9 +489,12 @@ def test_starts_made_at_once_from_threads_share_a_statement_and_a_commit(
                 ThreadPoolExecutor(CONCURRENT_STARTS) as pool,
             ):
                 store = orch.store
-                with _starts_held(database_url):
+                with starts_held(database_url):
                     started = [pool.submit(orch.start, saga, Order(order_id=k)) for k in keys]
-                    _until(lambda: _all_sent_or_queued(store.starts, CONCURRENT_STARTS))
+                    wait_until(
+                        lambda: _all_sent_or_queued(store.starts, CONCURRENT_STARTS),
+                        interval=0.005,
+                    )
                 for future in started:
                     future.result(timeout=30)
                 largest.append(store.starts.largest)
@@ -515,11 +505,7 @@ def test_starts_made_at_once_from_threads_share_a_statement_and_a_commit(
     print(f"{CONCURRENT_STARTS} starts from as many threads: {commits} commits")
     assert largest == [CONCURRENT_STARTS - 1] * TRIES
     assert commits < CONCURRENT_STARTS
-    with Orchestrator(database_url, sagas=[saga], auto_migrate=False) as orch:
-        orch.start(saga, Order(order_id="lone"))
-    lone = _start_rows(database_url, "lone")
-    for i in range(CONCURRENT_STARTS):
-        assert _start_rows(database_url, f"t-0-{i}") == lone
+    _written_as_a_lone_start(database_url, saga, [f"t-0-{i}" for i in range(CONCURRENT_STARTS)])
 
 
 def test_starts_made_at_once_on_the_asyncio_door_share_a_statement_and_a_commit(
@@ -537,7 +523,7 @@ def test_starts_made_at_once_on_the_asyncio_door_share_a_statement_and_a_commit(
             keys = [f"a-{attempt}-{i}" for i in range(count)]
             async with AsyncOrchestrator(database_url, sagas=[saga], auto_migrate=False) as orch:
                 store = await orch.store()
-                with _starts_held(database_url):
+                with starts_held(database_url):
                     starting = asyncio.gather(*(orch.start(saga, Order(order_id=k)) for k in keys))
                     while not _all_sent_or_queued(store.starts, count):
                         await asyncio.sleep(0.005)
@@ -549,8 +535,4 @@ def test_starts_made_at_once_on_the_asyncio_door_share_a_statement_and_a_commit(
     commits = _least_commits_of(server_url, database_url, work)
     print(f"{count} starts from as many tasks: {commits} commits")
     assert commits < count
-    with Orchestrator(database_url, sagas=[saga], auto_migrate=False) as orch:
-        orch.start(saga, Order(order_id="lone"))
-    lone = _start_rows(database_url, "lone")
-    for i in range(count):
-        assert _start_rows(database_url, f"a-0-{i}") == lone
+    _written_as_a_lone_start(database_url, saga, [f"a-0-{i}" for i in range(count)])

@@ -5,14 +5,13 @@ two starts of one key, a start the database refuses, a reply lost after the comm
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
 import pytest
 from faults.proxy import LostReplyProxy
-from support import Order, order_saga
+from support import Order, order_saga, starts_held
 
 from saga import AsyncOrchestrator, IdempotencyConflict, Saga, SagaHandle, StepContext
 from saga.errors import SagaError
@@ -31,19 +30,6 @@ def _saga(name: str) -> Saga[Order]:
     return saga
 
 
-@contextlib.contextmanager
-def _starts_held(database_url: str) -> Iterator[None]:
-    """Starts block on the wire until the block ends (a lock their INSERT waits for), so
-    the starts made meanwhile queue behind the first; the lock's transaction commits
-    nothing."""
-    with psycopg.connect(database_url) as conn:
-        conn.execute("LOCK TABLE saga.sagas IN SHARE MODE")
-        try:
-            yield
-        finally:
-            conn.rollback()
-
-
 async def _start_batch(
     url: str, saga: Saga[Order], first: Order, batch: Sequence[Order], database_url: str
 ) -> tuple[list[SagaHandle | BaseException], int]:
@@ -52,7 +38,7 @@ async def _start_batch(
     the largest statement."""
     async with AsyncOrchestrator(url, sagas=[saga]) as orch:
         store = await orch.store()
-        with _starts_held(database_url):
+        with starts_held(database_url):
             lead = asyncio.ensure_future(orch.start(saga, first))
             while store.starts.batches < 1:
                 await asyncio.sleep(0.005)
