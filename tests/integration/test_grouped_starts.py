@@ -6,14 +6,22 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psycopg
 import pytest
 from faults.proxy import LostReplyProxy
-from support import Order, order_saga, starts_held
+from support import Order, order_saga, starts_held, wait_until
 
-from saga import AsyncOrchestrator, IdempotencyConflict, Saga, SagaHandle, StepContext
+from saga import (
+    AsyncOrchestrator,
+    IdempotencyConflict,
+    Orchestrator,
+    Saga,
+    SagaHandle,
+    StepContext,
+)
 from saga.errors import SagaError
 
 HANG_SECONDS = 30.0
@@ -161,4 +169,32 @@ def test_a_grouped_start_whose_reply_was_lost_returns_each_created_saga(
     assert sorted(sagas) == sorted(["lead", *keys])
     for key, handle in zip(["lead", *keys], answers, strict=True):
         assert isinstance(handle, SagaHandle)
+        assert sagas[key] == (handle.id, 3, 1)
+
+
+@pytest.mark.crash
+def test_a_threads_grouped_start_whose_reply_was_lost_returns_each_created_saga(
+    database_url: str,
+) -> None:
+    """The same through the sync door: eight threads of one Orchestrator start while a
+    start is on the wire; the reply of the statement of the seven queued behind it is
+    lost after its commit; each start returns its own saga, created once."""
+    saga = _saga("grouped_lost_start_sync")
+    keys = [f"o-{n}" for n in range(8)]
+    with (
+        LostReplyProxy(database_url) as proxy,
+        Orchestrator(proxy.url, sagas=[saga]) as orch,
+        ThreadPoolExecutor(len(keys)) as pool,
+    ):
+        proxy.lose_reply("start_sagas_v1", times=1)
+        store = orch.store
+        with starts_held(database_url):
+            started = [pool.submit(orch.start, saga, Order(order_id=k)) for k in keys]
+            wait_until(lambda: len(store.starts._queue) == len(keys) - 1, interval=0.005)
+        handles = [future.result(timeout=HANG_SECONDS) for future in started]
+        assert len(proxy.lost_replies("start_sagas_v1")) == 1
+        assert store.starts.largest == len(keys) - 1
+    sagas = _sagas(database_url)
+    assert sorted(sagas) == sorted(keys)
+    for key, handle in zip(keys, handles, strict=True):
         assert sagas[key] == (handle.id, 3, 1)
