@@ -470,13 +470,16 @@ def ours_async_sequential(server: Server, n: int, tag: str) -> Row:
 def ours_workers(
     server: Server, n: int, procs: int, concurrency: int, tag: str, *, kind: str = "sync"
 ) -> Row:
-    """`procs` worker processes of `concurrency` each: sync Workers, or (kind "async")
-    AsyncWorkers driving the saga with async steps."""
+    """`procs` worker processes of `concurrency` each: sync Workers, the sagas started by
+    a sync Orchestrator from 8 threads; or (kind "async") AsyncWorkers driving the saga
+    with async steps, the sagas started by an AsyncOrchestrator from 64 tasks."""
     prefix = "a" if kind == "async" else ""
     url = migrated(server, f"ours_{prefix}w{procs}x{concurrency}_{tag}")
     args: dict[str, Any] = {"url": url, "n": n, "procs": procs, "concurrency": concurrency}
     if kind == "async":
-        args.update({"worker": "async_worker", "steps": "async"})
+        args.update(
+            {"worker": "async_worker", "steps": "async", "starter": "async", "start_tasks": 64}
+        )
     r, commits = measured(server, url, n, "ours_workers", args)
     check(r, n)
     note = f"starts took {r['start_phase']:.1f} s of {r['elapsed']:.1f} s"
@@ -904,8 +907,9 @@ def async_report(b: dict[str, Row]) -> tuple[list[str], dict[str, float]]:
         notes.append(
             "- async workers: one process running `await orch.worker(concurrency=C)"
             ".run(until_idle=True)` of an AsyncOrchestrator, the saga with `async def` steps; "
-            "the sagas started first as for the workers rows (sync start() from 8 threads), "
-            "timed and latencies taken the same way ("
+            "the sagas started first by an AsyncOrchestrator (`await orch.start()` from 64 "
+            "tasks of one event loop; the sync workers rows start theirs with start() from 8 "
+            "threads), timed and latencies taken the same way ("
             + "; ".join(f"{r.mode}: {r.note}" for r in workers)
             + ")"
         )

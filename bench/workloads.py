@@ -594,31 +594,65 @@ def most_at_once(spans: Sequence[tuple[float, float]]) -> int:
     return most
 
 
+def start_many_async(
+    url: str, saga: Saga[Item], ids: Sequence[str], tasks: int
+) -> tuple[float, float]:
+    """start() each id from `tasks` tasks of one event loop, through an AsyncOrchestrator
+    (whose starts made at the same time share a statement and a commit); the start
+    phase's wall time and this process's CPU time over it, its pool connected before
+    both clocks start."""
+    from saga import AsyncOrchestrator
+
+    chunks = [ids[i::tasks] for i in range(tasks)]
+
+    async def main() -> tuple[float, float]:
+        async with AsyncOrchestrator(url, sagas=[saga], auto_migrate=False, pool_size=8) as orch:
+            await _connect_async(orch)
+
+            async def start_chunk(chunk: Sequence[str]) -> None:
+                for sid in chunk:
+                    await orch.start(saga, Item(id=sid))
+
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            await asyncio.gather(*(start_chunk(chunk) for chunk in chunks))
+            return time.perf_counter() - t0, time.process_time() - cpu0
+
+    return asyncio.run(main())
+
+
 def ours_workers(args: Result) -> Result:
-    """N sagas started first (8 threads), then driven by `procs` worker processes of
-    `concurrency` each; timed by the database clock from the first start to the last
-    completion. The client CPU of the starts (`start_cpu_s`: this process's over the
-    start phase) and of the workers (`worker_cpu_s`: each process's while it ran) are
-    reported apart. `worker` picks the worker processes' scenario (`worker`, the default, or
-    `async_worker`), `steps` the saga's steps (`sync`, the default, or `async`); the
-    sagas are started by a sync Orchestrator either way. With `step_seconds` (async
-    steps only) the first step sleeps that long."""
+    """N sagas started first, then driven by `procs` worker processes of `concurrency`
+    each; timed by the database clock from the first start to the last completion. The
+    client CPU of the starts (`start_cpu_s`: this process's over the start phase) and of
+    the workers (`worker_cpu_s`: each process's while it ran) are reported apart.
+    `worker` picks the worker processes' scenario (`worker`, the default, or
+    `async_worker`), `steps` the saga's steps (`sync`, the default, or `async`). `starter`
+    picks who starts the sagas: `sync` (the default), a sync Orchestrator from 8 threads;
+    `async`, an AsyncOrchestrator from `start_tasks` tasks (64 by default) of one event
+    loop. With `step_seconds` (async steps only) the first step sleeps that long."""
     steps = args.get("steps", "sync")
     step_seconds = float(args.get("step_seconds", 0.0))
     saga = bench_saga(steps, step_seconds)
     n, procs, conc = int(args["n"]), int(args["procs"]), int(args["concurrency"])
     url = args["url"]
     scenario = args.get("worker", "worker")
+    starter = args.get("starter", "sync")
     common = {"url": url, "concurrency": conc, "steps": steps, "step_seconds": step_seconds}
     workers = [spawn_worker(common, scenario) for _ in range(procs)]
-    with Orchestrator(url, sagas=[saga], auto_migrate=False, pool_size=8) as orch:
-        orch.store  # connect before the clocks start  # noqa: B018
-        # The starts' own client CPU: this process's (every thread's) over the start
-        # phase, when it does nothing else (the workers wait for GO in processes of their
-        # own, and their CPU is counted apart).
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        start_many(orch, saga, [f"w-{i}" for i in range(n)], threads=8)
-        start_phase, start_cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    ids = [f"w-{i}" for i in range(n)]
+    # The starts' own client CPU: this process's (every thread's) over the start phase,
+    # when it does nothing else (the workers wait for GO in processes of their own, and
+    # their CPU is counted apart).
+    if starter == "async":
+        start_phase, start_cpu = start_many_async(url, saga, ids, int(args.get("start_tasks", 64)))
+    elif starter == "sync":
+        with Orchestrator(url, sagas=[saga], auto_migrate=False, pool_size=8) as orch:
+            orch.store  # connect before the clocks start  # noqa: B018
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            start_many(orch, saga, ids, threads=8)
+            start_phase, start_cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    else:
+        raise ValueError(f"starter must be 'sync' or 'async', got {starter!r}")
     starter_rss = peak_rss_mb()
     for proc in workers:
         go(proc)

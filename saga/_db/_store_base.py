@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from decimal import Decimal
-from typing import Any, LiteralString
+from typing import Any, LiteralString, TypeVar
 
 import orjson
 import psycopg
@@ -52,6 +52,8 @@ CONFIRMATION_SQLSTATE = "SG002"
 
 
 QUERIES = load_queries()
+
+T = TypeVar("T")
 
 
 def sql(name: str) -> LiteralString:
@@ -269,11 +271,26 @@ def batch_params(writes: Sequence[tuple[Write, str]], *, owner: str, lease_secon
 def batch_answers(row: dict[str, Any] | None, conninfo: str) -> list[SagaState | SagaError | None]:
     """What saga.write_sagas_v2 answered for each write, in order: the saga's state (None
     unless the write asked for it), or the error that refused that write alone."""
+    return _each_answer(row, conninfo, lambda result: state_of(result["state"]))
+
+
+def start_answers(row: dict[str, Any] | None, conninfo: str) -> list[dict[str, Any] | SagaError]:
+    """What saga.start_sagas_v1 answered for each start, in order: its outcome, as
+    saga.start_saga_v3 answers it (see `started`), or the error that refused that start
+    alone."""
+    return _each_answer(row, conninfo, lambda result: dict(result["outcome"]))
+
+
+def _each_answer(
+    row: dict[str, Any] | None, conninfo: str, answer: Callable[[dict[str, Any]], T]
+) -> list[T | SagaError]:
+    """The results of a grouped statement, in order: `answer` of each, or the error that
+    refused it alone (`{"sqlstate", "message"}`)."""
     assert row is not None
     return [
         refusal_of(result["sqlstate"], result["message"], conninfo)
         if "sqlstate" in result
-        else state_of(result["state"])
+        else answer(result)
         for result in row["results"]
     ]
 
@@ -471,8 +488,9 @@ def _text(value: Any) -> str | None:
 
 
 def writes_of(batch: Sequence[Jsonb]) -> Jsonb:
-    """The argument of saga.write_sagas_v2 (migration 0025): the `_write` arguments of
-    several sagas' writes, in order."""
+    """The argument of a grouped statement: of saga.write_sagas_v2 (migration 0025), the
+    `_write` arguments of several sagas' writes; of saga.start_sagas_v1 (migration 0029),
+    the `start_params` of several starts; in order."""
     return Jsonb([params.obj for params in batch], dumps=_dumps)
 
 

@@ -26,6 +26,7 @@ from saga._db._store_base import (
     claimed_started,
     loaded_batch,
     sql,
+    start_answers,
     start_params,
     started,
     state_from,
@@ -63,6 +64,10 @@ class DriveStore(StoreConnections):
         )
         self.group: GroupCommit[Jsonb, SagaState | None] = GroupCommit(
             self._write_one, self._write_many
+        )
+        # The starts' own group commit (`start_saga`): saga.start_sagas_v1.
+        self.starts: GroupCommit[Jsonb, dict[str, Any]] = GroupCommit(
+            self._start_one, self._start_many
         )
 
     def assert_fence_txn(
@@ -205,10 +210,7 @@ class DriveStore(StoreConnections):
         start = start_params(
             saga, ops, events, lease_seconds=lease_seconds, notify=notify, token=token
         )
-        cur = conn.execute(self.hashed("start_saga"), {"start": start})
-        row = cur.fetchone()
-        assert row is not None
-        return started(saga, row["outcome"])
+        return started(saga, self._start_txn(conn, start))
 
     def start_saga(
         self,
@@ -223,11 +225,35 @@ class DriveStore(StoreConnections):
         """Create a saga, its operations (in their planned state) and first events in one
         statement, `token` as its write token. Returns `{"created": True, ...}`, or, when
         (tenant, name, key) exists, `{"created": False, "id", "version", "input_hash"}` of
-        the existing saga."""
+        the existing saga.
+
+        The statement and its commit are shared with the starts made at the same time
+        (group commit, `saga._db.group`: by other threads for `Store`, other tasks of the
+        event loop for `AsyncStore`): a start that finds no start on the wire goes out at
+        once and alone; the starts made while one is on the wire leave together, in one
+        statement (saga.start_sagas_v1), when its reply is in. Each is answered alone: a
+        start refused for its own rows fails alone, and none is answered before the
+        commit that made it durable."""
+        start = start_params(
+            saga, ops, events, lease_seconds=lease_seconds, notify=notify, token=token
+        )
+        return started(saga, self.starts.write(start))
+
+    def _start_txn(self, conn: Conn, start: Jsonb) -> dict[str, Any]:
+        cur = conn.execute(self.hashed("start_saga"), {"start": start})
+        row = cur.fetchone()
+        assert row is not None
+        return dict(row["outcome"])
+
+    def _start_one(self, start: Jsonb) -> dict[str, Any]:
         with self._connection() as conn:
-            return self.start_saga_txn(
-                conn, saga, ops, events, lease_seconds=lease_seconds, notify=notify, token=token
-            )
+            return self._start_txn(conn, start)
+
+    def _start_many(self, batch: Sequence[Jsonb]) -> list[dict[str, Any] | SagaError]:
+        with self._connection() as conn:
+            cur = conn.execute(self.hashed("start_sagas"), {"starts": writes_of(batch)})
+            row = cur.fetchone()
+        return start_answers(row, self._conninfo)
 
     def claim_started(
         self, write: Write, *, start_token: str, owner: str, lease_seconds: float, token: str

@@ -440,6 +440,18 @@ SELECT saga.start_saga_v3(saga.hashed_under(2, %(start)s::jsonb)) AS outcome
 -- (a startup option, saga._db.database.session_options): no saga.hashed_under.
 SELECT saga.start_saga_v3(%(start)s::jsonb) AS outcome
 
+-- start_sagas --
+-- Several sagas' starts in one statement and one commit (group commit, migration 0029):
+-- one result per start, in order, each what start_saga answers or the error that refused
+-- that start alone. saga.hashed_under(2, ...): the rows it writes record request hash
+-- version 2 (saga.keys.HASH_VERSION, migration 0023).
+SELECT saga.start_sagas_v1(saga.hashed_under(2, %(starts)s::jsonb)) AS results
+
+-- start_sagas_direct --
+-- `start_sagas` on a direct connection, whose session says the request hash version
+-- (a startup option, saga._db.database.session_options): no saga.hashed_under.
+SELECT saga.start_sagas_v1(%(starts)s::jsonb) AS results
+
 -- claim_started --
 -- Claim a saga unclaimed and unchanged since the start that stored `start_token`, and
 -- record the first move its starter planned, in one statement (migration 0020).

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import psycopg
@@ -197,3 +198,17 @@ def record_step_call(url: str, ctx: StepContext) -> None:
         conn.execute(
             "INSERT INTO step_log (step, attempt) VALUES (%s, %s)", (ctx.step, ctx.attempt)
         )
+
+
+@contextlib.contextmanager
+def starts_held(database_url: str) -> Iterator[None]:
+    """Starts block on the wire while the block runs (a transaction holds a lock on the
+    sagas table that their INSERT waits for), and go on when it ends: the starts made
+    meanwhile queue behind the first (group commit), as they would behind a slow one.
+    The transaction is rolled back: it commits nothing."""
+    with psycopg.connect(database_url) as conn:
+        conn.execute("LOCK TABLE saga.sagas IN SHARE MODE")
+        try:
+            yield
+        finally:
+            conn.rollback()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psycopg
@@ -12,9 +14,9 @@ import pytest
 from faults.proxy import LostReplyProxy
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
-from support import Order, order_saga
+from support import Order, order_saga, starts_held, wait_until
 
-from saga import Orchestrator, Saga, SagaState, StepContext, durable_step
+from saga import AsyncOrchestrator, Orchestrator, Saga, SagaState, StepContext, durable_step
 from saga._core.planner import Invoke
 from saga._db import _store_base
 from saga._db.group import GroupCommit
@@ -419,3 +421,118 @@ def test_a_worker_reads_no_state_back_from_its_writes(
         ran = orch.start(saga, Order(order_id="nostate-run"))
         assert orch.run(ran.id).status == "completed"
         assert decoded == [ran.id]
+
+
+# ----- starts made at the same time -----------------------------------------------------
+
+# Starts made at once: the sync door's from as many threads.
+CONCURRENT_STARTS = 8
+
+
+def _all_sent_or_queued(starts: Any, count: int) -> bool:
+    """Whether `count` starts are on the wire or queued behind it (`GroupCommit`)."""
+    return bool(starts.batches >= 1 and starts.largest + len(starts._queue) == count)
+
+
+def _written_as_a_lone_start(database_url: str, saga: Saga[Order], keys: list[str]) -> None:
+    """The sagas of `keys` were written as a start made alone writes its saga."""
+    with Orchestrator(database_url, sagas=[saga], auto_migrate=False) as orch:
+        orch.start(saga, Order(order_id="lone"))
+    lone = _start_rows(database_url, "lone")
+    for key in keys:
+        assert _start_rows(database_url, key) == lone
+
+
+def _start_rows(database_url: str, key: str) -> tuple[Any, ...]:
+    """What a start wrote for the saga of `key`: its row, its operations and its events,
+    without what differs from saga to saga (ids, times, the key itself)."""
+    with psycopg.connect(database_url) as conn:
+        saga = conn.execute(
+            "SELECT id, name, version, tenant_id, input_hash IS NOT NULL, status, direction,"
+            " error, lease_owner, fence, run_after IS NOT NULL, write_token IS NOT NULL,"
+            " hash_version, operations_executed, spent, side_effects FROM saga.sagas"
+            " WHERE key = %s",
+            (key,),
+        ).fetchone()
+        assert saga is not None
+        ops = conn.execute(
+            "SELECT step, kind, position, replace(idempotency_key, %s, '<key>'),"
+            " length(request_hash), status, attempts, max_attempts, hash_version"
+            " FROM saga.operations WHERE saga_id = %s ORDER BY kind, position",
+            (key, saga[0]),
+        ).fetchall()
+        events = conn.execute(
+            "SELECT e.event, e.step, e.kind, e.attempt,"
+            " replace(replace(e.detail::text, %s, '<key>'), s.input_hash, '<hash>')"
+            " FROM saga.events AS e JOIN saga.sagas AS s ON s.id = e.saga_id"
+            " WHERE e.saga_id = %s ORDER BY e.id",
+            (key, saga[0]),
+        ).fetchall()
+    return saga[1:], ops, events
+
+
+def test_starts_made_at_once_from_threads_share_a_statement_and_a_commit(
+    database_url: str, server_url: str
+) -> None:
+    """Eight threads of one sync Orchestrator start a saga each while a start is on the
+    wire: the seven made meanwhile leave together, in one statement and one commit
+    (saga.start_sagas_v1), and the eight starts cost fewer commits than eight, everything
+    the orchestrator committed counted; each saga is written as a start alone writes it."""
+    saga = _saga_of(3)
+    largest: list[int] = []
+
+    def work(attempt: int) -> Callable[[], None]:
+        def run() -> None:
+            keys = [f"t-{attempt}-{i}" for i in range(CONCURRENT_STARTS)]
+            with (
+                Orchestrator(database_url, sagas=[saga], auto_migrate=False) as orch,
+                ThreadPoolExecutor(CONCURRENT_STARTS) as pool,
+            ):
+                store = orch.store
+                with starts_held(database_url):
+                    started = [pool.submit(orch.start, saga, Order(order_id=k)) for k in keys]
+                    wait_until(
+                        lambda: _all_sent_or_queued(store.starts, CONCURRENT_STARTS),
+                        interval=0.005,
+                    )
+                for future in started:
+                    future.result(timeout=30)
+                largest.append(store.starts.largest)
+
+        return run
+
+    commits = _least_commits_of(server_url, database_url, work)
+    print(f"{CONCURRENT_STARTS} starts from as many threads: {commits} commits")
+    assert largest == [CONCURRENT_STARTS - 1] * TRIES
+    assert commits < CONCURRENT_STARTS
+    _written_as_a_lone_start(database_url, saga, [f"t-0-{i}" for i in range(CONCURRENT_STARTS)])
+
+
+def test_starts_made_at_once_on_the_asyncio_door_share_a_statement_and_a_commit(
+    database_url: str, server_url: str
+) -> None:
+    """Sixteen tasks of one AsyncOrchestrator start a saga each while a start is on the
+    wire: they go out in two statements and two commits at most, and the sixteen starts
+    cost fewer commits than sixteen, everything the orchestrator committed counted; each
+    saga is written as a start alone writes it."""
+    saga = _saga_of(3)
+    count = 2 * CONCURRENT_STARTS
+
+    def work(attempt: int) -> Callable[[], None]:
+        async def main() -> None:
+            keys = [f"a-{attempt}-{i}" for i in range(count)]
+            async with AsyncOrchestrator(database_url, sagas=[saga], auto_migrate=False) as orch:
+                store = await orch.store()
+                with starts_held(database_url):
+                    starting = asyncio.gather(*(orch.start(saga, Order(order_id=k)) for k in keys))
+                    while not _all_sent_or_queued(store.starts, count):
+                        await asyncio.sleep(0.005)
+                await asyncio.wait_for(starting, 30)
+                assert store.starts.batches <= 2
+
+        return lambda: asyncio.run(main())
+
+    commits = _least_commits_of(server_url, database_url, work)
+    print(f"{count} starts from as many tasks: {commits} commits")
+    assert commits < count
+    _written_as_a_lone_start(database_url, saga, [f"a-0-{i}" for i in range(count)])
