@@ -4,9 +4,10 @@ Starts `SOAK_SAGAS` sagas (default 10000) drawn from `SOAK_SEED` on a private em
 PostgreSQL, runs `SOAK_WORKERS` worker processes on them, and every few seconds
 (`SOAK_KILL_SECONDS` on average) either SIGKILLs a worker or replaces it with one armed
 to kill itself at a random fault point; every `SOAK_RESTART_EVERY` kills the sagas'
-server is restarted. The workers reach that server through `faults.proxy.LostReplyProxy`,
-which loses the reply of one write in `SOAK_LOST_REPLY_EVERY` (default 50) after its
-commit landed (0 turns it off). The fake provider lives on a second private server that
+server is restarted. The starts (made from several threads, so that they are grouped) and
+the workers reach that server through `faults.proxy.LostReplyProxy`, which loses the reply
+of one write in `SOAK_LOST_REPLY_EVERY` (default 50) after its commit landed (0 turns it
+off). The fake provider lives on a second private server that
 stays up. When every saga has settled, the invariants are checked and a summary printed;
 its last line is
 `soak: sagas=N kills=K restarts=R lost_replies=Q duplicates=D lost=L parked=P`. The exit
@@ -57,11 +58,20 @@ from faults.pgbouncer import PgBouncer
 from faults.proxy import LostReplyProxy
 from saga.testing import FAULT_POINTS
 
-# Every write of the protocol: transitions, claims' first moves, operator changes
-# (saga.write_saga_v4, and saga.write_sagas_v2 for grouped ones), batch claims that start
-# their sagas' attempts (saga.claim_batch_v2), heartbeats (renew_leases) and workers
-# announcing themselves.
-LOST_REPLY_WRITES = ("saga.write_saga", "saga.claim_batch_v2", "AS h(id, fence)", "saga.workers")
+# Every write of the protocol: starts (saga.start_saga_v3, and saga.start_sagas_v1 for
+# grouped ones), transitions, claims' first moves, operator changes (saga.write_saga_v4,
+# and saga.write_sagas_v2 for grouped ones), batch claims that start their sagas' attempts
+# (saga.claim_batch_v2), heartbeats (renew_leases) and workers announcing themselves.
+LOST_REPLY_WRITES = (
+    "saga.start_saga",
+    "saga.write_saga",
+    "saga.claim_batch_v2",
+    "AS h(id, fence)",
+    "saga.workers",
+)
+# The threads the sagas are started from, through the proxy: starts made at once share a
+# statement (group commit), so grouped starts lose replies too.
+START_THREADS = 8
 
 
 def _env(name: str, default: str) -> str:
@@ -147,7 +157,7 @@ def main() -> int:
                 + (", behind PgBouncer" if pooled else ""),
                 flush=True,
             )
-            keys = start_sagas(pg.url, sagas, seed, prefix="soak")
+            keys = start_sagas(proxy.url, sagas, seed, prefix="soak", threads=START_THREADS)
             # SOAK_LOG_DIR keeps every worker's log; otherwise they are kept when a worker
             # ends on its own (in a directory named in the failure's output).
             kept = os.environ.get("SOAK_LOG_DIR")
@@ -237,6 +247,8 @@ def main() -> int:
             grouped = len(proxy.lost_replies("write_sagas_v2"))
             # ... and batch claims that started their sagas' first attempts.
             claims = len(proxy.lost_replies("claim_batch_v2"))
+            # ... and grouped starts.
+            starts = len(proxy.lost_replies("start_sagas_v1"))
             quiesce(pg.url, timeout=120)
             elapsed = time.monotonic() - started_at
             print("soak: checking invariants", flush=True)
@@ -251,7 +263,10 @@ def main() -> int:
             kills=f"{kills} ({armed_kills} at a fault point)",
             restarts=pg.restarts,
             terminations=terminations,
-            lost_replies=f"{lost_replies} ({grouped} of grouped writes, {claims} of batch claims)",
+            lost_replies=(
+                f"{lost_replies} ({grouped} of grouped writes, {claims} of batch claims,"
+                f" {starts} of grouped starts)"
+            ),
             seconds=f"{elapsed:.0f}",
         )
     )
