@@ -64,8 +64,10 @@ class AsyncDriveStore(AsyncStoreConnections):
             self._write_one, self._write_many
         )
         # The starts' own group commit (`start_saga`): saga.start_sagas_v1.
+        # A start whose caller is cancelled before it is sent is never sent, as when starts
+        # went alone.
         self.starts: GroupCommit[Jsonb, dict[str, Any]] = GroupCommit(
-            self._start_one, self._start_many
+            self._start_one, self._start_many, withdraw_cancelled=True
         )
 
     async def assert_fence_txn(

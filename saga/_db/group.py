@@ -93,7 +93,16 @@ class GroupCommit(Batching[P, R, "_Waiter[R]"]):
     """Batches the writes of concurrent threads: `write_one` for a write that goes out
     alone, `write_many` for two or more (see the module's doc)."""
 
-    def __init__(self, write_one: Callable[[P], R], write_many: WriteMany[P, R]) -> None:
+    def __init__(
+        self,
+        write_one: Callable[[P], R],
+        write_many: WriteMany[P, R],
+        *,
+        withdraw_cancelled: bool = False,
+    ) -> None:
+        """`withdraw_cancelled` is the asyncio door's (`saga._db.group_async`): a thread is
+        not cancelled, and a write whose thread is interrupted while it waits to be sent is
+        withdrawn whatever it says."""
         super().__init__()
         self._write_one = write_one
         self._write_many = write_many

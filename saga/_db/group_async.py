@@ -33,10 +33,21 @@ class GroupCommit(Batching[P, R, "asyncio.Future[R]"]):
     `batches` and `largest` count what was sent, for tests and the benchmark.
     """
 
-    def __init__(self, write_one: Callable[[P], Awaitable[R]], write_many: WriteMany[P, R]) -> None:
+    def __init__(
+        self,
+        write_one: Callable[[P], Awaitable[R]],
+        write_many: WriteMany[P, R],
+        *,
+        withdraw_cancelled: bool = False,
+    ) -> None:
+        """`withdraw_cancelled`: a write whose caller is cancelled while it waits to be sent
+        is withdrawn and never sent (a start: nothing has happened yet that it must
+        record). Otherwise it still goes out (a transition's write records what its step
+        did). A write already sent is in flight either way."""
         super().__init__()
         self._write_one = write_one
         self._write_many = write_many
+        self._withdraw_cancelled = withdraw_cancelled
         self._writer: asyncio.Task[None] | None = None
 
     async def write(self, params: P) -> R:
@@ -46,7 +57,12 @@ class GroupCommit(Batching[P, R, "asyncio.Future[R]"]):
         self._queue.append((params, done))
         if self._writer is None:
             self._writer = loop.create_task(self._drain(), name="saga-group-commit")
-        return await done
+        try:
+            return await done
+        except asyncio.CancelledError:
+            if self._withdraw_cancelled:
+                self._queue = [queued for queued in self._queue if queued[1] is not done]
+            raise
 
     async def _drain(self) -> None:
         batch: list[tuple[P, asyncio.Future[R]]] = []

@@ -142,6 +142,40 @@ def test_a_start_the_database_refuses_fails_alone_in_its_batch(database_url: str
     assert sagas["b"] == (b.id, 3, 1)
 
 
+def test_a_start_cancelled_before_it_was_sent_is_never_sent(database_url: str) -> None:
+    """A task cancelled while its start waits behind the one on the wire gets its
+    cancellation and its saga is never created, as when starts went alone; the start
+    queued beside it goes out and is created."""
+    saga = _saga("grouped_cancelled")
+
+    async def scenario() -> tuple[list[SagaHandle | BaseException], int]:
+        async with AsyncOrchestrator(database_url, sagas=[saga]) as orch:
+            store = await orch.store()
+            with starts_held(database_url):
+                lead = asyncio.ensure_future(orch.start(saga, Order(order_id="lead")))
+                while store.starts.batches < 1:
+                    await asyncio.sleep(0.005)
+                gone = asyncio.ensure_future(orch.start(saga, Order(order_id="gone")))
+                kept = asyncio.ensure_future(orch.start(saga, Order(order_id="kept")))
+                while len(store.starts._queue) < 2:
+                    await asyncio.sleep(0.005)
+                gone.cancel()
+                await asyncio.gather(gone, return_exceptions=True)
+                assert len(store.starts._queue) == 1
+            answers = await asyncio.wait_for(
+                asyncio.gather(lead, gone, kept, return_exceptions=True), HANG_SECONDS
+            )
+            return list(answers), store.starts.batches
+
+    (lead, gone, kept), batches = asyncio.run(scenario())
+    assert isinstance(gone, asyncio.CancelledError), gone
+    assert isinstance(lead, SagaHandle) and isinstance(kept, SagaHandle)
+    assert batches == 2
+    sagas = _sagas(database_url)
+    assert sorted(sagas) == ["kept", "lead"]
+    assert sagas["kept"] == (kept.id, 3, 1)
+
+
 @pytest.mark.crash
 def test_a_grouped_start_whose_reply_was_lost_returns_each_created_saga(
     database_url: str,
