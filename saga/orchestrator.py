@@ -112,6 +112,10 @@ class Orchestrator(OrchestratorBase):
         The same call twice returns the same saga. The same key with a different
         request (business fields) raises `IdempotencyConflict` and stores nothing.
         Invalid input raises pydantic's `ValidationError` before anything is written.
+
+        Starts made at the same time on this orchestrator share one statement and one
+        commit (group commit), each answered alone; a start that finds none on the wire
+        goes out at once.
         """
         runner = self.runner()
         handle, _ = runner.run(self._start_flow(runner.flows, saga, data, claim=False))
