@@ -1,7 +1,8 @@
 """The threads a `Worker` (the sync door) drives its sagas in, kept for the next saga.
 
-Starting a thread per claimed saga costs the worker process about a fifth of its CPU per
-saga with short sagas (the thread's creation, its start handshake, its end). Here a thread
+Starting a thread per claimed saga (its creation, its start handshake, its end) cost a
+worker process driving short sagas a fifth to a third of its CPU per saga (docs/benchmarks.md,
+"The sync worker"). Here a thread
 whose saga has ended waits for the next one instead: a saga claimed while a thread is idle
 is handed to it, otherwise a new thread is started. Each saga runs in a fresh context
 (`contextvars`), as it would in a new thread, under a thread named after it.
