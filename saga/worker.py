@@ -28,6 +28,7 @@ from saga._db.database import Route, describe_url, garbled_reply, is_malformed_u
 from saga._db.dbretry import is_transient
 from saga._db.listen import listening, unparsable_url
 from saga._drivers.driver import Runner
+from saga._drivers.drivethreads import DriverThreads
 from saga._drivers.loopguard import sync_only
 from saga._flows.drive import Move, describe_error
 from saga.definition import Saga
@@ -237,7 +238,9 @@ class Worker:
         self._stop_requested = False
         # By (saga id, fence): an attempt fenced out by a newer lease of this worker on the
         # same saga may still be running beside the newer one, and counts as in flight.
-        self._in_flight: dict[tuple[str, int], tuple[Thread, Planner]] = {}
+        # A saga is driven in a thread kept for the next one when it ends.
+        self._in_flight: dict[tuple[str, int], tuple[None, Planner]] = {}
+        self._drivers = DriverThreads()
         self._lock = threading.Lock()
 
     def stop(self) -> None:
@@ -409,21 +412,32 @@ class Worker:
                     self._in_flight.pop(key, None)
                 self._wake.set()
 
-        # Daemon threads: a step still running after the grace period must not keep the
-        # process alive; its lease has been released and its late writes are fenced out.
-        thread = Thread(target=drive, name=f"saga-{saga_id}", daemon=True)
+        # In a daemon thread (`DriverThreads`): a step still running after the grace
+        # period must not keep the process alive; its lease has been released and its
+        # late writes are fenced out.
         with self._lock:
-            self._in_flight[key] = (thread, planner)
-        thread.start()
+            self._in_flight[key] = (None, planner)
+        try:
+            self._drivers.run(drive, name=f"saga-{saga_id}")
+        except BaseException:
+            with self._lock:
+                self._in_flight.pop(key, None)
+            raise
 
     def _drain(self, runner: Runner) -> None:
         """Wait `grace_seconds` for the sagas in flight, then hand back the leases still
         held (an `AsyncWorker` cancels their tasks)."""
-        with self._lock:
-            driving = [each for each, _ in self._in_flight.values()]
+        # Each saga's thread sets `_wake` once the saga has left `_in_flight`.
         deadline = time.monotonic() + self.grace_seconds
-        for thread in driving:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        while True:
+            self._wake.clear()
+            with self._lock:
+                if not self._in_flight:
+                    break
+            left_seconds = deadline - time.monotonic()
+            if left_seconds <= 0:
+                break
+            self._wake.wait(left_seconds)
         with self._lock:
             left = list(self._in_flight.values())
         for _, planner in left:
@@ -431,6 +445,8 @@ class Worker:
             _log.warning("grace_period_exceeded", saga_id=saga.id, fence=saga.fence)
             with contextlib.suppress(Exception):
                 runner.store.release_lease(saga.id, owner=self.orchestrator.owner, fence=saga.fence)
+        self._drivers.close()
+        self._drivers = DriverThreads()
 
     # ----- wake-ups --------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ if True:  # ASYNC
 else:
     from threading import Event, Thread
 
+    from saga._drivers.drivethreads import DriverThreads
     from saga._drivers.loopguard import sync_only
 
 _log = get_logger("saga.worker")
@@ -263,7 +264,9 @@ class AsyncWorker:
             self._in_flight: dict[tuple[str, int], tuple[Task[None], Planner]] = {}
             self._loop: asyncio.AbstractEventLoop | None = None
         else:
-            self._in_flight: dict[tuple[str, int], tuple[Thread, Planner]] = {}
+            # A saga is driven in a thread kept for the next one when it ends.
+            self._in_flight: dict[tuple[str, int], tuple[None, Planner]] = {}
+            self._drivers = DriverThreads()
         self._lock = threading.Lock()
 
     def stop(self) -> None:
@@ -465,24 +468,37 @@ class AsyncWorker:
             with self._lock:
                 self._in_flight[key] = (task, planner)
         else:
-            # Daemon threads: a step still running after the grace period must not keep the
-            # process alive; its lease has been released and its late writes are fenced out.
-            thread = Thread(target=drive, name=f"saga-{saga_id}", daemon=True)
+            # In a daemon thread (`DriverThreads`): a step still running after the grace
+            # period must not keep the process alive; its lease has been released and its
+            # late writes are fenced out.
             with self._lock:
-                self._in_flight[key] = (thread, planner)
-            thread.start()
+                self._in_flight[key] = (None, planner)
+            try:
+                self._drivers.run(drive, name=f"saga-{saga_id}")
+            except BaseException:
+                with self._lock:
+                    self._in_flight.pop(key, None)
+                raise
 
     async def _drain(self, runner: AsyncRunner) -> None:
         """Wait `grace_seconds` for the sagas in flight, then hand back the leases still
         held (an `AsyncWorker` cancels their tasks)."""
-        with self._lock:
-            driving = [each for each, _ in self._in_flight.values()]
         if True:  # ASYNC
+            with self._lock:
+                driving = [each for each, _ in self._in_flight.values()]
             await _wait_for(driving, self.grace_seconds)
         else:
+            # Each saga's thread sets `_wake` once the saga has left `_in_flight`.
             deadline = time.monotonic() + self.grace_seconds
-            for thread in driving:
-                thread.join(max(0.0, deadline - time.monotonic()))
+            while True:
+                self._wake.clear()
+                with self._lock:
+                    if not self._in_flight:
+                        break
+                left_seconds = deadline - time.monotonic()
+                if left_seconds <= 0:
+                    break
+                self._wake.wait(left_seconds)
         with self._lock:
             left = list(self._in_flight.values())
         if True:  # ASYNC
@@ -497,6 +513,9 @@ class AsyncWorker:
                 )
         if True:  # ASYNC
             await _wait_for([task for task, _ in left], 1.0)
+        else:
+            self._drivers.close()
+            self._drivers = DriverThreads()
 
     # ----- wake-ups --------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import signal
 import threading
 import time
@@ -180,6 +181,36 @@ def test_an_attempt_outlasting_the_grace_period_is_fenced_out(
     parked = make_orch(saga).run(saga_id)
     assert parked.status == "needs_review"
     assert parked.operation("slow").status == "unknown"
+
+
+_marked: contextvars.ContextVar[str | None] = contextvars.ContextVar("marked", default=None)
+
+
+def test_a_worker_keeps_its_threads_for_the_next_sagas(make_orch: OrchestratorFactory) -> None:
+    """A `Worker` of concurrency 2 drives 12 sagas in a few threads it keeps, not one
+    started per saga; each saga runs in a thread named after it and starts with fresh
+    context variables, as in a new thread."""
+    saga = order_saga("kept")
+    threads: set[threading.Thread] = set()
+    leaked: list[str | None] = []
+    names: list[bool] = []
+
+    @saga.step
+    def only(ctx: StepContext, order: Order) -> dict[str, Any]:
+        threads.add(threading.current_thread())
+        names.append(threading.current_thread().name == f"saga-{ctx.saga_id}")
+        if _marked.get() is not None:
+            leaked.append(_marked.get())
+        _marked.set(order.order_id)
+        return {}
+
+    orch = make_orch(saga)
+    ids = [orch.start(saga, Order(order_id=f"o-{i}")).id for i in range(12)]
+    orch.worker(concurrency=2).run(until_idle=True, handle_signals=False)
+    assert [orch.get(saga_id).status for saga_id in ids] == ["completed"] * 12
+    assert len(threads) <= 4
+    assert names == [True] * 12
+    assert leaked == []
 
 
 def test_a_dead_workers_saga_is_recovered_when_its_lease_expires(
