@@ -1,11 +1,11 @@
 """The threads a `Worker` (the sync door) drives its sagas in, kept for the next saga.
 
-Starting a thread per claimed saga (its creation, its start handshake, its end) cost a
-worker process driving short sagas a fifth to a third of its CPU per saga (docs/benchmarks.md,
-"The sync worker"). Here a thread
-whose saga has ended waits for the next one instead: a saga claimed while a thread is idle
-is handed to it, otherwise a new thread is started. Each saga runs in a fresh context
-(`contextvars`), as it would in a new thread, under a thread named after it.
+A thread started per claimed saga (its creation, its start handshake, its end) cost a
+worker process driving short sagas a sixth to a third of its CPU per saga
+(docs/benchmarks.md, "The sync worker"). Here a thread whose saga has ended waits for the
+next one instead: a saga claimed while a thread is idle is handed to it, otherwise a new
+thread is started. Each saga runs in a fresh context (`contextvars`), as it would in a new
+thread, under a thread named after it.
 
 No saga waits for another: a thread is started whenever none is idle, so a worker of
 concurrency C holds at most 2 C threads (a thread that has ended its saga but not yet
@@ -25,7 +25,8 @@ _END = None
 
 
 class DriverThreads:
-    """Runs each job given to `run` in a thread of its own at a time, reusing idle ones."""
+    """Runs each job given to `run` in a thread that runs nothing else meanwhile: an idle
+    one, or a new one when none is idle."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], None], str] | None] = queue.SimpleQueue()
