@@ -68,7 +68,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 from psycopg import sql
-from workloads import Item, async_noop_saga, quiet_logs
+from workloads import async_noop_saga, quiet_logs, start_from_tasks
 
 PREFIX = "evcost_"
 START_TASKS = 8
@@ -164,11 +164,7 @@ def child(url: str, sagas: int, warmup: int) -> None:
     saga = async_noop_saga()
 
     async def start_all(orch: Any, tag: str, n: int) -> None:
-        async def chunk(k: int) -> None:
-            for i in range(k, n, START_TASKS):
-                await orch.start(saga, Item(id=f"{tag}-{i}"))
-
-        await asyncio.gather(*(chunk(k) for k in range(START_TASKS)))
+        await start_from_tasks(orch, saga, [f"{tag}-{i}" for i in range(n)], START_TASKS)
 
     async def drive(orch: Any) -> None:
         await orch.worker(concurrency=CONCURRENCY).run(until_idle=True)

@@ -594,27 +594,30 @@ def most_at_once(spans: Sequence[tuple[float, float]]) -> int:
     return most
 
 
+async def start_from_tasks(orch: Any, saga: Saga[Item], ids: Sequence[str], tasks: int) -> None:
+    """`await orch.start()` each id, from `tasks` tasks of the running loop at once (an
+    AsyncOrchestrator's starts made at the same time share a statement and a commit)."""
+
+    async def start_chunk(chunk: Sequence[str]) -> None:
+        for sid in chunk:
+            await orch.start(saga, Item(id=sid))
+
+    await asyncio.gather(*(start_chunk(ids[i::tasks]) for i in range(tasks)))
+
+
 def start_many_async(
     url: str, saga: Saga[Item], ids: Sequence[str], tasks: int
 ) -> tuple[float, float]:
     """start() each id from `tasks` tasks of one event loop, through an AsyncOrchestrator
-    (whose starts made at the same time share a statement and a commit); the start
-    phase's wall time and this process's CPU time over it, its pool connected before
-    both clocks start."""
+    (`start_from_tasks`); the start phase's wall time and this process's CPU time over
+    it, its pool connected before both clocks start."""
     from saga import AsyncOrchestrator
-
-    chunks = [ids[i::tasks] for i in range(tasks)]
 
     async def main() -> tuple[float, float]:
         async with AsyncOrchestrator(url, sagas=[saga], auto_migrate=False, pool_size=8) as orch:
             await _connect_async(orch)
-
-            async def start_chunk(chunk: Sequence[str]) -> None:
-                for sid in chunk:
-                    await orch.start(saga, Item(id=sid))
-
             t0, cpu0 = time.perf_counter(), time.process_time()
-            await asyncio.gather(*(start_chunk(chunk) for chunk in chunks))
+            await start_from_tasks(orch, saga, ids, tasks)
             return time.perf_counter() - t0, time.process_time() - cpu0
 
     return asyncio.run(main())
